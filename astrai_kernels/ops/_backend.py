@@ -1,0 +1,116 @@
+"""The primitives every kernel backend implements, and how a backend is chosen.
+
+A backend is a module exposing the four primitives below plus ``unavailable_reason(device)``
+(``None`` when it can serve tensors on ``device``, else a sentence saying why not).
+
+Conventions shared by every primitive:
+
+* ``logits`` is a 3-D view ``[A, B, V]`` of the caller's logits with arbitrary strides (any of
+  them may be non-unit, the vocabulary stride included); row ``n`` of the flattened ``N = A * B``
+  rows is ``logits[n // B, n % B]``. Dtype float32, bfloat16 or float16, read as is (no upcast
+  copy); all arithmetic accumulates in float32.
+* ``target`` is a contiguous int64 or int32 tensor of ``N`` elements, already validated: every
+  entry is in ``[0, V)`` or equals ``ignore_index``.
+* ``grad`` (when given) is a ``[A, B, V]`` tensor of the logits' dtype with arbitrary strides,
+  written completely (every element, zeros on ignored rows). It may be ``logits`` itself
+  (in-place backward): a backend must finish reading a row before it writes that row.
+* Every returned per-row tensor is a new contiguous float32 tensor of ``N`` elements.
+* Float hyperparameters arrive as Python floats; kernels take them as runtime arguments.
+
+Primitives (``s = z / T``, ``p = softmax(s)``, ``lse = logsumexp(s)``, ``d_jy`` the one-hot):
+
+``logprobs_forward(logits, target, temperature, ignore_index, with_entropy)``
+    -> ``(logp, entropy, lse)``; ``logp = s_y - lse``; ``entropy = lse - sum_j p_j s_j`` (an
+    empty tensor when ``with_entropy`` is false). Ignored rows: ``logp = entropy = 0``, ``lse = 0``.
+
+``logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, temperature,
+ignore_index, grad)`` -> None
+    writes ``grad_j = (1/T) * (g_lp * (d_jy - p_j) - g_H * p_j * (s_j - lse + H))``; ``entropy``
+    and ``grad_entropy`` are empty tensors when entropy was not requested (then ``g_H = 0``).
+
+``cross_entropy_forward(logits, target, ignore_index, label_smoothing, z_loss, softcap,
+grad_scale, grad)`` -> ``(loss, lse)``
+    with ``c = softcap`` (``0.0`` means off) the row's logits are ``z = c * tanh(x / c)``;
+    ``loss = (1 - eps) * (lse - z_y) + eps * (lse - mean_j z_j) + z_loss * lse**2``, ``lse`` that
+    of ``z``; ignored rows give 0. When ``grad`` is not None, ``grad_scale`` is a float32 tensor
+    of 1 or N elements (row ``n`` uses element ``n`` or the single one) and the primitive also
+    writes ``grad_j = grad_scale * ((1 + 2 * z_loss * lse) * p_j - (1 - eps) * d_jy - eps / V)``,
+    times ``1 - (z_j / c)**2`` when softcap is on (the ``d_jy`` term folded in float32 before the
+    cast). Ignored rows get zeros.
+
+``grpo_forward(logits, target, temperature, advantages, old_logprobs, ref_logprobs,
+token_weight, clip_low, clip_high, delta, beta, grad)`` -> ``(logp, loss)``
+    per row, float32 inputs of N elements (``old_logprobs``/``ref_logprobs`` may be None; None
+    old means on-policy: ``old = logp`` detached). Rows with ``token_weight == 0`` are masked:
+    their target is not read, ``logp = loss = 0`` and grad is zero. Otherwise, with ``A`` the
+    advantage::
+
+        lr = clamp(logp - old, -20, 20);  r = exp(lr)
+        r_u = min(r, delta) if delta > 0 else r          (delta <= 0 means off)
+        l = -min(r_u * A, clamp(r, 1 - clip_low, 1 + clip_high) * A)
+        if beta > 0:  dr = clamp(ref - logp, -20, 20);  l += beta * (exp(dr) - dr - 1)
+
+    ``loss`` is ``l`` (unweighted). When ``grad`` is given it writes
+    ``grad_j = token_weight * dl/dlogp * (d_jy - p_j) / T``, with ``dl/dlogp`` the derivative of
+    the formula above, taking clamp's gradient as zero outside its range and, where the two
+    branches of the min are equal, the unclipped branch.
+
+``reference.py`` states the same math naively; ``cpu/torch_backend.py`` is the readable
+chunked implementation of these primitives.
+"""
+
+import importlib
+import os
+
+import torch
+
+BACKENDS = ("triton", "cpp", "torch", "reference")
+_MODULES = {
+    "triton": "astrai_kernels.triton.backend",
+    "cpp": "astrai_kernels.cpu.cpp_backend",
+    "torch": "astrai_kernels.cpu.torch_backend",
+}
+ENV_VAR = "ASTRAI_KERNELS_BACKEND"
+
+
+def backend_module(name):
+    """The module implementing the primitives of kernel backend ``name``."""
+    return importlib.import_module(_MODULES[name])
+
+
+def unavailable_reason(name, device):
+    """None when backend ``name`` can serve tensors on ``device``, else why it cannot."""
+    device = torch.device(device)
+    if name == "reference":
+        return None
+    try:
+        module = backend_module(name)
+    except ImportError as exc:
+        return f"backend {name!r} failed to import: {exc}"
+    return module.unavailable_reason(device)
+
+
+def available_backends(device="cpu"):
+    """Names of the backends usable on ``device`` now, in order of preference."""
+    return [name for name in BACKENDS if unavailable_reason(name, device) is None]
+
+
+def resolve_backend(backend, device):
+    """The concrete backend name for a call; ``auto`` honours ``ASTRAI_KERNELS_BACKEND``."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    if backend == "auto":
+        backend = os.environ.get(ENV_VAR, "auto") or "auto"
+        if backend == "auto":
+            device = torch.device(device)
+            preferred = ("triton", "torch") if device.type == "cuda" else ("cpp", "torch")
+            for name in preferred:
+                if unavailable_reason(name, device) is None:
+                    return name
+            return "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    reason = unavailable_reason(backend, device)
+    if reason is not None:
+        raise RuntimeError(f"backend {backend!r} cannot serve tensors on {device}: {reason}")
+    return backend
