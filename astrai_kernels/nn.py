@@ -1,0 +1,47 @@
+"""``nn.Module`` wrappers of the losses."""
+
+import torch
+
+from .ops.cross_entropy import cross_entropy
+
+
+class CrossEntropyLoss(torch.nn.Module):
+    """Drop-in for ``torch.nn.CrossEntropyLoss`` on class-index targets, fused.
+
+    Supports ``ignore_index``, ``reduction`` and ``label_smoothing`` from torch, plus
+    ``z_loss``, ``softcap``, ``inplace_backward`` and ``backend``. Not supported (a
+    ``ValueError`` says so): ``weight``, probability (soft) targets, and the deprecated
+    ``size_average``/``reduce``. Logits are ``[..., V]`` with the classes last, not ``[N, C, d]``.
+    """
+
+    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                 reduction="mean", label_smoothing=0.0, *, z_loss=0.0, softcap=None,
+                 inplace_backward=False, backend="auto"):
+        super().__init__()
+        if weight is not None:
+            raise ValueError("weight (per-class weights) is not supported by "
+                             "astrai_kernels.nn.CrossEntropyLoss")
+        if size_average is not None or reduce is not None:
+            raise ValueError("size_average and reduce are deprecated in torch and not supported;"
+                             " use reduction")
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.inplace_backward = inplace_backward
+        self.backend = backend
+
+    def forward(self, input, target):
+        if isinstance(target, torch.Tensor) and target.is_floating_point():
+            raise ValueError("probability (soft) targets are not supported: target must hold "
+                             "class indices (int32 or int64)")
+        return cross_entropy(input, target, ignore_index=self.ignore_index,
+                             reduction=self.reduction, label_smoothing=self.label_smoothing,
+                             z_loss=self.z_loss, softcap=self.softcap,
+                             inplace_backward=self.inplace_backward, backend=self.backend)
+
+    def extra_repr(self):
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, "
+                f"softcap={self.softcap}, backend={self.backend!r}")

@@ -1,0 +1,1 @@
+"""One module per op family: contract, checks, forward and backward."""

@@ -1,0 +1,5 @@
+"""Test support: the tolerance table, a tiny causal LM, the verify runner."""
+
+from .tolerances import GRAD_TOLERANCES, TOLERANCES, VALUE_TOLERANCES, assert_close, compare
+
+__all__ = ["GRAD_TOLERANCES", "TOLERANCES", "VALUE_TOLERANCES", "assert_close", "compare"]
