@@ -99,6 +99,12 @@ def resolve_backend(backend, device):
     """The concrete backend name for a call; ``auto`` honours ``ASTRAI_KERNELS_BACKEND``."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    return _resolve(backend, str(device))
+
+
+# Under torch.compile the choice is made once at trace time and baked into the graph.
+@torch._dynamo.assume_constant_result
+def _resolve(backend, device):
     if backend == "auto":
         backend = os.environ.get(ENV_VAR, "auto") or "auto"
         if backend == "auto":

@@ -37,9 +37,13 @@ def check_target(target, logits, ignore_index=None, name="target", where=None):
         bad &= target != ignore_index
     if where is not None:
         bad &= where
+    allowed = f" or ignore_index={ignore_index}" if ignore_index is not None else ""
+    if torch.compiler.is_compiling():
+        # A data-dependent branch would break the graph; assert on the device instead.
+        torch._assert_async(~bad.any(), f"{name} holds values outside [0, {vocab}){allowed}")
+        return
     if target.numel() and bool(bad.any()):
         first = target[bad].flatten()[0].item()
-        allowed = f" or ignore_index={ignore_index}" if ignore_index is not None else ""
         raise ValueError(f"{name} holds {first}, outside [0, {vocab}){allowed}")
 
 
@@ -89,17 +93,24 @@ def check_per_row(tensor, name, shape, device, allow_none=False):
 def rows_view(logits):
     """A ``[A, B, V]`` view of ``logits [..., V]`` sharing its storage when strides allow.
 
-    Leading dims that cannot be merged into two groups (rare: a slice of a 4-D tensor) are
-    copied once; ``logits[:, :-1]`` of a contiguous ``[B, T, V]`` needs no copy.
+    Adjacent leading dims merge when ``stride[i] == stride[i + 1] * size[i + 1]``; leading
+    dims that form more than two such groups (rare: a slice of a 4-D tensor) are copied once.
+    ``logits[:, :-1]`` of a contiguous ``[B, T, V]`` needs no copy.
     """
     vocab = logits.shape[-1]
-    lead = tuple(logits.shape[:-1])
-    n_rows = math.prod(lead)
-    for split in range(len(lead) + 1):
-        try:
-            return logits.view(math.prod(lead[:split]), math.prod(lead[split:]), vocab)
-        except RuntimeError:
-            continue
+    dims = [(size, stride) for size, stride in zip(logits.shape[:-1], logits.stride()[:-1])
+            if size != 1]
+    groups = []
+    for size, stride in dims:
+        if groups and groups[-1][1] == stride * size:
+            groups[-1] = (groups[-1][0] * size, stride)
+        else:
+            groups.append((size, stride))
+    n_rows = math.prod(logits.shape[:-1])
+    if len(groups) <= 1:
+        return logits.reshape(1, n_rows, vocab) if n_rows else logits.reshape(1, 0, vocab)
+    if len(groups) == 2:
+        return logits.reshape(groups[0][0], groups[1][0], vocab)
     return logits.reshape(1, n_rows, vocab)
 
 
@@ -125,20 +136,19 @@ class AttachGrad(torch.autograd.Function):
     """Give ``value`` (computed without autograd) the gradient ``grad`` w.r.t. ``logits``.
 
     ``grad`` was computed in the forward for an upstream gradient of 1; backward only rescales
-    it in place, so ``loss.backward()`` costs no extra pass over it.
+    it in place, so ``loss.backward()`` costs no extra pass over it. A second backward through
+    the same graph after a rescale fails autograd's saved-tensor version check (as it should).
     """
 
     @staticmethod
     def forward(ctx, logits, value, grad):
-        ctx.grad = grad
+        ctx.save_for_backward(grad)
         return value.clone()
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = ctx.grad
-        if grad is None:
-            raise RuntimeError("this loss's gradient was computed in the forward and already "
-                               "used by one backward; recompute the loss to backward again")
-        ctx.grad = None
+        (grad,) = ctx.saved_tensors
+        if torch.compiler.is_compiling():
+            return grad * grad_output.to(grad.dtype), None, None
         scale_grad_inplace(grad, grad_output)
         return grad, None, None

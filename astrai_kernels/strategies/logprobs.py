@@ -1,0 +1,80 @@
+"""Token log-probs from a model: the seed's naive math and the fused ops, behind one switch."""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+import astrai_kernels as ak
+
+from .base import LogprobsOutput, model_outputs
+
+IGNORE_INDEX = -100
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def naive_token_logprobs(logits: Tensor, target: Tensor) -> Tensor:
+    """The seed's math: ``log_softmax(logits.float())`` then ``gather`` (an fp32 ``[..., V]``
+    copy, and another in the backward)."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return torch.gather(log_probs, dim=-1, index=target.long().unsqueeze(-1)).squeeze(-1)
+
+
+def token_logprobs(logits: Tensor, target: Tensor, mask: Tensor, backend: str) -> Tensor:
+    """``log p(target)`` per token, zero where ``mask`` is 0; ``[B, T]`` float32.
+
+    ``backend="reference"`` is the seed's math times the mask; otherwise the fused
+    ``ak.token_logprobs`` with the masked tokens' targets set to ``ignore_index`` (they cost
+    nothing and get zero gradient).
+    """
+    if backend == "reference":
+        return naive_token_logprobs(logits, target) * mask.to(torch.float32)
+    target = target.masked_fill(mask == 0, IGNORE_INDEX)
+    return ak.token_logprobs(logits, target, ignore_index=IGNORE_INDEX, backend=backend)
+
+
+def reduce_logprobs(token_lp: Tensor, mask: Tensor, reduction: str) -> Tensor:
+    """The seed's reductions of masked token log-probs over the sequence."""
+    mask = mask.to(torch.float32)
+    if reduction == "mean":
+        return (token_lp * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
+    if reduction == "sum":
+        return (token_lp * mask).sum(dim=-1)
+    return token_lp * mask
+
+
+def get_logprobs(
+    model,
+    input_ids: Tensor,
+    attn_mask: Tensor,
+    loss_mask: Tensor,
+    reduction: str,
+    position_ids: Optional[Tensor] = None,
+    loss_backend: str = "reference",
+) -> LogprobsOutput:
+    """The seed's ``get_logprobs``: log-probs of ``input_ids[:, 1:]`` given the prefix.
+
+    ``attn_mask`` is the mask of the full sequence (``[B, S]`` or ``[B, 1, S, S]``) and
+    ``loss_mask [B, S]`` marks the scored tokens; both are shifted here as in the seed. With
+    ``loss_backend="reference"`` this is the seed's math, else the fused ops (``"sum"``/``"mean"``
+    via ``ak.sequence_logprobs``).
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}")
+    target = input_ids[:, 1:]
+    mask = loss_mask[:, 1:]
+    inputs = {
+        "input_ids": input_ids[:, :-1],
+        "input_mask": attn_mask[:, :, :-1, :-1] if attn_mask.dim() == 4 else attn_mask[:, :-1],
+    }
+    if position_ids is not None:
+        inputs["position_ids"] = position_ids[:, :-1]
+    outputs = model_outputs(model, "get_logprobs", **inputs)
+    logits = outputs["logits"]
+    if loss_backend == "reference" or reduction == "none":
+        token_lp = token_logprobs(logits, target, mask, loss_backend)
+        logprobs = reduce_logprobs(token_lp, mask, reduction)
+    else:
+        logprobs = ak.sequence_logprobs(logits, target, mask, average=reduction == "mean",
+                                        backend=loss_backend)
+    return {"logprobs": logprobs, "aux_loss": outputs.get("aux_loss")}
