@@ -17,7 +17,9 @@ def token_logprobs(logits, target, temperature=1.0, ignore_index=-100):
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
     safe = torch.where(valid, target, 0).long().unsqueeze(-1)
     logp = logp_all.gather(-1, safe).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    p = logp_all.exp()
+    # Terms with p = 0 (logits of -inf) contribute 0, not 0 * -inf, and no NaN gradient.
+    entropy = -(p * torch.where(p > 0, logp_all, 0.0)).sum(-1)
     return logp * valid, entropy * valid
 
 

@@ -34,6 +34,19 @@ def _safe_target(target, valid):
     return torch.where(valid, target, torch.zeros_like(target)).long().unsqueeze(1)
 
 
+def _shifted_row_stats(s):
+    """``(row_max, log_sumexp_shifted, shifted, exp_shifted)`` of a ``[rows, V]`` block.
+
+    Working relative to the row max keeps ``logp`` and entropy accurate for confident rows:
+    ``s_y - max`` is exactly 0 there, where ``s_y - lse`` would cancel two large numbers.
+    """
+    row_max = s.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    shifted = s - row_max
+    exp_shifted = torch.exp(shifted)
+    return row_max.squeeze(1), torch.log(exp_shifted.sum(dim=-1)), shifted, exp_shifted
+
+
 def logprobs_forward(logits, target, temperature, ignore_index, with_entropy):
     n_rows = target.numel()
     logp = torch.zeros(n_rows, dtype=torch.float32, device=logits.device)
@@ -43,13 +56,15 @@ def logprobs_forward(logits, target, temperature, ignore_index, with_entropy):
         y = target[n0:n1]
         valid = y != ignore_index
         s = block.float() / temperature
-        row_lse = torch.logsumexp(s, dim=-1)
-        row_logp = s.gather(1, _safe_target(y, valid)).squeeze(1) - row_lse
+        row_max, log_sum, shifted, exp_shifted = _shifted_row_stats(s)
+        row_logp = shifted.gather(1, _safe_target(y, valid)).squeeze(1) - log_sum
         logp[n0:n1] = torch.where(valid, row_logp, 0.0)
-        lse[n0:n1] = torch.where(valid, row_lse, 0.0)
+        lse[n0:n1] = torch.where(valid, row_max + log_sum, 0.0)
         if with_entropy:
-            p = torch.exp(s - row_lse.unsqueeze(1))
-            row_entropy = row_lse - (p * s).sum(dim=-1)
+            # H = log S - sum_j e_j d_j / S with d = s - max, e = exp(d), S = sum e;
+            # terms with e = 0 (s = -inf) are 0, not 0 * -inf.
+            weighted = torch.where(exp_shifted > 0, exp_shifted * shifted, 0.0).sum(dim=-1)
+            row_entropy = log_sum - weighted / exp_shifted.sum(dim=-1)
             entropy[n0:n1] = torch.where(valid, row_entropy, 0.0)
     return logp, entropy, lse
 
@@ -74,7 +89,8 @@ def logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, tem
         g = _onehot_minus_p_grad(block, y, valid, p, grad_logp[n0:n1], temperature)
         if with_entropy:
             g_h = (grad_entropy[n0:n1] * valid / temperature).unsqueeze(1)
-            g -= g_h * p * (s - row_lse + entropy[n0:n1].unsqueeze(1))
+            log_p_plus_h = s - row_lse + entropy[n0:n1].unsqueeze(1)
+            g -= g_h * torch.where(p > 0, p * log_p_plus_h, 0.0)
         _grad_block(grad, n0, n1).copy_(g)
 
 
@@ -90,11 +106,12 @@ def cross_entropy_forward(logits, target, ignore_index, label_smoothing, z_loss,
         z = block.float()
         if softcap:
             z = torch.tanh(z / softcap).mul_(softcap)
-        row_lse = torch.logsumexp(z, dim=-1)
-        z_y = z.gather(1, _safe_target(y, valid)).squeeze(1)
-        row_loss = (1.0 - label_smoothing) * (row_lse - z_y) + z_loss * row_lse * row_lse
+        row_max, log_sum, shifted, _ = _shifted_row_stats(z)
+        row_lse = row_max + log_sum
+        shifted_y = shifted.gather(1, _safe_target(y, valid)).squeeze(1)
+        row_loss = (1.0 - label_smoothing) * (log_sum - shifted_y) + z_loss * row_lse * row_lse
         if label_smoothing:
-            row_loss = row_loss + label_smoothing * (row_lse - z.mean(dim=-1))
+            row_loss = row_loss + label_smoothing * (log_sum - shifted.mean(dim=-1))
         loss[n0:n1] = torch.where(valid, row_loss, 0.0)
         lse[n0:n1] = torch.where(valid, row_lse, 0.0)
         if grad is None:
@@ -150,8 +167,9 @@ def grpo_forward(logits, target, temperature, advantages, old_logprobs, ref_logp
         y = target[n0:n1]
         valid = token_weight[n0:n1] != 0
         s = block.float() / temperature
-        row_lse = torch.logsumexp(s, dim=-1)
-        row_logp = s.gather(1, _safe_target(y, valid)).squeeze(1) - row_lse
+        row_max, log_sum, shifted, _ = _shifted_row_stats(s)
+        row_lse = row_max + log_sum
+        row_logp = shifted.gather(1, _safe_target(y, valid)).squeeze(1) - log_sum
         row_logp = torch.where(valid, row_logp, 0.0)
 
         def rows(x):

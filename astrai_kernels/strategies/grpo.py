@@ -1,0 +1,312 @@
+"""Group Relative Policy Optimization (``grpo``, ``online_grpo``)."""
+
+from typing import Dict, Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+import astrai_kernels as ak
+
+from .base import (
+    BaseStrategy,
+    LossOutput,
+    StrategyFactory,
+    check_ids,
+    check_same_shape,
+    model_outputs,
+    move_to_device,
+    require_keys,
+)
+from .executor import Executor, broadcast_state_dict, unwrap_module
+from .logprobs import naive_token_logprobs, token_logprobs
+from .masks import left_align, model_inputs
+
+
+@StrategyFactory.register("grpo")
+class GRPOStrategy(BaseStrategy):
+    """Group Relative Policy Optimization (DeepSeekMath / DeepSeek-R1), token-level PPO clipping.
+
+    Advantages are group-normalized from one scalar reward per response,
+    ``(r - mean_g) / (std_g + eps)`` with the population std, and broadcast over the response
+    tokens. The loss is computed **only on response tokens**; prompt tokens are context.
+
+    Three model roles:
+
+    * **Policy** ``self.model``: the model being trained.
+    * **Old policy** ``self.old_model``: the behaviour policy that generated the responses, for
+      the importance ratio ``r = pi_theta / pi_old``; synced from the policy on every fresh
+      rollout (:meth:`sync_old_model`). ``None`` means on-policy (``r = 1`` in value, the
+      gradient of ``r * A`` is ``A * grad log pi``).
+    * **Reference** ``self.ref_model``: a frozen copy of the initial policy, used **only** for the
+      KL penalty ``kl_coef * k3``, ``k3 = exp(ref - logp) - (ref - logp) - 1`` (Schulman's
+      unbiased, non-negative estimator). Not evaluated when ``kl_coef == 0``.
+
+    Batch: ``prompts [B, P]``, ``prompt_mask [B, P]`` (optional: no padding when absent; prompts
+    may be padded on either side), ``responses [B, G, L]``, ``masks [B, G, L]`` (real response
+    tokens), ``rewards [B, G]``.
+
+    The loss is ``policy_loss + kl_coef * mean(k3)`` with both means taken over all response
+    tokens of the batch (the seed's aggregation, ``loss_type="bnpo"`` of ``ak.grpo_loss``). With a
+    fused ``loss_backend``, ``loss_type`` (``"grpo"``, ``"dr_grpo"``, ``"dapo"``),
+    ``clip_eps_high`` (DAPO's clip-higher), ``delta``, ``importance_sampling="sequence"`` (GSPO),
+    ``temperature`` (that of the sampler) and ``advantage_scale`` pass through to the ops.
+
+    Metrics: ``policy_loss``, ``kl_loss`` (``kl_coef * kl``), ``kl`` (mean k3), ``ratio/mean``,
+    ``clip_ratio/low``, ``clip_ratio/high``, ``clip_ratio/region``, ``reward/mean``,
+    ``reward/std``, ``response_length/mean``, ``loss``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device,
+        old_model: Optional[nn.Module],
+        ref_model: Optional[nn.Module],
+        clip_eps: float = 0.2,
+        kl_coef: float = 0.01,
+        group_size: int = 4,
+        clip_eps_high: Optional[float] = None,
+        loss_type: str = "bnpo",
+        importance_sampling: str = "token",
+        delta: Optional[float] = None,
+        temperature: float = 1.0,
+        max_completion_length: Optional[int] = None,
+        advantage_scale: str = "group",
+        advantage_eps: float = 1e-8,
+        **kwargs,
+    ):
+        super().__init__(model, device, **kwargs)
+        if kl_coef and ref_model is None:
+            raise ValueError(f"GRPOStrategy: kl_coef={kl_coef} needs a ref_model (pass "
+                             f"kl_coef=0.0 to train without the KL penalty)")
+        self.old_model = old_model
+        self.ref_model = ref_model
+        self.clip_eps = clip_eps
+        self.kl_coef = kl_coef
+        self.group_size = group_size
+        self.clip_eps_high = clip_eps_high
+        self.loss_type = loss_type
+        self.importance_sampling = importance_sampling
+        self.delta = delta
+        self.temperature = temperature
+        self.max_completion_length = max_completion_length
+        self.advantage_scale = advantage_scale
+        self.advantage_eps = advantage_eps
+        self._reference_only(
+            clip_eps_high=(clip_eps_high, None), loss_type=(loss_type, "bnpo"),
+            importance_sampling=(importance_sampling, "token"), delta=(delta, None),
+            temperature=(temperature, 1.0), advantage_scale=(advantage_scale, "group"))
+
+    # ------------------------------------------------------------ old policy
+
+    def sync_old_model(self) -> None:
+        """Copy the current policy weights into ``old_model``.
+
+        With an executor, its ``unwrap_model`` gives the state dict and ``use_distributed`` says
+        whether to broadcast it from rank 0; without one, the bare model's state dict is used and
+        broadcast only when a multi-process group is initialized (a no-op in one process).
+        """
+        if self.old_model is None or self.old_model is self.model:
+            return
+        executor = self.executor if self.executor is not None else Executor()
+        state_dict = executor.unwrap_model(self.model)
+        if executor.use_distributed:
+            state_dict = broadcast_state_dict(state_dict)
+        if state_dict is not None:
+            unwrap_module(self.old_model).load_state_dict(state_dict)
+
+    # ------------------------------------------------------------ batch
+
+    def _unpack(self, batch: Dict[str, Tensor]):
+        owner = type(self).__name__
+        require_keys(batch, ("prompts", "responses", "masks", "rewards"), owner)
+        batch = move_to_device(batch, self.device)
+        prompts, responses = batch["prompts"], batch["responses"]
+        masks, rewards = batch["masks"], batch["rewards"]
+        check_ids(prompts, "prompts", owner, 2)
+        check_ids(responses, "responses", owner, 3)
+        check_same_shape(masks, "masks", responses, "responses", owner)
+        if tuple(rewards.shape) != tuple(responses.shape[:2]):
+            raise ValueError(f"{owner}: rewards must be [B, G] = {tuple(responses.shape[:2])} "
+                             f"(one per response), got {tuple(rewards.shape)}")
+        if responses.shape[0] != prompts.shape[0]:
+            raise ValueError(f"{owner}: {prompts.shape[0]} prompts but responses for "
+                             f"{responses.shape[0]}")
+        if prompts.shape[1] < 1 or responses.shape[2] < 1:
+            raise ValueError(f"{owner}: prompts and responses need at least one token, got "
+                             f"shapes {tuple(prompts.shape)} and {tuple(responses.shape)}")
+        prompt_mask = batch.get("prompt_mask")
+        if prompt_mask is None:
+            # No mask means no padding. (The seed guessed ``prompts != 0``, which hides every
+            # real token 0 of the vocabulary.)
+            prompt_mask = torch.ones_like(prompts, dtype=torch.bool)
+        else:
+            check_same_shape(prompt_mask, "prompt_mask", prompts, "prompts", owner)
+        return prompts, prompt_mask.bool(), responses, masks, rewards
+
+    # ------------------------------------------------------------ loss
+
+    def compute_loss(self, batch: Dict[str, Tensor]) -> Tensor:
+        return self.compute_loss_output(batch)["loss"]
+
+    def compute_loss_output(self, batch: Dict[str, Tensor]) -> LossOutput:
+        prompts, prompt_mask, responses, masks, rewards = self._unpack(batch)
+        batch_size, group_size, response_len = responses.shape
+        responses_flat = responses.reshape(-1, response_len)
+        masks_flat = masks.reshape(-1, response_len)
+        # Left-align the prompts so each sequence is one run of real tokens (prompt, then
+        # response) and the first response token is predicted from the last real prompt token.
+        prompts, prompt_mask = left_align(prompts, prompt_mask)
+        prompt_expanded = prompts.repeat_interleave(group_size, dim=0)
+        prompt_mask_expanded = prompt_mask.repeat_interleave(group_size, dim=0)
+        prompt_len = prompt_expanded.shape[1]
+
+        full_sequences = torch.cat([prompt_expanded, responses_flat], dim=-1)
+        # Key padding: padded prompt tokens and padding after the end of each response.
+        key_mask = torch.cat([prompt_mask_expanded, masks_flat.bool()], dim=-1)
+        inputs = full_sequences[:, :-1]
+        input_mask, position_ids = model_inputs(key_mask[:, :-1], inputs)
+
+        def forward(model):
+            return model_outputs(model, type(self).__name__, input_ids=inputs,
+                                 input_mask=input_mask, position_ids=position_ids)
+
+        policy_out = forward(self.model)
+        aux_loss = policy_out.get("aux_loss")
+        if self.uses_reference:
+            task_loss, metrics = self._seed_loss(forward, policy_out["logits"], full_sequences,
+                                                 prompt_len, responses_flat, masks_flat, rewards)
+        else:
+            task_loss, metrics = self._fused_loss(forward, policy_out["logits"], prompt_len,
+                                                  responses_flat, masks_flat, rewards)
+        mask_f = masks_flat.float()
+        metrics["reward/mean"] = rewards.float().mean()
+        metrics["reward/std"] = rewards.float().std(unbiased=False)
+        metrics["response_length/mean"] = mask_f.sum(-1).mean()
+        return self._loss_output(task_loss, metrics, aux_loss)
+
+    def _fused_loss(self, forward, logits, prompt_len, responses, masks, rewards):
+        """``ak.grpo_loss`` on the response slice of the logits (a view: no copy, and nothing is
+        computed for the prompt positions)."""
+        backend = self.loss_backend
+        # logits[:, t] predicts token t + 1, so the response (tokens prompt_len..S-1) is
+        # predicted by positions prompt_len-1 .. S-2.
+        response_logits = logits[:, prompt_len - 1:]
+        mask = masks.float()
+        old_logprobs = ref_logprobs = None
+        with torch.no_grad():
+            if self.old_model is not None and self.old_model is not self.model:
+                old_logits = forward(self.old_model)["logits"][:, prompt_len - 1:]
+                old_logprobs = token_logprobs(old_logits, responses, mask, backend)
+                del old_logits
+            if self.kl_coef:
+                ref_logits = forward(self.ref_model)["logits"][:, prompt_len - 1:]
+                ref_logprobs = token_logprobs(ref_logits, responses, mask, backend)
+                del ref_logits
+            advantages = ak.group_advantages(rewards.float(), scale=self.advantage_scale,
+                                             eps=self.advantage_eps)
+        loss, op_metrics = ak.grpo_loss(
+            response_logits, responses, advantages.reshape(-1),
+            mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+            beta=float(self.kl_coef), clip_eps_low=self.clip_eps,
+            clip_eps_high=self.clip_eps_high, delta=self.delta, loss_type=self.loss_type,
+            importance_sampling=self.importance_sampling, temperature=self.temperature,
+            max_completion_length=self.max_completion_length, backend=backend)
+        metrics = dict(op_metrics)
+        kl_loss = self.kl_coef * metrics["kl"]
+        if self.loss_type == "bnpo" or not self.kl_coef:
+            # bnpo: loss = mean(pg) + kl_coef * mean(k3), both over all response tokens.
+            metrics["policy_loss"] = loss.detach() - kl_loss
+        metrics["kl_loss"] = kl_loss
+        return loss, metrics
+
+    def _seed_loss(self, forward, logits, full_sequences, prompt_len, responses, masks,
+                   rewards):
+        """The seed's math: full-sequence ``log_softmax(logits.float())`` for the policy, old and
+        reference models, then the clipped surrogate and the k3 penalty in plain torch."""
+        batch_size, group_size = rewards.shape
+        full_masks = torch.cat(
+            [torch.zeros(masks.shape[0], prompt_len, dtype=torch.float32, device=masks.device),
+             masks.float()], dim=-1)
+        target, shifted_mask = full_sequences[:, 1:], full_masks[:, 1:]
+
+        def seed_logprobs(model_logits):
+            token_lp = naive_token_logprobs(model_logits, target) * shifted_mask
+            return token_lp[:, prompt_len - 1:].reshape(batch_size, group_size, -1)
+
+        lp_policy = seed_logprobs(logits)
+        with torch.no_grad():
+            if self.old_model is not None and self.old_model is not self.model:
+                lp_old = seed_logprobs(forward(self.old_model)["logits"])
+            else:
+                lp_old = lp_policy.detach()
+            lp_ref = seed_logprobs(forward(self.ref_model)["logits"]) if self.kl_coef else None
+        token_masks = masks.reshape(batch_size, group_size, -1).float()
+
+        # Group-normalized advantages from scalar per-response rewards.
+        rewards = rewards.float()
+        mean = rewards.mean(dim=-1, keepdim=True)
+        std = rewards.std(dim=-1, keepdim=True, unbiased=False)
+        advantages = ((rewards - mean) / (std + self.advantage_eps)).unsqueeze(-1)
+
+        # Token-level ratio (pi_theta / pi_old) and PPO clipping.
+        ratio = torch.exp(lp_policy - lp_old)
+        surr1 = ratio * advantages
+        surr2 = torch.clamp(ratio, 1 - self.clip_eps, 1 + self.clip_eps) * advantages
+        per_token_policy_loss = -torch.min(surr1, surr2)
+        token_count = token_masks.sum().clamp(min=1.0)
+        policy_loss = (per_token_policy_loss * token_masks).sum() / token_count
+
+        # KL penalty to the frozen reference with the k3 estimator (non-negative, unbiased):
+        # k3 = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1. The seed took log(r + 1e-8) of
+        # r = exp(ref - logp); the log-ratio is used directly here (log(r + eps) saturates at
+        # -18.4 and loses the gradient when the policy has moved far from the reference).
+        if lp_ref is not None:
+            log_ref_ratio = lp_ref - lp_policy
+            kl_per_token = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0
+        else:
+            kl_per_token = torch.zeros_like(lp_policy)
+        kl = (kl_per_token * token_masks).sum() / token_count
+        kl_penalty = self.kl_coef * kl
+
+        def masked_mean(x):
+            return (x.float() * token_masks).sum() / token_count
+
+        low = (ratio < 1 - self.clip_eps) & (advantages < 0)
+        high = (ratio > 1 + self.clip_eps) & (advantages > 0)
+        metrics = {
+            "policy_loss": policy_loss,
+            "kl_loss": kl_penalty,
+            "kl": kl,
+            "ratio/mean": masked_mean(ratio),
+            "clip_ratio/low": masked_mean(low),
+            "clip_ratio/high": masked_mean(high),
+            "clip_ratio/region": masked_mean(low | high),
+        }
+        return policy_loss + kl_penalty, metrics
+
+    # ------------------------------------------------------------ online
+
+    def supports_online(self) -> bool:
+        return True
+
+    def prepare_from_rollout(self, result) -> Dict[str, Tensor]:
+        batch = {
+            "prompts": result.prompts,
+            "responses": result.responses,
+            "masks": result.response_mask,
+            "rewards": result.rewards,
+        }
+        if result.prompt_mask is not None:
+            batch["prompt_mask"] = result.prompt_mask
+        return batch
+
+    def _on_rollout_refresh(self) -> None:
+        """Sync the behaviour policy whenever a fresh rollout arrives."""
+        self.sync_old_model()
+
+
+# Online GRPO is the same class; the rollout runner injected with ``set_rollout_runner`` switches
+# it to online mode.
+StrategyFactory.register("online_grpo")(GRPOStrategy)

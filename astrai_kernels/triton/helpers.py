@@ -1,0 +1,228 @@
+"""Shared ``@triton.jit`` helpers: every kernel of the package builds on these, written once.
+
+Conventions (see ``ops/_backend.py``): a row ``n`` of an ``[A, B, V]`` tensor with arbitrary strides
+starts at ``(n // B) * stride0 + (n % B) * stride1``; all offsets are int64. Inside the kernels the
+scaled logits are kept in base 2 (``x2 = s * log2(e)``), so each element costs one ``exp2`` (the
+hardware instruction) and no extra multiply; per-row results are converted back to natural units.
+
+The pass-1 reduction is online over vocabulary tiles: one tile max (a block reduction) per tile,
+while the sums (of ``exp2(x2 - m)``, and for the entropy of ``exp2(x2 - m) * (x2 - m)``) are kept
+per lane and rescaled by the scalar ``alpha = exp2(m_old - m_new)``: one ``exp2`` per element and a
+single block reduction of the sums per row.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+LOG_RATIO_CLAMP = 20.0
+NEG_INF = float("-inf")
+
+
+@triton.jit
+def row_offset(row, inner, stride0, stride1):
+    """int64 element offset of flattened row ``row`` of an ``[A, B, V]`` view (``inner = B``)."""
+    row = row.to(tl.int64)
+    return (row // inner) * stride0 + (row % inner) * stride1
+
+
+@triton.jit
+def load_tile(row_ptr, start, V, stride_v, BLOCK_V: tl.constexpr):
+    """Raw tile ``[start, start + BLOCK_V)`` of a row in the tensor's dtype, ``-inf`` past ``V``.
+
+    Returns ``(x, cols, mask)``. A tile wholly past ``V`` is all-masked (no memory traffic), which
+    is what the one-tile-ahead prefetch of the tile loops relies on.
+    """
+    cols = start + tl.arange(0, BLOCK_V)
+    mask = cols < V
+    x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=mask, other=NEG_INF)
+    return x, cols, mask
+
+
+@triton.jit
+def store_tile(row_ptr, cols, mask, stride_v, g):
+    """Store the fp32 tile ``g`` into a row, cast to the row's dtype once, masked at the edge."""
+    tl.store(row_ptr + cols.to(tl.int64) * stride_v, g.to(row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def zero_row(row_ptr, V, stride_v, BLOCK_V: tl.constexpr):
+    """Write zeros over a whole row (the gradient of an ignored / masked row)."""
+    zeros = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        store_tile(row_ptr, cols, cols < V, stride_v, zeros)
+
+
+@triton.jit
+def tanh_f32(u):
+    """tanh in fp32 from one ``exp2``: odd polynomial near 0 (no cancellation), else 1 - 2/(e+1)."""
+    a = tl.abs(u)
+    e = tl.exp2(a * (2.0 * LOG2E))
+    big = 1.0 - 2.0 / (e + 1.0)
+    a2 = a * a
+    small = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))))
+    t = tl.where(a < 0.125, small, big)
+    return tl.where(u < 0.0, -t, t)
+
+
+@triton.jit
+def capped_logits(x, mask, cap, HAS_SOFTCAP: tl.constexpr):
+    """The row's logits ``z`` in fp32: ``cap * tanh(x / cap)`` with softcap on, else ``x``.
+
+    Lanes outside ``mask`` stay ``-inf`` (tanh would turn them into ``-cap``).
+    """
+    x = x.to(tl.float32)
+    if HAS_SOFTCAP:
+        x = tl.where(mask, cap * tanh_f32(x / cap), NEG_INF)
+    return x
+
+
+@triton.jit
+def online_update(x2, m, s_vec, t_vec, WITH_T: tl.constexpr):
+    """Fold a base-2 tile ``x2`` (``-inf`` on masked lanes) into the running state.
+
+    State: the running max ``m`` (scalar, ``-inf`` before any finite value), per-lane sums
+    ``s_vec = sum exp2(x2 - m)`` and, with ``WITH_T``, ``t_vec = sum exp2(x2 - m) * (x2 - m)``
+    (kept relative to ``m``, so the entropy does not cancel against a large ``lse``).
+    """
+    m_new = tl.maximum(m, tl.max(x2, 0))
+    m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    rel = x2 - m_safe
+    e = tl.exp2(rel)
+    if WITH_T:
+        shift = tl.where(m == NEG_INF, 0.0, m - m_safe)
+        t_vec = alpha * (t_vec + s_vec * shift) + tl.where(e > 0.0, e * rel, 0.0)
+    s_vec = s_vec * alpha + e
+    return m_new, s_vec, t_vec
+
+
+@triton.jit
+def finalize(m, s_vec, t_vec, WITH_T: tl.constexpr):
+    """``(lse2, h2)``: base-2 logsumexp of the row and (with ``WITH_T``) its base-2 entropy."""
+    m_safe = tl.where(m == NEG_INF, 0.0, m)
+    s = tl.sum(s_vec, 0)
+    log2_s = tl.log2(s)
+    lse2 = m_safe + log2_s
+    if WITH_T:
+        h2 = log2_s - tl.sum(t_vec, 0) / s
+    else:
+        h2 = lse2 * 0.0
+    return lse2, h2
+
+
+@triton.jit
+def row_stats(row_ptr, V, stride_v, scale, cap, BLOCK_V: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, WITH_T: tl.constexpr, WITH_SUM: tl.constexpr):
+    """Pass 1 over a row in tiles: ``(lse2, h2, zsum)`` of ``x2 = z * scale``.
+
+    ``z`` are the (optionally soft-capped) logits, ``zsum = sum_j z_j`` with ``WITH_SUM`` (label
+    smoothing). The next tile is loaded before the current one is reduced, so a load is always in
+    flight.
+    """
+    m = tl.max(tl.full([BLOCK_V], NEG_INF, tl.float32), 0)
+    s_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
+    t_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
+    z_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
+    x_next, cols, mask = load_tile(row_ptr, 0, V, stride_v, BLOCK_V)
+    for start in range(0, V, BLOCK_V):
+        x = x_next
+        tile_mask = mask
+        x_next, cols, mask = load_tile(row_ptr, start + BLOCK_V, V, stride_v, BLOCK_V)
+        z = capped_logits(x, tile_mask, cap, HAS_SOFTCAP)
+        m, s_vec, t_vec = online_update(z * scale, m, s_vec, t_vec, WITH_T)
+        if WITH_SUM:
+            z_vec += tl.where(tile_mask, z, 0.0)
+    lse2, h2 = finalize(m, s_vec, t_vec, WITH_T)
+    if WITH_SUM:
+        zsum = tl.sum(z_vec, 0)
+    else:
+        zsum = lse2 * 0.0
+    return lse2, h2, zsum
+
+
+@triton.jit
+def tile_stats(z, mask, scale, WITH_T: tl.constexpr, WITH_SUM: tl.constexpr):
+    """Pass 1 for a row that fits one tile already in registers (``z`` fp32, ``-inf`` masked)."""
+    m = tl.max(tl.full(z.shape, NEG_INF, tl.float32), 0)
+    zeros = tl.zeros(z.shape, dtype=tl.float32)
+    m, s_vec, t_vec = online_update(z * scale, m, zeros, zeros, WITH_T)
+    lse2, h2 = finalize(m, s_vec, t_vec, WITH_T)
+    if WITH_SUM:
+        zsum = tl.sum(tl.where(mask, z, 0.0), 0)
+    else:
+        zsum = lse2 * 0.0
+    return lse2, h2, zsum
+
+
+@triton.jit
+def grad_tile(z, cols, target, lse2, scale, c_target, c_p, c_u, c_const, cap,
+              WITH_U: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """The fp32 gradient of one tile, from the row's logits ``z`` (fp32, ``-inf`` masked)::
+
+        g = [j == target] * c_target - p * (c_p + c_u * u) - c_const,   u = x2 - lse2, p = exp2(u)
+
+    times ``1 - (z / cap)**2`` with softcap on. With ``c_target = c_p = coef`` (the rest 0) this
+    is ``coef * (onehot - p)``; the target's term is folded in fp32, before any cast.
+    """
+    u = z * scale - lse2
+    p = tl.exp2(u)
+    g = tl.where(cols == target, c_target, 0.0) - p * c_p - c_const
+    if WITH_U:
+        g -= tl.where(p > 0.0, p * u * c_u, 0.0)
+    if HAS_SOFTCAP:
+        zc = z / cap
+        g *= 1.0 - zc * zc
+    return g
+
+
+@triton.jit
+def write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, lse2, scale,
+                   c_target, c_p, c_u, c_const, cap, BLOCK_V: tl.constexpr,
+                   WITH_U: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Pass 2 of a row in tiles: recompute ``p`` and write :func:`grad_tile` once per element.
+
+    Tiles go from the row's end back to its start, so the most recently read (most likely still
+    in L2) tiles are re-read first; the next tile is loaded before the current one is computed.
+    Each tile is read before it is written, so ``grad_row_ptr`` may alias ``row_ptr``.
+    """
+    n_tiles = tl.cdiv(V, BLOCK_V)
+    x_next, cols_next, mask_next = load_tile(row_ptr, (n_tiles - 1) * BLOCK_V, V, stride_v,
+                                             BLOCK_V)
+    for i in range(0, n_tiles):
+        x = x_next
+        cols = cols_next
+        mask = mask_next
+        # prefetch the tile before this one; past the row's start: an all-masked load of tile 0
+        k = n_tiles - 2 - i
+        x_next, cols_next, mask_next = load_tile(row_ptr, tl.maximum(k, 0) * BLOCK_V,
+                                                 tl.where(k >= 0, V, 0), stride_v, BLOCK_V)
+        z = capped_logits(x, mask, cap, HAS_SOFTCAP)
+        g = grad_tile(z, cols, target, lse2, scale, c_target, c_p, c_u, c_const, cap,
+                      WITH_U, HAS_SOFTCAP)
+        store_tile(grad_row_ptr, cols, mask, g_stride_v, g)
+
+
+@triton.jit
+def scale_kernel(grad_ptr, scalar_ptr, n_items, tiles_per_row, inner, V, stride0, stride1,
+                 stride_v, BLOCK_V: tl.constexpr):
+    """``grad *= scalar`` in place over an ``[A, B, V]`` view, without a host sync.
+
+    Work item ``i`` is tile ``i % tiles_per_row`` of row ``i // tiles_per_row`` (a contiguous
+    tensor is passed as one long row). Every program loads the 0-d ``scalar`` first and does
+    nothing more when it is 1.0: the common ``loss.backward()`` costs one small launch.
+    """
+    s = tl.load(scalar_ptr).to(tl.float32)
+    if s != 1.0:
+        pid = tl.program_id(0)
+        n_programs = tl.num_programs(0)
+        for item in range(pid, n_items, n_programs):
+            row = item // tiles_per_row
+            start = (item % tiles_per_row).to(tl.int64) * BLOCK_V
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < V
+            ptrs = grad_ptr + row_offset(row, inner, stride0, stride1) + cols * stride_v
+            g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(ptrs, (g * s).to(grad_ptr.dtype.element_ty), mask=mask)

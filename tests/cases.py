@@ -1,0 +1,87 @@
+"""Shared inputs for the op tests: awkward shapes, layouts and contents."""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+KERNEL_BACKENDS = ["torch", "cpp", "triton"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
+
+
+@dataclass
+class Case:
+    name: str
+    base: torch.Tensor
+    target: torch.Tensor
+    view: Callable = field(default=lambda x: x)
+    ignore_index: int = -100
+    temperature: float = 1.0
+
+
+def _rand_target(shape, vocab, generator, ignored=0.2, ignore_index=-100):
+    target = torch.randint(0, vocab, shape, generator=generator)
+    if ignored:
+        target[torch.rand(shape, generator=generator) < ignored] = ignore_index
+    return target
+
+
+def make_case(name, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=2.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    if name == "V1":
+        return Case(name, randn(3, 1), torch.tensor([0, -100, 0]))
+    if name == "below_tile":
+        return Case(name, randn(6, 37), _rand_target((6,), 37, g), temperature=0.7)
+    if name == "gpt2_vocab":
+        return Case(name, randn(2, 50257), torch.tensor([50256, 17]))
+    if name == "v131k":
+        return Case(name, randn(2, 131072), torch.tensor([3, 131071]))
+    if name == "one_row":
+        return Case(name, randn(1, 300), torch.tensor([299]))
+    if name == "zero_rows":
+        return Case(name, randn(0, 64), torch.zeros(0, dtype=torch.long))
+    if name == "3d":
+        return Case(name, randn(2, 3, 100), _rand_target((2, 3), 100, g), temperature=0.7)
+    if name == "shifted":
+        base = randn(2, 5, 70)
+        return Case(name, base, _rand_target((2, 4), 70, g), view=lambda x: x[:, :-1],
+                    temperature=1.3)
+    if name == "vocab_strided":
+        return Case(name, randn(4, 90), _rand_target((4,), 45, g), view=lambda x: x[:, ::2])
+    if name == "neg_inf_off_target":
+        base = randn(4, 50)
+        target = torch.tensor([3, 10, 0, 49])
+        off = torch.rand(4, 50, generator=g) < 0.7
+        off[torch.arange(4), target] = False
+        return Case(name, base.masked_fill(off, float("-inf")), target)
+    if name == "magnitude_1e4":
+        return Case(name, randn(4, 64, scale=1e4), _rand_target((4,), 64, g, ignored=0))
+    if name == "confident":
+        base = randn(4, 64, scale=1.0).float()
+        target = torch.tensor([1, 5, 9, 63])
+        base[torch.arange(4), target] = 11.0
+        return Case(name, base.to(dtype), target)
+    if name == "all_ignored":
+        return Case(name, randn(3, 40), torch.full((3,), -100))
+    if name == "custom_ignore":
+        target = torch.tensor([7, 1, 7, 30])
+        return Case(name, randn(4, 33), target, ignore_index=7)
+    raise KeyError(name)
+
+
+CASE_NAMES = ["V1", "below_tile", "gpt2_vocab", "v131k", "one_row", "zero_rows", "3d",
+              "shifted", "vocab_strided", "neg_inf_off_target", "magnitude_1e4", "confident",
+              "all_ignored", "custom_ignore"]
+
+
+def leaf(base):
+    return base.detach().clone().requires_grad_(True)
+
+
+def reference_leaf(base):
+    return base.detach().double().requires_grad_(True)
