@@ -1,0 +1,185 @@
+import pytest
+import torch
+
+import astrai_kernels as ak
+from astrai_kernels import reference
+from astrai_kernels.testing import assert_close
+from cases import DTYPE_IDS, DTYPES, KERNEL_BACKENDS
+
+BACKENDS = KERNEL_BACKENDS + ["reference"]
+
+
+def _batch(dtype, batch=3, length=6, vocab=45, seed=0, off_policy=0.3):
+    g = torch.Generator().manual_seed(seed)
+    base = (torch.randn(batch, length + 1, vocab, generator=g) * 2).to(dtype)
+    target = torch.randint(0, vocab, (batch, length), generator=g)
+    mask = (torch.rand(batch, length, generator=g) > 0.25).float()
+    mask[-1] = 0.0  # one fully masked sequence
+    target[mask == 0] = 10**6  # padding ids under the mask are never read
+    logp = torch.log_softmax(base[:, :-1].double(), -1).gather(
+        -1, target.clamp(max=vocab - 1).unsqueeze(-1)).squeeze(-1).float()
+    old = logp + off_policy * torch.randn(batch, length, generator=g)
+    ref = logp + 0.2 * torch.randn(batch, length, generator=g)
+    advantages = torch.randn(batch, generator=g)
+    return base, target, mask, advantages, old, ref
+
+
+def _run(backend, base, target, advantages, **kwargs):
+    x = base.detach().clone().requires_grad_(True)
+    loss, metrics = ak.grpo_loss(x[:, :-1], target, advantages, backend=backend, **kwargs)
+    return x, loss, metrics
+
+
+def _run_reference(base, target, advantages, mask, **kwargs):
+    xd = base.detach().double().requires_grad_(True)
+
+    def as64(v):
+        return v.double() if isinstance(v, torch.Tensor) else v
+
+    kwargs = {k: as64(v) for k, v in kwargs.items()}
+    safe_target = torch.where(mask > 0, target, 0)
+    loss, metrics = reference.grpo_loss(xd[:, :-1], safe_target, as64(advantages), mask.double(),
+                                        **kwargs)
+    return xd, loss, metrics
+
+
+def _check(backend, dtype, base, target, advantages, mask, upstream=0.7, **kwargs):
+    before = base.clone()
+    x, loss, metrics = _run(backend, base, target, advantages, mask=mask, **kwargs)
+    xd, loss_ref, metrics_ref = _run_reference(base, target, advantages, mask, **kwargs)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    assert_close(loss, loss_ref, "value", dtype, "loss")
+    for key in ("kl", "ratio/mean", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region"):
+        assert metrics[key].dtype == torch.float32 and not metrics[key].requires_grad
+        assert_close(metrics[key], metrics_ref[key], "value", dtype, key)
+    (loss * upstream).backward()
+    (loss_ref * upstream).backward()
+    assert x.grad.dtype == dtype
+    assert_close(x.grad, xd.grad, "grad", dtype, "grad")
+    masked = (mask == 0)
+    assert torch.count_nonzero(x.grad[:, :-1][masked]) == 0, "masked tokens got a gradient"
+    assert torch.count_nonzero(x.grad[:, -1]) == 0
+    assert torch.equal(base, before)
+    return metrics
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_loss_types_with_kl(backend, importance_sampling, loss_type, dtype):
+    base, target, mask, advantages, old, ref = _batch(dtype)
+    _check(backend, dtype, base, target, advantages, mask, old_logprobs=old, ref_logprobs=ref,
+           beta=0.05, loss_type=loss_type, importance_sampling=importance_sampling,
+           temperature=0.8, max_completion_length=8, normalizer=None)
+
+
+OPTIONS = [
+    dict(),
+    dict(clip_eps_low=0.2, clip_eps_high=0.28),
+    dict(delta=1.3),
+    dict(old=False),
+    dict(per_token_advantages=True),
+    dict(loss_type="dapo", normalizer=40.0),
+    dict(temperature=0.6, beta=0.1),
+]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(map(str, o.items())) or "default")
+@pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_options(backend, importance_sampling, options):
+    options = dict(options)
+    base, target, mask, advantages, old, ref = _batch(torch.float32, seed=1)
+    if options.pop("per_token_advantages", False):
+        advantages = torch.randn(mask.shape)
+    kwargs = dict(old_logprobs=None if options.pop("old", True) is False else old,
+                  importance_sampling=importance_sampling, **options)
+    if kwargs.get("beta"):
+        kwargs["ref_logprobs"] = ref
+    _check(backend, torch.float32, base, target, advantages, mask, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_far_off_policy_batch_clips_many_tokens(backend, dtype):
+    base, target, mask, advantages, old, ref = _batch(dtype, seed=2, off_policy=3.0)
+    old[0, 0] = old[0, 0] - 60.0  # a log-ratio of +60: the +-20 clamp keeps exp finite
+    metrics = _check(backend, dtype, base, target, advantages, mask, old_logprobs=old,
+                     ref_logprobs=ref, beta=0.02, clip_eps_high=0.28)
+    assert metrics["clip_ratio/region"] > 0.2
+    assert torch.isfinite(metrics["ratio/mean"])
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_on_policy_ratio_is_one_and_gradient_is_policy_gradient(backend):
+    base, target, mask, advantages, _, _ = _batch(torch.float32, seed=3)
+    x, loss, metrics = _run(backend, base, target, advantages, mask=mask)
+    assert_close(metrics["ratio/mean"], torch.tensor(1.0), "value", torch.float32)
+    loss.backward()
+    # On-policy GRPO's gradient is -A * dlogp / num_tokens (bnpo).
+    xd = base.detach().clone().requires_grad_(True)
+    safe = torch.where(mask > 0, target, 0)
+    logp = torch.log_softmax(xd[:, :-1], -1).gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    (-(advantages[:, None] * logp * mask).sum() / mask.sum()).backward()
+    assert_close(x.grad, xd.grad, "grad", torch.float32)
+
+
+def test_no_grad_call_returns_loss_without_graph():
+    base, target, mask, advantages, old, _ = _batch(torch.float32)
+    x = base.clone().requires_grad_(True)
+    with torch.no_grad():
+        loss, _ = ak.grpo_loss(x[:, :-1], target, advantages, mask=mask, old_logprobs=old)
+    expected, _ = _run_reference(base, target, advantages, mask, old_logprobs=old)[1:]
+    assert loss.grad_fn is None
+    assert_close(loss, expected, "value", torch.float32)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(loss_type="ppo"), ValueError, "loss_type"),
+    (dict(importance_sampling="tokens"), ValueError, "importance_sampling"),
+    (dict(beta=0.1), ValueError, "ref_logprobs"),
+    (dict(mask=torch.ones(3, 5)), ValueError, "mask"),
+    (dict(old_logprobs=torch.zeros(3, 7)), ValueError, "old_logprobs"),
+    (dict(clip_eps_low=-0.1), ValueError, "clip_eps_low"),
+    (dict(delta=0.0), ValueError, "delta"),
+    (dict(temperature=-1.0), ValueError, "temperature"),
+])
+def test_bad_arguments(kwargs, error, match):
+    base, target, mask, advantages, _, _ = _batch(torch.float32)
+    kwargs.setdefault("mask", mask)
+    with pytest.raises(error, match=match):
+        ak.grpo_loss(base[:, :-1], target, advantages, **kwargs)
+
+
+def test_bad_advantages_and_targets():
+    base, target, mask, advantages, _, _ = _batch(torch.float32)
+    with pytest.raises(ValueError, match="advantages"):
+        ak.grpo_loss(base[:, :-1], target, advantages[:2], mask=mask)
+    with pytest.raises(ValueError, match="advantages"):
+        ak.grpo_loss(base[:, :-1], target, torch.zeros(3, 6, 1), mask=mask)
+    with pytest.raises(ValueError, match="outside"):
+        ak.grpo_loss(base[:, :-1], target, advantages)  # unmasked padding ids are read
+    with pytest.raises(ValueError, match=r"\[B, T, V\]"):
+        ak.grpo_loss(base[0], target[0], advantages)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_torch_compile_fullgraph(backend):
+    base, target, mask, advantages, old, ref = _batch(torch.float32)
+
+    def loss_fn(x):
+        loss, metrics = ak.grpo_loss(x[:, :-1], target, advantages, mask=mask, old_logprobs=old,
+                                     ref_logprobs=ref, beta=0.04, backend=backend)
+        return loss * 2.0, metrics["kl"]
+
+    compiled = torch.compile(loss_fn, fullgraph=True)
+    x = base.clone().requires_grad_(True)
+    out, kl = compiled(x)
+    out.backward()
+    x_eager = base.clone().requires_grad_(True)
+    expected, kl_eager = loss_fn(x_eager)
+    expected.backward()
+    assert_close(out, expected, "value", torch.float32)
+    assert_close(kl, kl_eager, "value", torch.float32)
+    assert_close(x.grad, x_eager.grad, "grad", torch.float32)
