@@ -1,11 +1,11 @@
 """astrai-kernels: fused, memory-lean LLM losses computed from the logits in vocabulary tiles."""
 
+from . import nn
 from .ops._backend import available_backends
 from .ops.cross_entropy import cross_entropy
 from .ops.grpo import grpo_loss
 from .ops.logprobs import sequence_logprobs, token_logprobs
 from .ops.preference import dpo_loss, group_advantages
-from . import nn
 
 __version__ = "0.1.0"
 

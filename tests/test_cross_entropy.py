@@ -5,6 +5,7 @@ import torch.nn.functional as F
 import astrai_kernels as ak
 from astrai_kernels import reference
 from astrai_kernels.testing import assert_close
+
 from cases import CASE_NAMES, DTYPE_IDS, DTYPES, KERNEL_BACKENDS, leaf, make_case, reference_leaf
 
 BACKENDS = KERNEL_BACKENDS + ["reference"]
@@ -81,7 +82,11 @@ FEATURES = [
 ]
 
 
-@pytest.mark.parametrize("features", FEATURES, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def _feature_id(features):
+    return "-".join(f"{k}={v}" for k, v in features.items())
+
+
+@pytest.mark.parametrize("features", FEATURES, ids=_feature_id)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)

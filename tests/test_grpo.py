@@ -4,6 +4,7 @@ import torch
 import astrai_kernels as ak
 from astrai_kernels import reference
 from astrai_kernels.testing import assert_close
+
 from cases import DTYPE_IDS, DTYPES, KERNEL_BACKENDS
 
 BACKENDS = KERNEL_BACKENDS + ["reference"]
@@ -85,7 +86,11 @@ OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(map(str, o.items())) or "default")
+def _options_id(options):
+    return "-".join(f"{k}={v}" for k, v in options.items()) or "default"
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=_options_id)
 @pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_options(backend, importance_sampling, options):

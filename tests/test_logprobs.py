@@ -4,6 +4,7 @@ import torch
 import astrai_kernels as ak
 from astrai_kernels import reference
 from astrai_kernels.testing import assert_close
+
 from cases import CASE_NAMES, DTYPE_IDS, DTYPES, KERNEL_BACKENDS, leaf, make_case, reference_leaf
 
 BACKENDS = KERNEL_BACKENDS + ["reference"]

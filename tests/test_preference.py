@@ -35,8 +35,8 @@ def test_dpo_loss_types_from_the_formulas(loss_type, label_smoothing):
         elif loss_type == "hinge":
             value = max(0.0, 1 - beta * margin)
         else:
-            value = ((-(1 - ls) * math.log(_sig(beta * margin)) + ls * math.log(_sig(-beta * margin)))
-                     / (1 - 2 * ls))
+            value = (-(1 - ls) * math.log(_sig(beta * margin))
+                     + ls * math.log(_sig(-beta * margin))) / (1 - 2 * ls)
         expected.append(value)
     assert_close(loss, torch.tensor(sum(expected) / 5, dtype=torch.float64), "value",
                  torch.float32)

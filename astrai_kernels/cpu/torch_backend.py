@@ -171,12 +171,10 @@ def grpo_forward(logits, target, temperature, advantages, old_logprobs, ref_logp
         row_lse = row_max + log_sum
         row_logp = shifted.gather(1, _safe_target(y, valid)).squeeze(1) - log_sum
         row_logp = torch.where(valid, row_logp, 0.0)
-
-        def rows(x):
-            return None if x is None else x[n0:n1]
-
-        row_loss, dloss = grpo_token_terms(row_logp, rows(old_logprobs), rows(ref_logprobs),
-                                           advantages[n0:n1], clip_low, clip_high, delta, beta)
+        old = None if old_logprobs is None else old_logprobs[n0:n1]
+        ref = None if ref_logprobs is None else ref_logprobs[n0:n1]
+        row_loss, dloss = grpo_token_terms(row_logp, old, ref, advantages[n0:n1], clip_low,
+                                           clip_high, delta, beta)
         logp[n0:n1] = row_logp
         loss[n0:n1] = torch.where(valid, row_loss, 0.0)
         if grad is None:

@@ -16,8 +16,17 @@ import torch
 from .. import reference
 from . import _library
 from ._backend import backend_module, resolve_backend
-from ._common import (AttachGrad, check_choice, check_in_range, check_index, check_logits,
-                      check_positive, check_target, flat_target, rows_view)
+from ._common import (
+    AttachGrad,
+    check_choice,
+    check_in_range,
+    check_index,
+    check_logits,
+    check_positive,
+    check_target,
+    flat_target,
+    rows_view,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
 

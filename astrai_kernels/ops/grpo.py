@@ -14,9 +14,18 @@ import torch
 
 from .. import reference
 from . import _library
-from ._common import (AttachGrad, check_choice, check_in_range, check_logits, check_per_row,
-                      check_positive, check_target, flat_target, rows_view)
 from ._backend import resolve_backend
+from ._common import (
+    AttachGrad,
+    check_choice,
+    check_in_range,
+    check_logits,
+    check_per_row,
+    check_positive,
+    check_target,
+    flat_target,
+    rows_view,
+)
 from .logprobs import token_logprobs
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")

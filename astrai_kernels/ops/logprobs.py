@@ -14,8 +14,7 @@ import torch
 from .. import reference
 from . import _library
 from ._backend import backend_module, resolve_backend
-from ._common import (check_index, check_logits, check_positive, check_target, flat_target,
-                      rows_view)
+from ._common import check_index, check_logits, check_positive, check_target, flat_target, rows_view
 
 
 @dataclass(frozen=True)
