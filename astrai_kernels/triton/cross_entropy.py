@@ -9,8 +9,19 @@ L2) and writes ``grad_j = gs ((1 + 2 z_loss lse) p_j - (1 - eps) d_jy - eps / V)
 import triton
 import triton.language as tl
 
-from .helpers import (LOG2E, LN2, capped_logits, grad_tile, load_tile, row_offset, row_stats,
-                      store_tile, tile_stats, write_grad_row, zero_row)
+from .helpers import (
+    LN2,
+    LOG2E,
+    capped_logits,
+    grad_tile,
+    load_tile,
+    row_offset,
+    row_stats,
+    store_tile,
+    tile_stats,
+    write_grad_row,
+    zero_row,
+)
 
 
 @triton.jit
@@ -31,33 +42,37 @@ def cross_entropy_fwd_kernel(
             if ONE_TILE:
                 x, cols, mask = load_tile(row_ptr, 0, V, stride_v, BLOCK_V)
                 z = capped_logits(x, mask, softcap, HAS_SOFTCAP)
-                lse2, _, zsum = tile_stats(z, mask, LOG2E, False, HAS_SMOOTHING)
+                m, log2_s, _, zsum = tile_stats(z, mask, LOG2E, False, HAS_SMOOTHING)
             else:
-                lse2, _, zsum = row_stats(row_ptr, V, stride_v, LOG2E, softcap, BLOCK_V,
-                                          HAS_SOFTCAP, False, HAS_SMOOTHING)
-            lse = lse2 * LN2
+                m, log2_s, _, zsum = row_stats(row_ptr, V, stride_v, LOG2E, softcap, BLOCK_V,
+                                               HAS_SOFTCAP, False, HAS_SMOOTHING)
+            m2 = m * LOG2E
+            lse2 = m2 + log2_s
+            lse = m + log2_s * LN2
             x_target = tl.load(row_ptr + target * stride_v)
             z_target = capped_logits(x_target, True, softcap, HAS_SOFTCAP)
-            loss = (1.0 - label_smoothing) * (lse - z_target) + z_loss * lse * lse
+            # lse - z_y taken relative to the row max (base 2): exact for a confident row
+            loss = (1.0 - label_smoothing) * (log2_s - (z_target * LOG2E - m2)) * LN2
+            loss += z_loss * lse * lse
             if HAS_SMOOTHING:
-                loss += label_smoothing * (lse - zsum / V)
+                loss += label_smoothing * (log2_s - ((zsum / V) * LOG2E - m2)) * LN2
             tl.store(loss_ptr + row, loss)
             tl.store(lse_ptr + row, lse)
             if HAS_GRAD:
-                gs = tl.load(grad_scale_ptr + row.to(tl.int64) * grad_scale_stride)
-                # g = [j == y] c_target - p c_p - c_const, in grad_tile's form
-                c_target = gs * (label_smoothing - 1.0)
-                c_p = -gs * (1.0 + 2.0 * z_loss * lse)
-                c_const = gs * label_smoothing / V
+                gs = tl.load(grad_scale_ptr + tl.cast(row, tl.int64) * grad_scale_stride)
+                # g = gs ((1 + 2 z_loss lse) p - eps / V + [j == y] (eps - 1)), grad_tile's form
+                c_target = label_smoothing - 1.0
+                c_p = 1.0 + 2.0 * z_loss * lse
+                c_const = label_smoothing / V
                 grad_row_ptr = grad_ptr + row_offset(row, inner, g_stride0, g_stride1)
                 if ONE_TILE:
-                    g = grad_tile(z, cols, target, lse2, LOG2E, c_target, c_p, 0.0, c_const,
-                                  softcap, False, HAS_SOFTCAP)
+                    g = grad_tile(z, cols, target, lse2, LOG2E, c_target, c_p, 0.0, c_const, gs,
+                                  softcap, False, HAS_SOFTCAP, False)
                     store_tile(grad_row_ptr, cols, mask, g_stride_v, g)
                 else:
                     write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, lse2,
-                                   LOG2E, c_target, c_p, 0.0, c_const, softcap, BLOCK_V, False,
-                                   HAS_SOFTCAP)
+                                   LOG2E, c_target, c_p, 0.0, c_const, gs, softcap, BLOCK_V,
+                                   False, HAS_SOFTCAP, False)
         else:
             tl.store(loss_ptr + row, 0.0)
             tl.store(lse_ptr + row, 0.0)

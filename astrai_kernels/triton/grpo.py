@@ -9,8 +9,19 @@ gradient still flows through it); ``HAS_REF`` adds ``beta * k3``.
 import triton
 import triton.language as tl
 
-from .helpers import (LN2, LOG2E, LOG_RATIO_CLAMP, grad_tile, load_tile, row_offset, row_stats,
-                      store_tile, tile_stats, write_grad_row, zero_row)
+from .helpers import (
+    LN2,
+    LOG2E,
+    LOG_RATIO_CLAMP,
+    grad_tile,
+    load_tile,
+    row_offset,
+    row_stats,
+    store_tile,
+    tile_stats,
+    write_grad_row,
+    zero_row,
+)
 
 
 @triton.jit
@@ -69,12 +80,14 @@ def grpo_fwd_kernel(
             if ONE_TILE:
                 x, cols, mask = load_tile(row_ptr, 0, V, stride_v, BLOCK_V)
                 z = x.to(tl.float32)
-                lse2, _, _ = tile_stats(z, mask, scale, False, False)
+                m, log2_s, _, _ = tile_stats(z, mask, scale, False, False)
             else:
-                lse2, _, _ = row_stats(row_ptr, V, stride_v, scale, 1.0, BLOCK_V, False, False,
-                                       False)
+                m, log2_s, _, _ = row_stats(row_ptr, V, stride_v, scale, 1.0, BLOCK_V, False,
+                                            False, False)
             x_target = tl.load(row_ptr + target * stride_v).to(tl.float32)
-            logp = (x_target * scale - lse2) * LN2
+            m2 = m * scale
+            logp = ((x_target * scale - m2) - log2_s) * LN2
+            lse2 = m2 + log2_s
             advantage = tl.load(advantages_ptr + row)
             if HAS_OLD:
                 old = tl.load(old_ptr + row)
@@ -89,15 +102,16 @@ def grpo_fwd_kernel(
             tl.store(logp_ptr + row, logp)
             tl.store(loss_ptr + row, loss)
             if HAS_GRAD:
-                coef = dloss * weight * inv_t
+                coef = dloss * weight
                 grad_row_ptr = grad_ptr + row_offset(row, inner, g_stride0, g_stride1)
                 if ONE_TILE:
-                    g = grad_tile(z, cols, target, lse2, scale, coef, coef, 0.0, 0.0, 1.0, False,
-                                  False)
+                    g = grad_tile(z, cols, target, lse2, scale, coef, -coef, 0.0, 0.0, inv_t,
+                                  1.0, False, False, False)
                     store_tile(grad_row_ptr, cols, mask, g_stride_v, g)
                 else:
                     write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, lse2,
-                                   scale, coef, coef, 0.0, 0.0, 1.0, BLOCK_V, False, False)
+                                   scale, coef, -coef, 0.0, 0.0, inv_t, 1.0, BLOCK_V, False,
+                                   False, False)
         else:
             tl.store(logp_ptr + row, 0.0)
             tl.store(loss_ptr + row, 0.0)

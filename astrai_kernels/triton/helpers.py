@@ -11,19 +11,26 @@ per lane and rescaled by the scalar ``alpha = exp2(m_old - m_new)``: one ``exp2`
 single block reduction of the sums per row.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-LOG_RATIO_CLAMP = 20.0
-NEG_INF = float("-inf")
+# Triton's interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest even); under the
+# interpreter the kernels round in software so the tests see the GPU's numerics. Compiled kernels
+# never take that branch (a constexpr).
+_SOFTWARE_BF16_ROUNDING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+LOG_RATIO_CLAMP = tl.constexpr(20.0)
+NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
 def row_offset(row, inner, stride0, stride1):
     """int64 element offset of flattened row ``row`` of an ``[A, B, V]`` view (``inner = B``)."""
-    row = row.to(tl.int64)
+    row = tl.cast(row, tl.int64)
     return (row // inner) * stride0 + (row % inner) * stride1
 
 
@@ -41,9 +48,20 @@ def load_tile(row_ptr, start, V, stride_v, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def cast_rne(g, dtype: tl.constexpr):
+    """``g`` (fp32) cast to ``dtype``, rounding to nearest even."""
+    if _SOFTWARE_BF16_ROUNDING and dtype == tl.bfloat16:
+        bits = g.to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return g.to(dtype)
+
+
+@triton.jit
 def store_tile(row_ptr, cols, mask, stride_v, g):
     """Store the fp32 tile ``g`` into a row, cast to the row's dtype once, masked at the edge."""
-    tl.store(row_ptr + cols.to(tl.int64) * stride_v, g.to(row_ptr.dtype.element_ty), mask=mask)
+    tl.store(row_ptr + cols.to(tl.int64) * stride_v, cast_rne(g, row_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
@@ -80,43 +98,48 @@ def capped_logits(x, mask, cap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def online_update(x2, m, s_vec, t_vec, WITH_T: tl.constexpr):
-    """Fold a base-2 tile ``x2`` (``-inf`` on masked lanes) into the running state.
+def online_update(z, scale, m, s_vec, t_vec, WITH_T: tl.constexpr):
+    """Fold a tile of logits ``z`` (fp32, ``-inf`` on masked lanes) into the running state.
 
-    State: the running max ``m`` (scalar, ``-inf`` before any finite value), per-lane sums
-    ``s_vec = sum exp2(x2 - m)`` and, with ``WITH_T``, ``t_vec = sum exp2(x2 - m) * (x2 - m)``
-    (kept relative to ``m``, so the entropy does not cancel against a large ``lse``).
+    State: the running max ``m`` of ``z`` itself (scalar, ``-inf`` before any finite value; kept
+    unscaled so a caller can form ``m / T`` exactly as it forms ``z / T``), per-lane sums
+    ``s_vec = sum exp2(x2 - m2)`` and, with ``WITH_T``, ``t_vec = sum exp2(x2 - m2) * (x2 - m2)``
+    (relative to the max, so the entropy does not cancel against a large ``lse``), where
+    ``x2 = z * scale`` and ``m2 = m * scale`` (``scale > 0``: the max element has ``x2 == m2``).
     """
-    m_new = tl.maximum(m, tl.max(x2, 0))
-    m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
-    alpha = tl.exp2(m - m_safe)
-    rel = x2 - m_safe
+    m_new = tl.maximum(m, tl.max(z, 0))
+    m2_old = m * scale
+    m2 = tl.where(m_new == NEG_INF, 0.0, m_new * scale)
+    alpha = tl.exp2(m2_old - m2)
+    rel = z * scale - m2
     e = tl.exp2(rel)
     if WITH_T:
-        shift = tl.where(m == NEG_INF, 0.0, m - m_safe)
-        t_vec = alpha * (t_vec + s_vec * shift) + tl.where(e > 0.0, e * rel, 0.0)
+        shift = tl.where(m == NEG_INF, 0.0, m2_old - m2)
+        t_vec = alpha * (t_vec + s_vec * shift) + e * tl.where(e > 0.0, rel, 0.0)
     s_vec = s_vec * alpha + e
     return m_new, s_vec, t_vec
 
 
 @triton.jit
 def finalize(m, s_vec, t_vec, WITH_T: tl.constexpr):
-    """``(lse2, h2)``: base-2 logsumexp of the row and (with ``WITH_T``) its base-2 entropy."""
+    """``(m, log2_s, h2)`` of a row: its max logit (0 when there is none), ``log2_s = log2 sum
+    exp2(x2 - m2)`` and, with ``WITH_T``, its base-2 entropy. Then ``lse2 = m * scale + log2_s``
+    and a log-prob is ``(x2_y - m2) - log2_s``: exactly 0 for a V = 1 row, and without the
+    cancellation of ``x2_y - lse2`` for a confident one."""
     m_safe = tl.where(m == NEG_INF, 0.0, m)
     s = tl.sum(s_vec, 0)
     log2_s = tl.log2(s)
-    lse2 = m_safe + log2_s
     if WITH_T:
         h2 = log2_s - tl.sum(t_vec, 0) / s
     else:
-        h2 = lse2 * 0.0
-    return lse2, h2
+        h2 = log2_s * 0.0
+    return m_safe, log2_s, h2
 
 
 @triton.jit
 def row_stats(row_ptr, V, stride_v, scale, cap, BLOCK_V: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, WITH_T: tl.constexpr, WITH_SUM: tl.constexpr):
-    """Pass 1 over a row in tiles: ``(lse2, h2, zsum)`` of ``x2 = z * scale``.
+    """Pass 1 over a row in tiles: ``(m, log2_s, h2, zsum)`` (see :func:`finalize`).
 
     ``z`` are the (optionally soft-capped) logits, ``zsum = sum_j z_j`` with ``WITH_SUM`` (label
     smoothing). The next tile is loaded before the current one is reduced, so a load is always in
@@ -132,15 +155,15 @@ def row_stats(row_ptr, V, stride_v, scale, cap, BLOCK_V: tl.constexpr,
         tile_mask = mask
         x_next, cols, mask = load_tile(row_ptr, start + BLOCK_V, V, stride_v, BLOCK_V)
         z = capped_logits(x, tile_mask, cap, HAS_SOFTCAP)
-        m, s_vec, t_vec = online_update(z * scale, m, s_vec, t_vec, WITH_T)
+        m, s_vec, t_vec = online_update(z, scale, m, s_vec, t_vec, WITH_T)
         if WITH_SUM:
             z_vec += tl.where(tile_mask, z, 0.0)
-    lse2, h2 = finalize(m, s_vec, t_vec, WITH_T)
+    m, log2_s, h2 = finalize(m, s_vec, t_vec, WITH_T)
     if WITH_SUM:
         zsum = tl.sum(z_vec, 0)
     else:
-        zsum = lse2 * 0.0
-    return lse2, h2, zsum
+        zsum = log2_s * 0.0
+    return m, log2_s, h2, zsum
 
 
 @triton.jit
@@ -148,40 +171,47 @@ def tile_stats(z, mask, scale, WITH_T: tl.constexpr, WITH_SUM: tl.constexpr):
     """Pass 1 for a row that fits one tile already in registers (``z`` fp32, ``-inf`` masked)."""
     m = tl.max(tl.full(z.shape, NEG_INF, tl.float32), 0)
     zeros = tl.zeros(z.shape, dtype=tl.float32)
-    m, s_vec, t_vec = online_update(z * scale, m, zeros, zeros, WITH_T)
-    lse2, h2 = finalize(m, s_vec, t_vec, WITH_T)
+    m, s_vec, t_vec = online_update(z, scale, m, zeros, zeros, WITH_T)
+    m, log2_s, h2 = finalize(m, s_vec, t_vec, WITH_T)
     if WITH_SUM:
         zsum = tl.sum(tl.where(mask, z, 0.0), 0)
     else:
-        zsum = lse2 * 0.0
-    return lse2, h2, zsum
+        zsum = log2_s * 0.0
+    return m, log2_s, h2, zsum
 
 
 @triton.jit
-def grad_tile(z, cols, target, lse2, scale, c_target, c_p, c_u, c_const, cap,
-              WITH_U: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+def grad_tile(z, cols, target, lse, scale, c_target, c_p, c_u, c_const, c_scale, cap,
+              WITH_U: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NATURAL: tl.constexpr):
     """The fp32 gradient of one tile, from the row's logits ``z`` (fp32, ``-inf`` masked)::
 
-        g = [j == target] * c_target - p * (c_p + c_u * u) - c_const,   u = x2 - lse2, p = exp2(u)
+        g = (p * (c_p + c_u * u) - c_const + [j == target] * c_target) * c_scale
 
-    times ``1 - (z / cap)**2`` with softcap on. With ``c_target = c_p = coef`` (the rest 0) this
-    is ``coef * (onehot - p)``; the target's term is folded in fp32, before any cast.
+    times ``1 - (z / cap)**2`` with softcap on. ``u = log p``: ``z * scale - lse`` with
+    ``NATURAL`` (``scale = 1/T``, ``lse`` natural), else ``log2 p = z * scale - lse`` in base 2
+    (``scale = log2(e)/T``, ``lse`` base 2). ``c_p = -coef, c_target = coef`` gives
+    ``coef * (onehot - p)``. The target's term is folded in fp32 before the cast, in the torch
+    backend's order (so a V = 1 row's gradient is exactly 0).
     """
-    u = z * scale - lse2
-    p = tl.exp2(u)
-    g = tl.where(cols == target, c_target, 0.0) - p * c_p - c_const
+    u = z * scale - lse
+    if NATURAL:
+        p = tl.exp2(u * LOG2E)
+    else:
+        p = tl.exp2(u)
+    g = p * c_p - c_const
     if WITH_U:
-        g -= tl.where(p > 0.0, p * u * c_u, 0.0)
+        g += p * tl.where(p > 0.0, u, 0.0) * c_u
+    g = (g + tl.where(cols == target, c_target, 0.0)) * c_scale
     if HAS_SOFTCAP:
-        zc = z / cap
+        zc = tl.where(z == NEG_INF, 0.0, z / cap)  # only masked lanes are -inf after the cap
         g *= 1.0 - zc * zc
     return g
 
 
 @triton.jit
-def write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, lse2, scale,
-                   c_target, c_p, c_u, c_const, cap, BLOCK_V: tl.constexpr,
-                   WITH_U: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+def write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, lse, scale,
+                   c_target, c_p, c_u, c_const, c_scale, cap, BLOCK_V: tl.constexpr,
+                   WITH_U: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NATURAL: tl.constexpr):
     """Pass 2 of a row in tiles: recompute ``p`` and write :func:`grad_tile` once per element.
 
     Tiles go from the row's end back to its start, so the most recently read (most likely still
@@ -200,8 +230,8 @@ def write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, lse2,
         x_next, cols_next, mask_next = load_tile(row_ptr, tl.maximum(k, 0) * BLOCK_V,
                                                  tl.where(k >= 0, V, 0), stride_v, BLOCK_V)
         z = capped_logits(x, mask, cap, HAS_SOFTCAP)
-        g = grad_tile(z, cols, target, lse2, scale, c_target, c_p, c_u, c_const, cap,
-                      WITH_U, HAS_SOFTCAP)
+        g = grad_tile(z, cols, target, lse, scale, c_target, c_p, c_u, c_const, c_scale, cap,
+                      WITH_U, HAS_SOFTCAP, NATURAL)
         store_tile(grad_row_ptr, cols, mask, g_stride_v, g)
 
 
@@ -220,9 +250,9 @@ def scale_kernel(grad_ptr, scalar_ptr, n_items, tiles_per_row, inner, V, stride0
         n_programs = tl.num_programs(0)
         for item in range(pid, n_items, n_programs):
             row = item // tiles_per_row
-            start = (item % tiles_per_row).to(tl.int64) * BLOCK_V
+            start = tl.cast(item % tiles_per_row, tl.int64) * BLOCK_V
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < V
             ptrs = grad_ptr + row_offset(row, inner, stride0, stride1) + cols * stride_v
             g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(ptrs, (g * s).to(grad_ptr.dtype.element_ty), mask=mask)
+            tl.store(ptrs, cast_rne(g * s, grad_ptr.dtype.element_ty), mask=mask)

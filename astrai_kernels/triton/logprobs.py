@@ -7,8 +7,16 @@ One program walks rows (grid-stride); per row, pass 1 is the online tile reducti
 import triton
 import triton.language as tl
 
-from .helpers import (LN2, LOG2E, load_tile, row_offset, row_stats, tile_stats, write_grad_row,
-                      zero_row)
+from .helpers import (
+    LN2,
+    LOG2E,
+    load_tile,
+    row_offset,
+    row_stats,
+    tile_stats,
+    write_grad_row,
+    zero_row,
+)
 
 
 @triton.jit
@@ -21,19 +29,22 @@ def logprobs_fwd_kernel(
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     scale = LOG2E / temperature
+    inv_t = 1.0 / temperature
     for row in range(pid, n_rows, n_programs):
         target = tl.load(target_ptr + row).to(tl.int64)
         if target != ignore_index:
             row_ptr = logits_ptr + row_offset(row, inner, stride0, stride1)
             if ONE_TILE:
                 x, cols, mask = load_tile(row_ptr, 0, V, stride_v, BLOCK_V)
-                lse2, h2, _ = tile_stats(x.to(tl.float32), mask, scale, WITH_ENTROPY, False)
+                m, log2_s, h2, _ = tile_stats(x.to(tl.float32), mask, scale, WITH_ENTROPY,
+                                              False)
             else:
-                lse2, h2, _ = row_stats(row_ptr, V, stride_v, scale, 1.0, BLOCK_V, False,
-                                        WITH_ENTROPY, False)
+                m, log2_s, h2, _ = row_stats(row_ptr, V, stride_v, scale, 1.0, BLOCK_V, False,
+                                             WITH_ENTROPY, False)
             x_target = tl.load(row_ptr + target * stride_v).to(tl.float32)
-            tl.store(logp_ptr + row, (x_target * scale - lse2) * LN2)
-            tl.store(lse_ptr + row, lse2 * LN2)
+            tl.store(logp_ptr + row, ((x_target * scale - m * scale) - log2_s) * LN2)
+            # natural units, with m / T formed as the backward forms z / T
+            tl.store(lse_ptr + row, m * inv_t + log2_s * LN2)
             if WITH_ENTROPY:
                 tl.store(entropy_ptr + row, h2 * LN2)
         else:
@@ -54,25 +65,29 @@ def logprobs_bwd_kernel(
     """``grad_j = (1/T) (g_lp (d_jy - p_j) - g_H p_j (s_j - lse + H))`` in one pass."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    scale = LOG2E / temperature
     inv_t = 1.0 / temperature
     for row in range(pid, n_rows, n_programs):
         target = tl.load(target_ptr + row).to(tl.int64)
         grad_row_ptr = grad_ptr + row_offset(row, inner, g_stride0, g_stride1)
         if target != ignore_index:
             row_ptr = logits_ptr + row_offset(row, inner, stride0, stride1)
-            lse2 = tl.load(lse_ptr + row) * LOG2E
-            c_target = tl.load(grad_logp_ptr + row.to(tl.int64) * grad_logp_stride) * inv_t
+            lse = tl.load(lse_ptr + row)
+            row64 = tl.cast(row, tl.int64)
+            g_lp = tl.load(grad_logp_ptr + row64 * grad_logp_stride)
+            # (1/T) (p (-g_lp - g_H H) + p u (-g_H) + [j == y] g_lp), u = log p
             if WITH_ENTROPY:
                 entropy = tl.load(entropy_ptr + row)
-                g_h = tl.load(grad_entropy_ptr + row.to(tl.int64) * grad_entropy_stride) * inv_t
-                c_p = c_target + g_h * entropy
-                c_u = g_h * LN2
+                g_h = tl.load(grad_entropy_ptr + row64 * grad_entropy_stride)
+                c_p = -(g_lp + g_h * entropy)
+                c_u = -g_h
             else:
-                c_p = c_target
-                c_u = c_target * 0.0
-            write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, lse2, scale,
-                           c_target, c_p, c_u, 0.0, 1.0, BLOCK_V, WITH_ENTROPY, False)
+                c_p = -g_lp
+                c_u = g_lp * 0.0
+            # p = exp2((z / T - lse) * log2 e): z / T and lse formed as in the forward, so a
+            # V = 1 row gets p == 1 exactly
+            write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, lse, inv_t,
+                           g_lp, c_p, c_u, 0.0, inv_t, 1.0, BLOCK_V, WITH_ENTROPY, False,
+                           True)
         else:
             zero_row(grad_row_ptr, V, g_stride_v, BLOCK_V)
 
