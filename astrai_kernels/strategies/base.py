@@ -267,7 +267,7 @@ class BaseStrategy(ABC):
         """Map a :class:`RolloutResult` to the batch layout :meth:`compute_loss` expects."""
         raise NotImplementedError(f"{type(self).__name__} does not support online rollout")
 
-    def _on_rollout_refresh(self) -> None:
+    def _on_rollout_refresh(self) -> None:  # noqa: B027 (an optional hook, no-op by default)
         """Hook fired when a fresh rollout is produced (e.g. to sync the behaviour policy)."""
 
     def on_optimizer_step(self) -> None:

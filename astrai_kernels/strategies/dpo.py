@@ -106,7 +106,8 @@ class DPOStrategy(BaseStrategy):
                                _pad_right(masks["rejected"].float(), length)], dim=0)
         key_mask = None
         if attn["chosen"] is not None or attn["rejected"] is not None:
-            sides = [attn[s].bool() if attn[s] is not None else torch.ones_like(batch[s], dtype=torch.bool)
+            sides = [attn[s].bool() if attn[s] is not None
+                     else torch.ones_like(batch[s], dtype=torch.bool)
                      for s in ("chosen", "rejected")]
             key_mask = torch.cat([_pad_right(m, length) for m in sides], dim=0)
         return ids, loss_mask, key_mask, chosen.shape[0]
@@ -133,11 +134,12 @@ class DPOStrategy(BaseStrategy):
 
     def compute_loss_output(self, batch: Dict[str, Tensor]) -> LossOutput:
         ids, loss_mask, key_mask, n_pairs = self._concat_batch(batch)
-        log_pi, aux_loss = self._sequence_logprobs(self.model, ids, loss_mask, key_mask)
         log_ref = None
         if self.ref_model is not None:
+            # The no-grad reference forward first: its logits are gone before the policy's exist.
             with torch.no_grad():
                 log_ref, _ = self._sequence_logprobs(self.ref_model, ids, loss_mask, key_mask)
+        log_pi, aux_loss = self._sequence_logprobs(self.model, ids, loss_mask, key_mask)
         pi_chosen, pi_rejected = log_pi[:n_pairs], log_pi[n_pairs:]
         ref_chosen = None if log_ref is None else log_ref[:n_pairs]
         ref_rejected = None if log_ref is None else log_ref[n_pairs:]

@@ -172,40 +172,43 @@ class GRPOStrategy(BaseStrategy):
             return model_outputs(model, type(self).__name__, input_ids=inputs,
                                  input_mask=input_mask, position_ids=position_ids)
 
-        policy_out = forward(self.model)
-        aux_loss = policy_out.get("aux_loss")
         if self.uses_reference:
+            policy_out = forward(self.model)
             task_loss, metrics = self._seed_loss(forward, policy_out["logits"], full_sequences,
                                                  prompt_len, responses_flat, masks_flat, rewards)
         else:
-            task_loss, metrics = self._fused_loss(forward, policy_out["logits"], prompt_len,
-                                                  responses_flat, masks_flat, rewards)
+            policy_out, task_loss, metrics = self._fused_loss(forward, prompt_len, responses_flat,
+                                                              masks_flat, rewards)
+        aux_loss = policy_out.get("aux_loss")
         mask_f = masks_flat.float()
         metrics["reward/mean"] = rewards.float().mean()
         metrics["reward/std"] = rewards.float().std(unbiased=False)
         metrics["response_length/mean"] = mask_f.sum(-1).mean()
         return self._loss_output(task_loss, metrics, aux_loss)
 
-    def _fused_loss(self, forward, logits, prompt_len, responses, masks, rewards):
-        """``ak.grpo_loss`` on the response slice of the logits (a view: no copy, and nothing is
-        computed for the prompt positions)."""
+    def _fused_loss(self, forward, prompt_len, responses, masks, rewards):
+        """``ak.grpo_loss`` on the response slice of the policy logits (a view: no copy, and
+        nothing is computed for the prompt positions). The no-grad old and reference forwards
+        run first, so their logits are freed before the policy's exist."""
         backend = self.loss_backend
-        # logits[:, t] predicts token t + 1, so the response (tokens prompt_len..S-1) is
-        # predicted by positions prompt_len-1 .. S-2.
-        response_logits = logits[:, prompt_len - 1:]
         mask = masks.float()
         old_logprobs = ref_logprobs = None
+
+        def response_logprobs(model):
+            logits = forward(model)["logits"][:, prompt_len - 1:]
+            return token_logprobs(logits, responses, mask, backend, self.temperature)
+
         with torch.no_grad():
             if self.old_model is not None and self.old_model is not self.model:
-                old_logits = forward(self.old_model)["logits"][:, prompt_len - 1:]
-                old_logprobs = token_logprobs(old_logits, responses, mask, backend)
-                del old_logits
+                old_logprobs = response_logprobs(self.old_model)
             if self.kl_coef:
-                ref_logits = forward(self.ref_model)["logits"][:, prompt_len - 1:]
-                ref_logprobs = token_logprobs(ref_logits, responses, mask, backend)
-                del ref_logits
+                ref_logprobs = response_logprobs(self.ref_model)
             advantages = ak.group_advantages(rewards.float(), scale=self.advantage_scale,
                                              eps=self.advantage_eps)
+        policy_out = forward(self.model)
+        # logits[:, t] predicts token t + 1, so the response (tokens prompt_len..S-1) is
+        # predicted by positions prompt_len-1 .. S-2.
+        response_logits = policy_out["logits"][:, prompt_len - 1:]
         loss, op_metrics = ak.grpo_loss(
             response_logits, responses, advantages.reshape(-1),
             mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
@@ -219,7 +222,7 @@ class GRPOStrategy(BaseStrategy):
             # bnpo: loss = mean(pg) + kl_coef * mean(k3), both over all response tokens.
             metrics["policy_loss"] = loss.detach() - kl_loss
         metrics["kl_loss"] = kl_loss
-        return loss, metrics
+        return policy_out, loss, metrics
 
     def _seed_loss(self, forward, logits, full_sequences, prompt_len, responses, masks,
                    rewards):

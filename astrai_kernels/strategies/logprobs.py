@@ -20,7 +20,8 @@ def naive_token_logprobs(logits: Tensor, target: Tensor) -> Tensor:
     return torch.gather(log_probs, dim=-1, index=target.long().unsqueeze(-1)).squeeze(-1)
 
 
-def token_logprobs(logits: Tensor, target: Tensor, mask: Tensor, backend: str) -> Tensor:
+def token_logprobs(logits: Tensor, target: Tensor, mask: Tensor, backend: str,
+                   temperature: float = 1.0) -> Tensor:
     """``log p(target)`` per token, zero where ``mask`` is 0; ``[B, T]`` float32.
 
     ``backend="reference"`` is the seed's math times the mask; otherwise the fused
@@ -28,9 +29,12 @@ def token_logprobs(logits: Tensor, target: Tensor, mask: Tensor, backend: str) -
     nothing and get zero gradient).
     """
     if backend == "reference":
+        if temperature != 1.0:
+            logits = logits.float() / temperature
         return naive_token_logprobs(logits, target) * mask.to(torch.float32)
     target = target.masked_fill(mask == 0, IGNORE_INDEX)
-    return ak.token_logprobs(logits, target, ignore_index=IGNORE_INDEX, backend=backend)
+    return ak.token_logprobs(logits, target, temperature=temperature, ignore_index=IGNORE_INDEX,
+                             backend=backend)
 
 
 def reduce_logprobs(token_lp: Tensor, mask: Tensor, reduction: str) -> Tensor:

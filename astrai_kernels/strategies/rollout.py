@@ -13,7 +13,7 @@ except ImportError:  # pragma: no cover
 
 @dataclass
 class RolloutResult:
-    """A batch of sampled responses with their rewards.
+    """A batch of sampled responses with their rewards (build it with keywords).
 
     Fields:
         prompts: prompt token ids ``[B, P]``, padded on either side.

@@ -56,7 +56,7 @@ class SEQStrategy(BaseStrategy):
     Batch: ``input_ids [B, T]`` and ``target_ids [B, T]`` (already shifted by the data pipeline;
     targets equal to -100 are ignored). ``inplace_backward=True`` lets the fused op write the
     logits' gradient into the logits buffer (no second ``[N, V]`` tensor); use it only when
-    nothing else reads the logits after the loss.
+    nothing else reads the logits after the loss (ignored with ``loss_backend="reference"``).
     """
 
     def __init__(

@@ -1,0 +1,253 @@
+"""One optimizer step of each training strategy, fused losses against the seed's math.
+
+``run_strategy_steps(vocab=32768)`` runs every (strategy, method) case in a fresh Python
+subprocess, so each peak is its own, and returns one dict per case::
+
+    {"strategy", "method" ("fused" | "reference"), "backend", "seconds", "peak_bytes",
+     "logits_bytes", "peak_method", "threads"}
+
+``method="fused"`` is the strategy with ``loss_backend=backend`` (default ``"auto"``: cpp on
+CPU); ``"reference"`` is ``loss_backend="reference"``, the seed's own math.
+
+How it is measured (CPU). The model is a :class:`TinyCausalLM` with a large vocabulary, so the
+logits dominate memory as they do in a real LLM. After one warm-up step (kernel build/load,
+first-touch allocations), each timed step is ``strategy(batch)`` (forwards of the policy and of
+the old/reference models where the strategy has them), ``backward()`` and an SGD step.
+
+* ``seconds``: the fastest of ``repeats`` timed steps (``time.perf_counter``), with one torch
+  thread by default (``threads``): on a small shared machine more threads mostly add noise.
+* ``peak_bytes``: the resident-set high-water mark during the step above the resident set just
+  before it. Linux's ``/proc/self/clear_refs`` (writing ``5``) resets the high-water mark
+  ``VmHWM`` to the current RSS before each step; the child runs with
+  ``MALLOC_MMAP_THRESHOLD_=65536`` so every large tensor is its own ``mmap`` and freeing it
+  returns the pages at once, which makes RSS follow the live tensors (glibc would otherwise keep
+  freed heap pages, and a reused page never raises RSS again). Where ``clear_refs`` is not
+  writable, the first step is measured instead (``ru_maxrss`` after it minus the RSS before it,
+  no warm-up) and ``peak_method`` says so. Tensors live before the step (weights, the batch)
+  are not counted; the parameter gradients created by the step are.
+* ``logits_bytes``: the size of the policy's logits (``rows x V x 4``), the natural unit.
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STRATEGIES = ("seq", "sft", "dpo", "grpo")
+METHODS = ("fused", "reference")
+
+
+# ------------------------------------------------------------------ inside the child process
+
+
+def _status_kib(field):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak():
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _make_case(strategy_name, method, vocab, d_model, n_layers, backend, seed=0):
+    import copy
+
+    import torch
+
+    from astrai_kernels.strategies import StrategyFactory
+    from astrai_kernels.testing.tiny_lm import TinyCausalLM
+
+    gen = torch.Generator().manual_seed(seed)
+    model = TinyCausalLM(vocab_size=vocab, d_model=d_model, n_layers=n_layers, n_heads=2,
+                         max_seq_len=256, seed=seed)
+    loss_backend = "reference" if method == "reference" else backend
+    kwargs = {}
+    if method == "fused_inplace":
+        if strategy_name not in ("seq", "sft"):
+            raise ValueError("fused_inplace (inplace_backward=True) is for seq and sft only")
+        kwargs["inplace_backward"] = True
+    if strategy_name in ("seq", "sft"):
+        batch_size, length = 4, 128
+        ids = torch.randint(0, vocab, (batch_size, length), generator=gen)
+        batch = {"input_ids": ids, "target_ids": ids.roll(-1, 1)}
+        if strategy_name == "sft":
+            mask = torch.ones_like(ids, dtype=torch.bool)
+            mask[:, :32] = False
+            batch["loss_mask"] = mask
+            batch["position_ids"] = torch.cat([torch.arange(64), torch.arange(64)]).expand(
+                batch_size, length)
+        rows = batch_size * length
+    elif strategy_name == "dpo":
+        pairs, length = 2, 128
+        batch = {side: torch.randint(0, vocab, (pairs, length), generator=gen)
+                 for side in ("chosen", "rejected")}
+        for side in ("chosen", "rejected"):
+            mask = torch.zeros(pairs, length)
+            mask[:, 32:] = 1
+            batch[f"{side}_mask"] = mask
+        kwargs["ref_model"] = copy.deepcopy(model)
+        rows = 2 * pairs * (length - 1)
+    else:
+        prompts, group, prompt_len, response_len = 2, 4, 32, 96
+        batch = {
+            "prompts": torch.randint(0, vocab, (prompts, prompt_len), generator=gen),
+            "responses": torch.randint(0, vocab, (prompts, group, response_len), generator=gen),
+            "masks": torch.ones(prompts, group, response_len),
+            "rewards": torch.rand(prompts, group, generator=gen),
+        }
+        kwargs["old_model"] = copy.deepcopy(model)
+        kwargs["ref_model"] = copy.deepcopy(model)
+        kwargs["kl_coef"] = 0.01
+        rows = prompts * group * (prompt_len + response_len - 1)
+    strategy = StrategyFactory.create(strategy_name, model, "cpu", loss_backend=loss_backend,
+                                      **kwargs)
+    return model, strategy, batch, rows
+
+
+def run_case(strategy_name, method, vocab=32768, d_model=64, n_layers=2, backend="auto",
+             repeats=2, threads=1):
+    """One (strategy, method) case in this process; returns its result dict."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+
+    from astrai_kernels.ops._backend import resolve_backend
+
+    model, strategy, batch, rows = _make_case(strategy_name, method, vocab, d_model, n_layers,
+                                              backend)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step():
+        out = strategy(batch)
+        out["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    can_reset = _reset_peak()
+    if can_reset:
+        step()  # warm-up: loads/builds kernels, first-touch allocations
+    seconds, peak = float("inf"), 0
+    for _ in range(repeats if can_reset else 1):
+        _reset_peak()
+        before = _status_kib("VmRSS")
+        start = time.perf_counter()
+        step()
+        seconds = min(seconds, time.perf_counter() - start)
+        if can_reset:
+            high = _status_kib("VmHWM")
+        else:
+            high = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = max(peak, (high - before) * 1024)
+    return {
+        "strategy": strategy_name,
+        "method": method,
+        "backend": "reference" if method == "reference" else resolve_backend(backend, "cpu"),
+        "seconds": seconds,
+        "peak_bytes": peak,
+        "logits_bytes": rows * vocab * 4,
+        "peak_method": "VmHWM reset by clear_refs" if can_reset else "ru_maxrss, first step",
+        "threads": torch.get_num_threads(),
+    }
+
+
+# ------------------------------------------------------------------ driver
+
+
+def run_strategy_steps(vocab=32768, strategies=STRATEGIES, methods=METHODS, backend="auto",
+                       d_model=64, n_layers=2, repeats=3, threads=1, timeout=300):
+    """Each (strategy, method) case in a fresh subprocess; a list of result dicts.
+
+    ``methods`` may also hold ``"fused_inplace"`` (``inplace_backward=True``: the gradient is
+    written into the logits' buffer), run for ``seq`` and ``sft`` only.
+    """
+    env = dict(os.environ)
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    results = []
+    for strategy_name in strategies:
+        for method in methods:
+            if method == "fused_inplace" and strategy_name not in ("seq", "sft"):
+                continue
+            cmd = [sys.executable, os.path.abspath(__file__), "--case", strategy_name, method,
+                   "--vocab", str(vocab), "--d-model", str(d_model), "--n-layers",
+                   str(n_layers), "--backend", backend, "--repeats", str(repeats),
+                   "--threads", str(threads)]
+            proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=timeout)
+            if proc.returncode != 0:
+                raise RuntimeError(f"case {strategy_name}/{method} failed:\n{proc.stderr}")
+            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return results
+
+
+def format_table(results):
+    mib = 1 << 20
+    by_key = {(r["strategy"], r["method"]): r for r in results}
+    lines = [f"{'strategy':<9} {'method':<14} {'backend':<10} {'step ms':>9} {'peak MiB':>9} "
+             f"{'peak/logits':>11} {'ref/fused peak':>14} {'ref/fused time':>14}"]
+    for r in results:
+        ref = by_key.get((r["strategy"], "reference"))
+        ratio_peak = ratio_time = ""
+        if r["method"] != "reference" and ref is not None:
+            ratio_peak = f"{ref['peak_bytes'] / max(r['peak_bytes'], 1):.2f}x"
+            ratio_time = f"{ref['seconds'] / r['seconds']:.2f}x"
+        lines.append(f"{r['strategy']:<9} {r['method']:<14} {r['backend']:<10} "
+                     f"{r['seconds'] * 1e3:>9.1f} {r['peak_bytes'] / mib:>9.1f} "
+                     f"{r['peak_bytes'] / r['logits_bytes']:>11.2f} {ratio_peak:>14} "
+                     f"{ratio_time:>14}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--n-layers", type=int, default=2)
+    parser.add_argument("--backend", default="auto", help="loss_backend of the fused cases")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per case (1: repeatable on a shared 2-core machine; "
+                             "0: torch's default)")
+    parser.add_argument("--inplace", action="store_true",
+                        help="also run seq and sft with inplace_backward=True")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--case", nargs=2, metavar=("STRATEGY", "METHOD"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.case:
+        result = run_case(*args.case, vocab=args.vocab, d_model=args.d_model,
+                          n_layers=args.n_layers, backend=args.backend, repeats=args.repeats,
+                          threads=args.threads)
+        print(json.dumps(result))
+        return
+    methods = METHODS + (("fused_inplace",) if args.inplace else ())
+    results = run_strategy_steps(vocab=args.vocab, strategies=args.strategies.split(","),
+                                 methods=methods, backend=args.backend, d_model=args.d_model,
+                                 n_layers=args.n_layers, repeats=args.repeats,
+                                 threads=args.threads)
+    print(f"One optimizer step per strategy, TinyCausalLM d_model={args.d_model} "
+          f"n_layers={args.n_layers} V={args.vocab}, {args.threads or 'default'} thread(s); "
+          f"best of {args.repeats}; peak = RSS high-water above the step's start (see the "
+          f"module docstring)")
+    print(format_table(results))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as out:
+            json.dump(results, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()
