@@ -102,8 +102,6 @@ def resolve_backend(backend, device):
     return _resolve(backend, str(device))
 
 
-# Under torch.compile the choice is made once at trace time and baked into the graph.
-@torch._dynamo.assume_constant_result
 def _resolve(backend, device):
     if backend == "auto":
         backend = os.environ.get(ENV_VAR, "auto") or "auto"
@@ -120,3 +118,8 @@ def _resolve(backend, device):
     if reason is not None:
         raise RuntimeError(f"backend {backend!r} cannot serve tensors on {device}: {reason}")
     return backend
+
+
+# Under torch.compile the choice is made once at trace time and baked into the graph. This is
+# what torch.compiler.assume_constant_result does, without importing dynamo (~1.7 s) up front.
+_resolve._dynamo_marked_constant = True
