@@ -1,0 +1,259 @@
+"""The ``cpp`` backend: the primitives of ``ops/_backend.py`` as C++ kernels from ``csrc/``.
+
+The extension is built on first use with ``torch.utils.cpp_extension.load`` (ninja) and cached:
+the build directory is ``$ASTRAI_KERNELS_BUILD_DIR`` when set, else
+``~/.cache/astrai_kernels/cpp-<torch version>-<hash>``, the hash covering the sources, the flags,
+the compiler and the Python ABI, so a change to any of them builds afresh and an unchanged tree
+loads the cached library in well under a second. Flags are portable (``-O3 -fopenmp
+-ffp-contract=fast``; no ``-march=native``, no ``-ffast-math``): the kernels carry AVX2 and
+AVX-512 variants chosen at run time from the CPU's features (``ASTRAI_KERNELS_CPU_ISA`` =
+``generic`` | ``avx2`` | ``avx512`` caps the choice).
+
+Without a C++ compiler or ninja, ``unavailable_reason`` says so and a one-time warning names the
+fallback (the ``torch`` backend); a failed build raises a ``RuntimeError`` carrying the compiler's
+full output from ``load_extension()`` (and the primitives).
+"""
+
+import contextlib
+import hashlib
+import os
+import shlex
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+BUILD_DIR_ENV = "ASTRAI_KERNELS_BUILD_DIR"
+ISA_ENV = "ASTRAI_KERNELS_CPU_ISA"
+CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast")
+LDFLAGS = ("-fopenmp",)
+SOURCES = ("common.h", "logprobs.cpp", "cross_entropy.cpp", "grpo.cpp", "bindings.cpp")
+
+_LOCK = threading.Lock()
+_EXTENSION = None
+_BUILD_ERROR = None  # the message of a failed build, kept so it is not retried in this process
+_WARNED = False
+
+
+# ------------------------------------------------------------------------------------------
+# Locating the sources and the toolchain
+# ------------------------------------------------------------------------------------------
+
+def source_dir():
+    """The ``csrc/`` folder with the C++ sources, or None when it cannot be found."""
+    here = Path(__file__).resolve()
+    for candidate in (here.parents[2] / "csrc", here.parents[1] / "csrc"):
+        if all((candidate / name).is_file() for name in SOURCES):
+            return candidate
+    return None
+
+
+def _compiler():
+    """Path of the C++ compiler ``cpp_extension`` will use (``$CXX``, else c++ / g++), or None."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        words = shlex.split(cxx)
+        return shutil.which(words[0]) if words else None
+    return shutil.which("c++") or shutil.which("g++")
+
+
+def _toolchain_reason():
+    """None when sources, compiler and ninja are present, else why the extension cannot build."""
+    if source_dir() is None:
+        return ("the cpp backend's C++ sources (csrc/) were not found next to the "
+                "astrai_kernels package")
+    if _compiler() is None:
+        wanted = f"$CXX={os.environ['CXX']!r}" if os.environ.get("CXX") else "c++ or g++"
+        return f"no C++ compiler was found ({wanted} is not on PATH)"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        return "ninja, which torch.utils.cpp_extension needs to build the cpp backend, is missing"
+    return None
+
+
+def _build_hash(src):
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update(name.encode())
+        digest.update((src / name).read_bytes())
+    for part in (*CFLAGS, "|", *LDFLAGS, "|", str(_compiler()), os.environ.get("CXX", ""),
+                 torch.__version__, sys.implementation.cache_tag, sys.platform):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def build_directory():
+    """Where the extension is (or will be) built."""
+    env = os.environ.get(BUILD_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    src = source_dir()
+    key = _build_hash(src) if src is not None else "nosources"
+    return Path.home() / ".cache" / "astrai_kernels" / f"cpp-{torch.__version__}-{key}"
+
+
+# ------------------------------------------------------------------------------------------
+# Building and loading
+# ------------------------------------------------------------------------------------------
+
+def load_extension(verbose=False):
+    """The compiled extension module, building it on first use (once per process, locked).
+
+    Raises ``RuntimeError`` when the toolchain is missing or the build fails; for a failed build
+    the message carries the compiler's full output.
+    """
+    global _EXTENSION, _BUILD_ERROR
+    if _EXTENSION is not None:
+        return _EXTENSION
+    with _LOCK:
+        if _EXTENSION is not None:
+            return _EXTENSION
+        if _BUILD_ERROR is not None:
+            raise RuntimeError(_BUILD_ERROR)
+        reason = _toolchain_reason()
+        if reason is not None:
+            raise RuntimeError(f"the cpp backend cannot be built: {reason}")
+        from torch.utils.cpp_extension import load
+
+        src = source_dir()
+        build_dir = build_directory()
+        name = f"astrai_kernels_cpp_{_build_hash(src)[:12]}"
+        try:
+            build_dir.mkdir(parents=True, exist_ok=True)
+            with _process_lock(build_dir):
+                module = load(
+                    name=name,
+                    sources=[str(src / s) for s in SOURCES if s.endswith(".cpp")],
+                    extra_cflags=list(CFLAGS),
+                    extra_ldflags=list(LDFLAGS),
+                    extra_include_paths=[str(src)],
+                    build_directory=str(build_dir),
+                    verbose=verbose,
+                )
+        except Exception as exc:  # the compiler's output is in the message
+            _BUILD_ERROR = (f"building the cpp backend extension in {build_dir} failed "
+                            f"({type(exc).__name__}):\n{exc}")
+            raise RuntimeError(_BUILD_ERROR) from exc
+        _EXTENSION = module
+        return module
+
+
+@contextlib.contextmanager
+def _process_lock(build_dir):
+    """Serialize builds across processes with an OS lock (released even if a process dies).
+
+    ``cpp_extension`` guards its build with a ``lock`` file that a killed build leaves behind,
+    after which every later load waits forever; holding this lock, no other process of ours is
+    building there, so such a file is stale and is removed.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: rely on cpp_extension's own lock file
+        yield
+        return
+    with open(build_dir / "astrai_build.lock", "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _warn_once(reason):
+    global _WARNED
+    if not _WARNED:
+        _WARNED = True
+        warnings.warn(f"astrai_kernels: the cpp backend is unavailable ({reason}); "
+                      f"CPU tensors fall back to the 'torch' backend.", RuntimeWarning,
+                      stacklevel=3)
+
+
+def unavailable_reason(device):
+    """None when the cpp backend can serve tensors on ``device``, else a sentence saying why."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return f"the cpp backend serves CPU tensors only (got a {device.type} device)"
+    if _EXTENSION is not None:
+        return None
+    reason = _toolchain_reason()
+    if reason is None:
+        try:
+            load_extension()
+            return None
+        except RuntimeError as exc:
+            first = str(exc).splitlines()[0]
+            reason = (f"{first}; call astrai_kernels.cpu.cpp_backend.load_extension() to see "
+                      f"the compiler output")
+    _warn_once(reason)
+    return reason
+
+
+def isa():
+    """The instruction set the kernels run with (``generic``, ``avx2`` or ``avx512``)."""
+    return load_extension().isa()
+
+
+def set_isa(name):
+    """Run the kernels with instruction set ``name`` (capped at the CPU's); returns the old one."""
+    return load_extension().set_isa(name)
+
+
+# ------------------------------------------------------------------------------------------
+# The primitives (see ops/_backend.py for the contract)
+# ------------------------------------------------------------------------------------------
+
+def _rows_f32(tensor):
+    """A contiguous float32 tensor of the same elements (a no-op for the usual inputs)."""
+    if tensor is None:
+        return None
+    return tensor.reshape(-1).to(torch.float32).contiguous()
+
+
+def _target(target):
+    target = target.reshape(-1)
+    if target.dtype not in (torch.int64, torch.int32):
+        target = target.long()
+    return target.contiguous()
+
+
+def logprobs_forward(logits, target, temperature, ignore_index, with_entropy):
+    ext = load_extension()
+    logp, entropy, lse = ext.logprobs_forward(logits, _target(target), float(temperature),
+                                              int(ignore_index), bool(with_entropy))
+    return logp, entropy, lse
+
+
+def logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, temperature,
+                      ignore_index, grad):
+    ext = load_extension()
+    with_entropy = grad_entropy is not None and grad_entropy.numel() > 0
+    empty = lse.new_empty(0, dtype=torch.float32)
+    ext.logprobs_backward(logits, _target(target), _rows_f32(lse),
+                          _rows_f32(entropy) if with_entropy else empty, _rows_f32(grad_logp),
+                          _rows_f32(grad_entropy) if with_entropy else empty,
+                          float(temperature), int(ignore_index), grad)
+
+
+def cross_entropy_forward(logits, target, ignore_index, label_smoothing, z_loss, softcap,
+                          grad_scale, grad):
+    ext = load_extension()
+    loss, lse = ext.cross_entropy_forward(
+        logits, _target(target), int(ignore_index), float(label_smoothing), float(z_loss),
+        float(softcap or 0.0), _rows_f32(grad_scale) if grad is not None else None, grad)
+    return loss, lse
+
+
+def grpo_forward(logits, target, temperature, advantages, old_logprobs, ref_logprobs,
+                 token_weight, clip_low, clip_high, delta, beta, grad):
+    ext = load_extension()
+    logp, loss = ext.grpo_forward(
+        logits, _target(target), float(temperature), _rows_f32(advantages),
+        _rows_f32(old_logprobs), _rows_f32(ref_logprobs), _rows_f32(token_weight),
+        float(clip_low), float(clip_high), float(delta or 0.0), float(beta), grad)
+    return logp, loss

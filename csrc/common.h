@@ -1,0 +1,643 @@
+// Shared helpers of the cpp backend: row geometry, dtype load/store, a vectorizable exp/tanh,
+// the online (max, sum-exp) row reduction, ISA dispatch and the OpenMP row loop.
+//
+// This header is torch-free: the kernels (logprobs.cpp, cross_entropy.cpp, grpo.cpp) see raw
+// pointers, element strides and float hyperparameters only; bindings.cpp unpacks tensors.
+//
+// Vectorization: the inner loops are plain loops over always-inline helpers, written so the
+// compiler vectorizes them without -ffast-math (elementwise loops under `#pragma omp simd`;
+// reductions over a fixed array of kLanes partial results; selects through integer masks, so no
+// float op is executed conditionally). Each kernel is instantiated once per ISA (generic x86-64,
+// AVX2+FMA, AVX-512) through `__attribute__((target(...)))` wrappers and picked at run time
+// (`active_isa()`), so the binary is portable and needs no `-march=native`; inf and NaN keep
+// their IEEE meaning (exp(-inf) = 0, NaN propagates), which -ffast-math would not guarantee.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define ASTRAI_X86 1
+#else
+#define ASTRAI_X86 0
+#endif
+
+#define ASTRAI_INLINE inline __attribute__((always_inline))
+#define ASTRAI_NOINLINE __attribute__((noinline))
+
+#if ASTRAI_X86
+#define ASTRAI_TARGET_AVX512                                                               \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,avx,fma,f16c,bmi,bmi2," \
+                        "popcnt,prefer-vector-width=512")))
+#define ASTRAI_TARGET_AVX2 __attribute__((target("avx2,avx,fma,f16c,bmi,bmi2,popcnt")))
+// M(attribute, suffix) once per instruction set the kernels are compiled for.
+#define ASTRAI_FOR_EACH_ISA(M) M(ASTRAI_TARGET_AVX512, avx512) M(ASTRAI_TARGET_AVX2, avx2) M(, generic)
+#else
+#define ASTRAI_FOR_EACH_ISA(M) M(, generic)
+#endif
+
+namespace astrai {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// ---------------------------------------------------------------------------------------------
+// Instruction-set dispatch
+// ---------------------------------------------------------------------------------------------
+
+enum class Isa : int { Generic = 0, Avx2 = 1, Avx512 = 2 };
+
+inline const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::Avx512: return "avx512";
+    case Isa::Avx2: return "avx2";
+    default: return "generic";
+  }
+}
+
+// The best instruction set this CPU (and OS) supports among those the kernels are built for.
+inline Isa detected_isa() {
+#if ASTRAI_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2"))
+    return Isa::Avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2"))
+    return Isa::Avx2;
+#endif
+  return Isa::Generic;
+}
+
+inline std::atomic<int>& isa_slot() {
+  // -1: not chosen yet. The env var ASTRAI_KERNELS_CPU_ISA (generic | avx2 | avx512) may lower
+  // the choice (never above what the CPU supports).
+  static std::atomic<int> slot{-1};
+  return slot;
+}
+
+inline Isa clamp_isa(Isa wanted) {
+  const Isa best = detected_isa();
+  return static_cast<int>(wanted) > static_cast<int>(best) ? best : wanted;
+}
+
+inline Isa active_isa() {
+  int v = isa_slot().load(std::memory_order_relaxed);
+  if (v < 0) {
+    Isa isa = detected_isa();
+    if (const char* env = std::getenv("ASTRAI_KERNELS_CPU_ISA")) {
+      if (!std::strcmp(env, "generic")) isa = Isa::Generic;
+      else if (!std::strcmp(env, "avx2")) isa = clamp_isa(Isa::Avx2);
+      else if (!std::strcmp(env, "avx512")) isa = clamp_isa(Isa::Avx512);
+    }
+    v = static_cast<int>(isa);
+    isa_slot().store(v, std::memory_order_relaxed);
+  }
+  return static_cast<Isa>(v);
+}
+
+inline void set_active_isa(Isa isa) {
+  isa_slot().store(static_cast<int>(clamp_isa(isa)), std::memory_order_relaxed);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bit casts and element types: load as float, store float with round-to-nearest-even
+// ---------------------------------------------------------------------------------------------
+
+ASTRAI_INLINE float bits_to_float(uint32_t b) { return __builtin_bit_cast(float, b); }
+ASTRAI_INLINE uint32_t float_to_bits(float f) { return __builtin_bit_cast(uint32_t, f); }
+
+// c ? a : b through integer masks: both operands are computed unconditionally, so loops using it
+// vectorize without -fno-trapping-math (the compiler may not speculate float ops on its own).
+ASTRAI_INLINE float select(bool c, float a, float b) {
+  const uint32_t m = 0u - static_cast<uint32_t>(c);
+  return bits_to_float((float_to_bits(a) & m) | (float_to_bits(b) & ~m));
+}
+
+enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+struct F32T {
+  using storage = float;
+  static ASTRAI_INLINE float load(float v) { return v; }
+  static ASTRAI_INLINE float store(float v) { return v; }
+};
+
+struct BF16T {
+  using storage = uint16_t;
+  static ASTRAI_INLINE float load(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+  // Same rounding as c10::BFloat16 (round to nearest even, NaN -> quiet NaN); branch-free.
+  static ASTRAI_INLINE uint16_t store(float f) {
+    const uint32_t u = float_to_bits(f);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return f != f ? uint16_t(0x7FC0) : uint16_t(r);
+  }
+};
+
+struct F16T {
+  using storage = uint16_t;
+  // IEEE half -> float, exact for normals, subnormals, inf and NaN; branch-free.
+  static ASTRAI_INLINE float load(uint16_t h) {
+    const uint32_t sign = (uint32_t(h) & 0x8000u) << 16;
+    const uint32_t em = uint32_t(h) & 0x7FFFu;
+    uint32_t mag = float_to_bits(bits_to_float(em << 13) * 0x1.0p112f);
+    mag = em >= 0x7C00u ? (mag | 0x7F800000u) : mag;
+    return bits_to_float(mag | sign);
+  }
+  // float -> IEEE half, round to nearest even (the algorithm c10::Half uses); branch-free.
+  static ASTRAI_INLINE uint16_t store(float f) {
+    const float base0 = (__builtin_fabsf(f) * 0x1.0p112f) * 0x1.0p-110f;
+    const uint32_t w = float_to_bits(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    bias = bias < 0x71000000u ? 0x71000000u : bias;
+    const float base = bits_to_float((bias >> 1) + 0x07800000u) + base0;
+    const uint32_t bits = float_to_bits(base);
+    const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+    const uint32_t mantissa_bits = bits & 0x00000FFFu;
+    const uint32_t nonsign = exp_bits + mantissa_bits;
+    return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Vectorizable exp and tanh (plain arithmetic + selects, so `omp simd` loops vectorize them)
+// ---------------------------------------------------------------------------------------------
+
+// exp(x) for float32: Cody-Waite reduction x = n*ln2 + r, |r| <= ln2/2, and the Cephes
+// degree-6 polynomial; max error about 1 ulp on [-87.3, 88.3]. x < -87.3365 (log FLT_MIN,
+// including -inf) gives exactly 0 (no subnormal results); NaN gives NaN. Domain: x <= 88.3; the
+// kernels only call it with x <= 0 (a logit minus its row max or its lse; the row whose max is
+// +inf is handled by the caller), so the branch-free body has no upper clamp.
+ASTRAI_INLINE float fast_exp(float x) {
+  // No input clamp: below `lo` the scale's exponent bits wrap (unsigned arithmetic, defined) and
+  // the final select replaces the result by 0; NaN flows through every step.
+  const float lo = -87.33654475f;
+  const float k = x * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: round to integer
+  const float n = k - 12582912.0f;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const float scale = bits_to_float((float_to_bits(k) << 23) + 0x3F800000u);  // 2^n
+  const float res = p * scale;
+  return select(lo > x, 0.0f, res);
+}
+
+// tanh(x) (Cephes tanhf): an odd polynomial for |x| <= 0.625, (1 - e) / (1 + e) with
+// e = exp(-2|x|) above; about 2 ulp. tanh(+-inf) = +-1, NaN gives NaN.
+ASTRAI_INLINE float fast_tanh(float x) {
+  const float a = __builtin_fabsf(x);
+  const float e = fast_exp(-2.0f * a);
+  const float big = __builtin_copysignf((1.0f - e) / (1.0f + e), x);
+  const float s = x * x;
+  float q = -5.70498872745e-3f;
+  q = q * s + 2.06390887954e-2f;
+  q = q * s - 5.37397155531e-2f;
+  q = q * s + 1.33314422036e-1f;
+  q = q * s - 3.33332819422e-1f;
+  const float small = q * s * x + x;
+  return select(a > 0.625f, big, small);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row geometry: an [A, B, V] tensor with arbitrary element strides; row n = [n / B, n % B]
+// ---------------------------------------------------------------------------------------------
+
+struct RowsView {
+  const void* data = nullptr;
+  int64_t A = 0, B = 0, V = 0;
+  int64_t sA = 0, sB = 0, sV = 1;  // element strides
+
+  int64_t rows() const { return A * B; }
+  template <class S>
+  ASTRAI_INLINE const S* row(int64_t n) const {
+    const int64_t a = n / B;
+    const int64_t b = n - a * B;
+    return static_cast<const S*>(data) + a * sA + b * sB;
+  }
+};
+
+struct GradView {
+  void* data = nullptr;  // null: no gradient requested
+  int64_t B = 1;
+  int64_t sA = 0, sB = 0, sV = 1;
+
+  template <class S>
+  ASTRAI_INLINE S* row(int64_t n) const {
+    const int64_t a = n / B;
+    const int64_t b = n - a * B;
+    return static_cast<S*>(data) + a * sA + b * sB;
+  }
+};
+
+struct Targets {
+  const void* data = nullptr;
+  bool is64 = true;
+  ASTRAI_INLINE int64_t operator[](int64_t n) const {
+    return is64 ? static_cast<const int64_t*>(data)[n]
+                : static_cast<int64_t>(static_cast<const int32_t*>(data)[n]);
+  }
+};
+
+// First row whose target is out of range (kernels never read out of bounds; the binding raises).
+struct BadRow {
+  std::atomic<int64_t> row{-1};
+  int64_t target = 0;
+  void set(int64_t n, int64_t y) {
+    int64_t expected = -1;
+    if (row.compare_exchange_strong(expected, n)) target = y;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Online (max, sum-exp) reduction of one row
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kBlock = 2048;  // elements per block of the online reduction (8 KB of float32)
+
+// Running state over the values s_j seen so far, relative to `shift` (a value of the row never
+// above the running max, so the largest term exp(max - shift) >= 1 is never lost; 0 while the
+// max is infinite, as torch.logsumexp does):
+//   sum  = sum_j exp(s_j - shift)
+//   wsum = sum_j exp(s_j - shift) * (s_j - shift)   (for the entropy; terms with exp = 0 are 0)
+//   zsum = sum_j s_j                                 (for label smoothing)
+struct OnlineLse {
+  float max = -kInf;
+  float shift = 0.0f;
+  float sum = 0.0f;
+  float wsum = 0.0f;
+  float zsum = 0.0f;
+
+  // A row holding +inf has lse = +inf (as torch.logsumexp) and an undefined (NaN) entropy.
+  ASTRAI_INLINE float lse() const { return max == kInf ? kInf : std::log(sum) + shift; }
+  // lse - sum_j p_j s_j  =  log(sum) - wsum / sum
+  ASTRAI_INLINE float entropy() const {
+    return max == kInf ? std::numeric_limits<float>::quiet_NaN() : std::log(sum) - wsum / sum;
+  }
+
+  // Re-express sum and wsum relative to a larger shift.
+  template <bool ENT>
+  ASTRAI_INLINE void rebase(float new_shift) {
+    if (sum > 0.0f) {
+      const float delta = shift - new_shift;
+      const float alpha = std::exp(delta);
+      if (ENT) wsum = (wsum + delta * sum) * alpha;
+      sum *= alpha;
+    }
+    shift = new_shift;
+  }
+};
+
+struct BlockSums {
+  float max = -kInf, sum = 0.0f, wsum = 0.0f, zsum = 0.0f;
+};
+
+// Reductions keep kLanes independent partial results in a small array updated lane by lane:
+// the compiler vectorizes that at whatever width the function's ISA has (no `omp simd
+// reduction`, whose lane arrays OpenMP sizes for the ISA of the inlined helper, not the caller).
+constexpr int kLanes = 32;
+
+// One streaming pass over elements [b0, b0 + len): their max, and their exp-sums relative to
+// `shift` (valid while max - shift stays well below 88, see online_lse_row).
+// With KEEP, also stores exp(s_j - shift) to e_out[j - b0].
+template <bool ENT, bool ZSUM, bool KEEP, class Load>
+ASTRAI_INLINE BlockSums accumulate_block(const Load& load, int64_t b0, int len, float shift,
+                                         float* e_out) {
+  float vmax[kLanes], vs[kLanes], vw[kLanes], vz[kLanes];
+  for (int l = 0; l < kLanes; ++l) {
+    vmax[l] = -kInf;
+    vs[l] = vw[l] = vz[l] = 0.0f;
+  }
+  int j = 0;
+  for (; j + kLanes <= len; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const float v = load(b0 + j + l);
+      vmax[l] = vmax[l] < v ? v : vmax[l];
+      const float d = v - shift;
+      const float e = fast_exp(d);
+      if (KEEP) e_out[j + l] = e;
+      vs[l] += e;
+      if (ENT) vw[l] += select(e > 0.0f, e * d, 0.0f);
+      if (ZSUM) vz[l] += v;
+    }
+  }
+  for (int l = 0; j < len; ++j, ++l) {
+    const float v = load(b0 + j);
+    vmax[l] = vmax[l] < v ? v : vmax[l];
+    const float d = v - shift;
+    const float e = fast_exp(d);
+    if (KEEP) e_out[j] = e;
+    vs[l] += e;
+    if (ENT) vw[l] += select(e > 0.0f, e * d, 0.0f);
+    if (ZSUM) vz[l] += v;
+  }
+  BlockSums b;
+  for (int l = 0; l < kLanes; ++l) {
+    b.max = b.max < vmax[l] ? vmax[l] : b.max;
+    b.sum += vs[l];
+    if (ENT) b.wsum += vw[l];
+    if (ZSUM) b.zsum += vz[l];
+  }
+  return b;
+}
+
+template <class Load>
+ASTRAI_INLINE float block_max(const Load& load, int64_t b0, int len) {
+  float vmax[kLanes];
+  for (int l = 0; l < kLanes; ++l) vmax[l] = -kInf;
+  int j = 0;
+  for (; j + kLanes <= len; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const float v = load(b0 + j + l);
+      vmax[l] = vmax[l] < v ? v : vmax[l];
+    }
+  }
+  for (int l = 0; j < len; ++j, ++l) {
+    const float v = load(b0 + j);
+    vmax[l] = vmax[l] < v ? v : vmax[l];
+  }
+  float m = -kInf;
+  for (int l = 0; l < kLanes; ++l) m = m < vmax[l] ? vmax[l] : m;
+  return m;
+}
+
+// Feed all V values of a row to `st`; `load(j)` returns s_j as float (it may read strided memory
+// or apply a softcap). `hint` is one of the row's values (the target's): the exps are taken
+// relative to it from the first element on, so each block is read once, computing its max and
+// its exp-sum in the same loop while the memory streams; the shift moves up to a block's max
+// after the block, and a block whose max exceeds the shift by more than 64 (its exps could
+// overflow) is summed again. A non-finite hint falls back to a max pass before each block.
+//
+// With KEEP (`exps`: V floats, `shifts`: one float per block), the exps are kept:
+// exps[j] = exp(s_j - shifts[j / kBlock]), so a gradient pass needs no second exp:
+// p_j = exps[j] * exp(shifts[j / kBlock] - lse).
+template <bool ENT, bool ZSUM, bool KEEP = false, class Load>
+ASTRAI_INLINE void online_lse_row(int64_t V, const Load& load, OnlineLse& st, float hint,
+                                  float* exps = nullptr, float* shifts = nullptr) {
+  const bool hinted = std::isfinite(hint);
+  st.shift = hinted ? hint : 0.0f;
+  for (int64_t b0 = 0, blk = 0; b0 < V; b0 += kBlock, ++blk) {
+    const int len = static_cast<int>(std::min<int64_t>(kBlock, V - b0));
+    float* e_out = KEEP ? exps + b0 : nullptr;
+    if (!hinted) {
+      const float m = block_max(load, b0, len);
+      if (m > st.max) {
+        st.max = m;
+        st.rebase<ENT>(std::isinf(m) ? 0.0f : m);
+      }
+    }
+    BlockSums b = accumulate_block<ENT, ZSUM, KEEP, Load>(load, b0, len, st.shift, e_out);
+    if (ZSUM) st.zsum += b.zsum;
+    if (!hinted || b.max == kInf) {
+      if (b.max == kInf) st.max = kInf;  // the row's lse is +inf; its sums no longer matter
+      if (KEEP) shifts[blk] = st.shift;
+      st.sum += b.sum;
+      if (ENT) st.wsum += b.wsum;
+      continue;
+    }
+    if (b.max > st.shift + 64.0f) {  // exps relative to the old shift may have overflowed
+      st.rebase<ENT>(b.max);
+      const float bz = b.zsum;
+      b = accumulate_block<ENT, false, KEEP, Load>(load, b0, len, st.shift, e_out);
+      b.zsum = bz;
+    }
+    if (KEEP) shifts[blk] = st.shift;
+    st.sum += b.sum;
+    if (ENT) st.wsum += b.wsum;
+    if (b.max > st.shift) st.rebase<ENT>(b.max);
+    if (b.max > st.max) st.max = b.max;
+  }
+}
+
+// Per-thread scratch for the kept exps of one row (grows, never shrinks).
+struct RowScratch {
+  float* exps;
+  float* shifts;
+};
+
+// Whether fused kernels keep the first pass's exps (on by default; tests turn it off to cover
+// the recomputing path).
+inline std::atomic<bool>& keep_exps_enabled() {
+  static std::atomic<bool> enabled{true};
+  return enabled;
+}
+
+// Returns null pointers when the memory cannot be had or keeping is off (callers then recompute
+// the exps).
+inline RowScratch row_scratch(int64_t V) {
+  if (!keep_exps_enabled().load(std::memory_order_relaxed)) return {nullptr, nullptr};
+  struct Buffer {
+    float* data = nullptr;
+    int64_t cap = 0;
+    ~Buffer() { std::free(data); }
+  };
+  thread_local Buffer buf;
+  const int64_t padded = ((V + 15) / 16) * 16;
+  const int64_t need = padded + (V + kBlock - 1) / kBlock + 16;
+  if (need > buf.cap) {
+    std::free(buf.data);
+    buf.data = static_cast<float*>(std::aligned_alloc(64, ((need * 4 + 63) / 64) * 64));
+    buf.cap = buf.data ? need : 0;
+  }
+  if (!buf.data) return {nullptr, nullptr};
+  return {buf.data, buf.data + padded};
+}
+
+// Loaders: s_j of a row of element type T (contiguous when C).
+template <class T, bool C>
+struct ScaledLoad {  // s_j = x_j * inv_t
+  const typename T::storage* row;
+  int64_t sv;
+  float inv_t;
+  ASTRAI_INLINE float operator()(int64_t j) const { return T::load(row[C ? j : j * sv]) * inv_t; }
+};
+
+template <class T, bool C, bool SOFTCAP>
+struct CappedLoad {  // z_j = c * tanh(x_j / c) when SOFTCAP, else x_j
+  const typename T::storage* row;
+  int64_t sv;
+  float cap, inv_cap;
+  ASTRAI_INLINE float operator()(int64_t j) const {
+    const float x = T::load(row[C ? j : j * sv]);
+    return SOFTCAP ? cap * fast_tanh(x * inv_cap) : x;
+  }
+};
+
+template <class T, bool C>
+ASTRAI_INLINE void zero_row(typename T::storage* g, int64_t sg, int64_t V) {
+  const auto zero = T::store(0.0f);
+#pragma omp simd
+  for (int64_t j = 0; j < V; ++j) g[C ? j : j * sg] = zero;
+}
+
+// grad_j = coef * (d_jy - p_j) / T  [ - g_H / T * p_j * (s_j - lse + H) ],  p_j = exp(s_j - lse).
+// Shared by logprobs_backward and grpo_forward. Reads each element before writing it, so
+// `grad` may be the logits themselves; the target element is written last from `s_y`.
+template <class T, bool C, bool ENT>
+ASTRAI_INLINE void write_logprob_grad(const typename T::storage* x, int64_t sv,
+                                      typename T::storage* g, int64_t sg, int64_t V, int64_t y,
+                                      float s_y, float inv_t, float lse, float coef,
+                                      float g_entropy, float entropy) {
+  const float gh = g_entropy * inv_t;
+  const float neg_coef = -coef * inv_t;
+#pragma omp simd
+  for (int64_t j = 0; j < V; ++j) {
+    const float d = T::load(x[C ? j : j * sv]) * inv_t - lse;
+    const float p = fast_exp(d);
+    float v = p * neg_coef;
+    if (ENT) v -= gh * select(p > 0.0f, p * (d + entropy), 0.0f);
+    g[C ? j : j * sg] = T::store(v);
+  }
+  const float d = s_y - lse;
+  const float p = fast_exp(d);
+  float v = (-p * coef + coef) * inv_t;
+  if (ENT) v -= gh * select(p > 0.0f, p * (d + entropy), 0.0f);
+  g[C ? y : y * sg] = T::store(v);
+}
+
+// The same gradient (without the entropy term) from the exps kept by online_lse_row: no exp
+// per element, and no read of the logits (so also safe in place).
+template <class T, bool C>
+ASTRAI_INLINE void write_logprob_grad_from_exps(typename T::storage* g, int64_t sg, int64_t V,
+                                                int64_t y, const RowScratch& keep,
+                                                float inv_t, float lse, float coef) {
+  const float neg_coef = -coef * inv_t;
+  const float* e = keep.exps;
+  for (int64_t b0 = 0, blk = 0; b0 < V; b0 += kBlock, ++blk) {
+    const int64_t b1 = std::min<int64_t>(V, b0 + kBlock);
+    const float factor = std::exp(keep.shifts[blk] - lse) * neg_coef;
+#pragma omp simd
+    for (int64_t j = b0; j < b1; ++j) g[C ? j : j * sg] = T::store(e[j] * factor);
+  }
+  const float p = e[y] * std::exp(keep.shifts[y / kBlock] - lse);
+  g[C ? y : y * sg] = T::store((-p * coef + coef) * inv_t);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch helpers and the parallel row loop
+// ---------------------------------------------------------------------------------------------
+
+template <class F>
+ASTRAI_INLINE auto with_dtype(DType d, F&& f) {
+  switch (d) {
+    case DType::BF16: return f(BF16T{});
+    case DType::F16: return f(F16T{});
+    default: return f(F32T{});
+  }
+}
+
+template <bool B>
+struct Bool {
+  static constexpr bool value = B;
+};
+
+template <class F>
+ASTRAI_INLINE auto with_bool(bool b, F&& f) {
+  return b ? f(Bool<true>{}) : f(Bool<false>{});
+}
+
+template <class Args>
+using RowsFn = void (*)(const Args&, int64_t, int64_t);
+
+// Rows [0, n_rows) in chunks of about 256K elements, dealt round-robin to the threads
+// (OpenMP static schedule), so rows ignored in long runs (prompts) do not unbalance them.
+template <class Args>
+inline void run_rows(RowsFn<Args> fn, const Args& args, int64_t n_rows, int64_t V, int nthreads) {
+  if (n_rows <= 0) return;
+  const int64_t chunk = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(V, 1));
+  const int64_t n_chunks = (n_rows + chunk - 1) / chunk;
+  const int nt = static_cast<int>(std::min<int64_t>(std::max(nthreads, 1), n_chunks));
+  if (nt <= 1) {
+    fn(args, 0, n_rows);
+    return;
+  }
+#pragma omp parallel for schedule(static, 1) num_threads(nt)
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    fn(args, c * chunk, std::min(n_rows, (c + 1) * chunk));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel arguments and entry points (defined in logprobs.cpp, cross_entropy.cpp, grpo.cpp)
+// ---------------------------------------------------------------------------------------------
+
+struct LogprobsFwdArgs {
+  RowsView x;
+  Targets y;
+  DType dtype;
+  float inv_t;
+  int64_t ignore_index;
+  float* logp;
+  float* entropy;  // null when not requested
+  float* lse;
+  BadRow* bad;
+};
+
+struct LogprobsBwdArgs {
+  RowsView x;
+  Targets y;
+  DType dtype;
+  float inv_t;
+  int64_t ignore_index;
+  const float* lse;
+  const float* entropy;       // null when entropy was not requested
+  const float* grad_logp;
+  const float* grad_entropy;  // null when entropy was not requested
+  GradView grad;
+  BadRow* bad;
+};
+
+struct CrossEntropyArgs {
+  RowsView x;
+  Targets y;
+  DType dtype;
+  int64_t ignore_index;
+  float label_smoothing;
+  float one_minus_eps;     // 1 - label_smoothing (computed in double, as torch does)
+  float eps_minus_one;     // label_smoothing - 1
+  float smoothing_over_v;  // label_smoothing / V
+  float z_loss;
+  float softcap;  // 0: off
+  const float* grad_scale;  // null when no gradient
+  int64_t grad_scale_numel;
+  GradView grad;            // grad.data null when no gradient
+  float* loss;
+  float* lse;
+  BadRow* bad;
+};
+
+struct GrpoArgs {
+  RowsView x;
+  Targets y;
+  DType dtype;
+  float inv_t;
+  const float* advantages;
+  const float* old_logprobs;  // null: on-policy
+  const float* ref_logprobs;  // null: no KL term
+  const float* token_weight;
+  float ratio_lo, ratio_hi;  // 1 - clip_low, 1 + clip_high (computed in double)
+  float delta, beta;
+  GradView grad;  // grad.data null when no gradient
+  float* logp;
+  float* loss;
+  BadRow* bad;
+};
+
+void logprobs_forward_kernel(const LogprobsFwdArgs& args, int nthreads);
+void logprobs_backward_kernel(const LogprobsBwdArgs& args, int nthreads);
+void cross_entropy_forward_kernel(const CrossEntropyArgs& args, int nthreads);
+void grpo_forward_kernel(const GrpoArgs& args, int nthreads);
+
+}  // namespace astrai

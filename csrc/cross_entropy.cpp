@@ -1,0 +1,129 @@
+// cross_entropy_forward of ops/_backend.py, with the gradient fused into the same pass:
+//   z = c * tanh(x / c) (softcap c, 0 = off), lse = logsumexp(z), p = softmax(z)
+//   loss   = (1 - eps) * (lse - z_y) + eps * (lse - mean_j z_j) + z_loss * lse^2
+//   grad_j = scale * ((1 + 2 z_loss lse) p_j - (1 - eps) d_jy - eps / V) [* (1 - (z_j / c)^2)]
+#include "common.h"
+
+namespace astrai {
+namespace {
+
+template <class T, bool C, bool SOFTCAP, bool SMOOTH>
+ASTRAI_INLINE void cross_entropy_rows(const CrossEntropyArgs& a, int64_t n0, int64_t n1) {
+  using S = typename T::storage;
+  const int64_t V = a.x.V, sv = a.x.sV, sg = a.grad.sV;
+  const bool with_grad = a.grad.data != nullptr;
+  const float cap = a.softcap, inv_cap = SOFTCAP ? 1.0f / a.softcap : 0.0f;
+  const float eps = a.label_smoothing;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int64_t y = a.y[n];
+    const bool ignored = y == a.ignore_index;
+    if (ignored || y < 0 || y >= V) {
+      if (!ignored) a.bad->set(n, y);
+      a.loss[n] = 0.0f;
+      a.lse[n] = 0.0f;
+      if (with_grad) zero_row<T, C>(a.grad.row<S>(n), sg, V);
+      continue;
+    }
+    const S* row = a.x.row<S>(n);
+    const CappedLoad<T, C, SOFTCAP> load{row, sv, cap, inv_cap};
+    const float z_y = load(y);
+    OnlineLse st;
+    // With a gradient to write, keep the exps of the first pass for the second.
+    const RowScratch keep = with_grad ? row_scratch(V) : RowScratch{nullptr, nullptr};
+    if (keep.exps) {
+      online_lse_row<false, SMOOTH, true>(V, load, st, z_y, keep.exps, keep.shifts);
+    } else {
+      online_lse_row<false, SMOOTH>(V, load, st, z_y);
+    }
+    const float lse = st.lse();
+    float loss = a.one_minus_eps * (lse - z_y) + a.z_loss * lse * lse;
+    if (SMOOTH) loss = loss + eps * (lse - st.zsum / static_cast<float>(V));
+    a.loss[n] = loss;
+    a.lse[n] = lse;
+    if (!with_grad) continue;
+
+    S* g = a.grad.row<S>(n);
+    const float scale = a.grad_scale[a.grad_scale_numel == 1 ? 0 : n];
+    const float k = 1.0f + 2.0f * a.z_loss * lse;
+    const float eps_v = a.smoothing_over_v;
+    float p_y;
+    if (keep.exps) {
+      for (int64_t b0 = 0, blk = 0; b0 < V; b0 += kBlock, ++blk) {
+        const int64_t b1 = std::min<int64_t>(V, b0 + kBlock);
+        const float to_p = std::exp(keep.shifts[blk] - lse);  // p_j = exps[j] * to_p
+        const float* e = keep.exps;
+#pragma omp simd
+        for (int64_t j = b0; j < b1; ++j) {
+          float v = (e[j] * to_p * k - eps_v) * scale;
+          if (SOFTCAP) {
+            const float u = load(j) * inv_cap;
+            v *= 1.0f - u * u;
+          }
+          g[C ? j : j * sg] = T::store(v);
+        }
+      }
+      p_y = keep.exps[y] * std::exp(keep.shifts[y / kBlock] - lse);
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < V; ++j) {
+        const float z = load(j);
+        float v = (fast_exp(z - lse) * k - eps_v) * scale;
+        if (SOFTCAP) {
+          const float u = z * inv_cap;
+          v *= 1.0f - u * u;
+        }
+        g[C ? j : j * sg] = T::store(v);
+      }
+      p_y = fast_exp(z_y - lse);
+    }
+    // The target element, with the -(1 - eps) folded in float32, written last (in-place safe).
+    float v = (p_y * k - eps_v + a.eps_minus_one) * scale;
+    if (SOFTCAP) {
+      const float u = z_y * inv_cap;
+      v *= 1.0f - u * u;
+    }
+    g[C ? y : y * sg] = T::store(v);
+  }
+}
+
+#define ASTRAI_CE_VARIANTS(ATTR, SUFFIX)                                                  \
+  template <class T, bool C, bool SOFTCAP, bool SMOOTH>                                   \
+  ATTR ASTRAI_NOINLINE void cross_entropy_##SUFFIX(const CrossEntropyArgs& a, int64_t n0, \
+                                                   int64_t n1) {                          \
+    cross_entropy_rows<T, C, SOFTCAP, SMOOTH>(a, n0, n1);                                 \
+  }
+ASTRAI_FOR_EACH_ISA(ASTRAI_CE_VARIANTS)
+#undef ASTRAI_CE_VARIANTS
+
+template <class T, bool C, bool SOFTCAP, bool SMOOTH>
+RowsFn<CrossEntropyArgs> pick(Isa isa) {
+#if ASTRAI_X86
+  if (isa == Isa::Avx512) return &cross_entropy_avx512<T, C, SOFTCAP, SMOOTH>;
+  if (isa == Isa::Avx2) return &cross_entropy_avx2<T, C, SOFTCAP, SMOOTH>;
+#endif
+  (void)isa;
+  return &cross_entropy_generic<T, C, SOFTCAP, SMOOTH>;
+}
+
+}  // namespace
+
+void cross_entropy_forward_kernel(const CrossEntropyArgs& args, int nthreads) {
+  const Isa isa = active_isa();
+  const bool with_grad = args.grad.data != nullptr;
+  const bool contiguous = (args.x.sV == 1 && (!with_grad || args.grad.sV == 1)) || args.x.V <= 1;
+  const bool softcap = args.softcap != 0.0f;
+  const bool smooth = args.label_smoothing != 0.0f;
+  RowsFn<CrossEntropyArgs> fn = with_dtype(args.dtype, [&](auto t) {
+    return with_bool(contiguous, [&](auto c) {
+      return with_bool(softcap, [&](auto sc) {
+        return with_bool(smooth, [&](auto sm) {
+          return pick<decltype(t), decltype(c)::value, decltype(sc)::value,
+                      decltype(sm)::value>(isa);
+        });
+      });
+    });
+  });
+  run_rows(fn, args, args.x.rows(), args.x.V, nthreads);
+}
+
+}  // namespace astrai

@@ -1,0 +1,121 @@
+// grpo_forward of ops/_backend.py: per-token clipped surrogate (+ beta * k3) and its gradient,
+// fused with the log-prob pass. Rows with token_weight == 0 are masked (target not read).
+#include "common.h"
+
+namespace astrai {
+namespace {
+
+constexpr float kLogRatioClamp = 20.0f;
+
+struct TokenTerms {
+  float loss;
+  float dloss;  // d loss / d logp
+};
+
+// The per-token formula of torch_backend.grpo_token_terms, in float32.
+inline TokenTerms token_terms(float logp, const float* old, const float* ref, float adv,
+                              float lo, float hi, float delta, float beta) {
+  const float raw = old ? logp - *old : 0.0f;
+  const float log_ratio = std::min(std::max(raw, -kLogRatioClamp), kLogRatioClamp);
+  const float ratio = std::exp(log_ratio);
+  const float dratio = std::fabs(raw) <= kLogRatioClamp ? ratio : 0.0f;
+  float ratio_u = ratio, dratio_u = dratio;
+  if (delta > 0.0f) {
+    dratio_u = ratio <= delta ? dratio : 0.0f;
+    ratio_u = std::min(ratio, delta);
+  }
+  const float ratio_c = std::min(std::max(ratio, lo), hi);
+  const float dratio_c = (ratio >= lo && ratio <= hi) ? dratio : 0.0f;
+  const float unclipped = ratio_u * adv;
+  const float clipped = ratio_c * adv;
+  const bool take_unclipped = unclipped <= clipped;  // ties: the unclipped branch
+  float loss = -(take_unclipped ? unclipped : clipped);
+  float dloss = -adv * (take_unclipped ? dratio_u : dratio_c);
+  if (beta > 0.0f) {
+    const float raw_ref = *ref - logp;
+    const float ref_ratio = std::min(std::max(raw_ref, -kLogRatioClamp), kLogRatioClamp);
+    const float e = std::exp(ref_ratio);
+    loss = loss + beta * (e - ref_ratio - 1.0f);
+    dloss = dloss + beta * (1.0f - e) * (std::fabs(raw_ref) <= kLogRatioClamp ? 1.0f : 0.0f);
+  }
+  return {loss, dloss};
+}
+
+template <class T, bool C>
+ASTRAI_INLINE void grpo_rows(const GrpoArgs& a, int64_t n0, int64_t n1) {
+  using S = typename T::storage;
+  const int64_t V = a.x.V, sv = a.x.sV, sg = a.grad.sV;
+  const bool with_grad = a.grad.data != nullptr;
+  for (int64_t n = n0; n < n1; ++n) {
+    const float w = a.token_weight[n];
+    const bool masked = w == 0.0f;
+    const int64_t y = masked ? 0 : a.y[n];
+    if (masked || y < 0 || y >= V) {
+      if (!masked) a.bad->set(n, y);
+      a.logp[n] = 0.0f;
+      a.loss[n] = 0.0f;
+      if (with_grad) zero_row<T, C>(a.grad.row<S>(n), sg, V);
+      continue;
+    }
+    const S* row = a.x.row<S>(n);
+    const ScaledLoad<T, C> load{row, sv, a.inv_t};
+    const float s_y = load(y);
+    OnlineLse st;
+    const RowScratch keep = with_grad ? row_scratch(V) : RowScratch{nullptr, nullptr};
+    if (keep.exps) {
+      online_lse_row<false, false, true>(V, load, st, s_y, keep.exps, keep.shifts);
+    } else {
+      online_lse_row<false, false>(V, load, st, s_y);
+    }
+    const float lse = st.lse();
+    const float logp = s_y - lse;
+    const TokenTerms t = token_terms(logp, a.old_logprobs ? a.old_logprobs + n : nullptr,
+                                     a.ref_logprobs ? a.ref_logprobs + n : nullptr,
+                                     a.advantages[n], a.ratio_lo, a.ratio_hi, a.delta,
+                                     a.ref_logprobs ? a.beta : 0.0f);
+    a.logp[n] = logp;
+    a.loss[n] = t.loss;
+    if (!with_grad) continue;
+    if (keep.exps) {
+      write_logprob_grad_from_exps<T, C>(a.grad.row<S>(n), sg, V, y, keep, a.inv_t, lse,
+                                         t.dloss * w);
+    } else {
+      write_logprob_grad<T, C, false>(row, sv, a.grad.row<S>(n), sg, V, y, s_y, a.inv_t, lse,
+                                      t.dloss * w, 0.0f, 0.0f);
+    }
+  }
+}
+
+#define ASTRAI_GRPO_VARIANTS(ATTR, SUFFIX)                                                 \
+  template <class T, bool C>                                                               \
+  ATTR ASTRAI_NOINLINE void grpo_##SUFFIX(const GrpoArgs& a, int64_t n0, int64_t n1) {    \
+    grpo_rows<T, C>(a, n0, n1);                                                            \
+  }
+ASTRAI_FOR_EACH_ISA(ASTRAI_GRPO_VARIANTS)
+#undef ASTRAI_GRPO_VARIANTS
+
+template <class T, bool C>
+RowsFn<GrpoArgs> pick(Isa isa) {
+#if ASTRAI_X86
+  if (isa == Isa::Avx512) return &grpo_avx512<T, C>;
+  if (isa == Isa::Avx2) return &grpo_avx2<T, C>;
+#endif
+  (void)isa;
+  return &grpo_generic<T, C>;
+}
+
+}  // namespace
+
+void grpo_forward_kernel(const GrpoArgs& args, int nthreads) {
+  const Isa isa = active_isa();
+  const bool with_grad = args.grad.data != nullptr;
+  const bool contiguous = (args.x.sV == 1 && (!with_grad || args.grad.sV == 1)) || args.x.V <= 1;
+  RowsFn<GrpoArgs> fn = with_dtype(args.dtype, [&](auto t) {
+    return with_bool(contiguous, [&](auto c) {
+      return pick<decltype(t), decltype(c)::value>(isa);
+    });
+  });
+  run_rows(fn, args, args.x.rows(), args.x.V, nthreads);
+}
+
+}  // namespace astrai

@@ -1,0 +1,559 @@
+"""The cpp backend's primitives against ``astrai_kernels.cpu.torch_backend`` (same calls).
+
+Every check runs once per instruction set the CPU supports (generic, avx2, avx512), since each
+is a separately compiled copy of the kernels. A failed build fails these tests.
+"""
+
+import contextlib
+import math
+import warnings
+
+import pytest
+import torch
+
+from astrai_kernels.cpu import cpp_backend as cb
+from astrai_kernels.cpu import torch_backend as tb
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+VOCABS = (1, 7, 1003, 4096)
+IGNORE = -100
+# Relative (to the largest reference magnitude) tolerance of a written gradient, per dtype: a few
+# ulp of the output dtype, since both backends round the same float32 value.
+GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    return cb.load_extension()  # raises (fails every test) when the build fails
+
+
+def isas():
+    order = ("generic", "avx2", "avx512")
+    best = cb.load_extension().detected_isa()
+    return order[:order.index(best) + 1]
+
+
+@contextlib.contextmanager
+def using_isa(name):
+    previous = cb.set_isa(name)
+    try:
+        yield
+    finally:
+        cb.set_isa(previous)
+
+
+def each_isa():
+    """Yield each supported ISA name with the kernels switched to it."""
+    for name in isas():
+        with using_isa(name):
+            yield name
+
+
+def each_isa_and_path():
+    """As each_isa, and for the fused kernels both gradient paths: from the first pass's kept
+    exps (the default) and recomputing them (the fallback when no scratch memory is had)."""
+    ext = cb.load_extension()
+    for name in isas():
+        for keep in (True, False):
+            previous = ext._set_keep_exps(keep)
+            try:
+                with using_isa(name):
+                    yield f"{name}{'' if keep else ' recompute'}"
+            finally:
+                ext._set_keep_exps(previous)
+
+
+# ------------------------------------------------------------------------------------------
+# Inputs and comparisons
+# ------------------------------------------------------------------------------------------
+
+def make_logits(shape, dtype, layout="contiguous", scale=3.0, seed=0):
+    """``[A, B, V]`` logits in one of three layouts over the same kind of values."""
+    g = torch.Generator().manual_seed(seed)
+    a, b, v = shape
+    if layout == "contiguous":
+        base = torch.randn(a, b, v, generator=g) * scale
+        return base.to(dtype)
+    if layout == "strided_vocab":  # vocabulary stride 2
+        base = torch.randn(a, b, 2 * v, generator=g) * scale
+        return base.to(dtype)[..., ::2]
+    if layout == "sliced_rows":  # x[:, :-1] of a contiguous [A, B + 1, V]: rows not uniform
+        base = torch.randn(a, b + 1, v, generator=g) * scale
+        return base.to(dtype)[:, :-1]
+    raise ValueError(layout)
+
+
+def make_target(n_rows, vocab, ignored=(), seed=1, dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randint(0, vocab, (n_rows,), generator=g)
+    for i in ignored:
+        if i < n_rows:
+            target[i] = IGNORE
+    return target.to(dtype)
+
+
+def assert_rows_close(actual, expected, what, rtol=1e-5):
+    """float32 per-row outputs: close relative to the row's magnitude (and to 1)."""
+    assert actual.dtype == torch.float32, what
+    assert actual.shape == expected.shape, what
+    assert actual.is_contiguous(), what
+    finite = expected.abs().nan_to_num(0.0, 0.0, 0.0)
+    scale = max(1.0, float(finite.max())) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale, equal_nan=True,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def assert_grad_close(actual, expected, what):
+    assert actual.dtype == expected.dtype, what
+    tol = GRAD_TOL[expected.dtype]
+    a, e = actual.float(), expected.float()
+    assert torch.isfinite(a).all() == torch.isfinite(e).all(), what
+    scale = max(float(e.abs().max()), 1e-30) if e.numel() else 1.0
+    torch.testing.assert_close(a, e, rtol=0.0, atol=tol * scale, msg=lambda m: f"{what}: {m}")
+
+
+def empty_grad_like(logits, layout="contiguous"):
+    """A gradient buffer pre-filled with NaN (every element must be written)."""
+    if layout == "strided":
+        a, b, v = logits.shape
+        return torch.full((a, b, 2 * v), float("nan"), dtype=logits.dtype)[..., ::2]
+    return torch.full(logits.shape, float("nan"), dtype=logits.dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# logprobs_forward / logprobs_backward
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("layout", ("contiguous", "strided_vocab", "sliced_rows"))
+def test_logprobs_forward_backward(dtype, vocab, layout):
+    x = make_logits((2, 5, vocab), dtype, layout)
+    n = 10
+    target = make_target(n, vocab, ignored=(1, 7))
+    g = torch.Generator().manual_seed(3)
+    grad_logp = torch.randn(n, generator=g)
+    grad_entropy = torch.randn(n, generator=g)
+    for temperature in (1.0, 0.7):
+        for with_entropy in (False, True):
+            expected = tb.logprobs_forward(x, target, temperature, IGNORE, with_entropy)
+            g_h = grad_entropy if with_entropy else torch.empty(0)
+            ref_grad = torch.empty(x.shape, dtype=dtype)
+            tb.logprobs_backward(x, target, expected[2], expected[1], grad_logp, g_h,
+                                 temperature, IGNORE, ref_grad)
+            for isa in each_isa():
+                what = f"{isa} T={temperature} entropy={with_entropy}"
+                got = cb.logprobs_forward(x, target, temperature, IGNORE, with_entropy)
+                for name, a, e in zip(("logp", "entropy", "lse"), got, expected):
+                    assert_rows_close(a, e, f"{what} {name}")
+                for i in (1, 7):
+                    assert got[0][i] == 0 and got[2][i] == 0
+                grad = empty_grad_like(x)
+                cb.logprobs_backward(x, target, got[2], got[1], grad_logp, g_h, temperature,
+                                     IGNORE, grad)
+                assert_grad_close(grad, ref_grad, f"{what} grad")
+                assert (grad[0, 1] == 0).all() and (grad[1, 2] == 0).all()  # ignored rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_entropy", (False, True))
+def test_logprobs_backward_inplace_and_strided_grad(dtype, with_entropy):
+    vocab = 1003
+    x0 = make_logits((3, 4, vocab), dtype)
+    target = make_target(12, vocab, ignored=(0, 5), dtype=torch.int32)
+    grad_logp = torch.randn(12)
+    grad_entropy = torch.randn(12) if with_entropy else torch.empty(0)
+    expected = tb.logprobs_forward(x0, target, 0.9, IGNORE, with_entropy)
+    ref_grad = torch.empty_like(x0)
+    tb.logprobs_backward(x0, target, expected[2], expected[1], grad_logp, grad_entropy, 0.9,
+                         IGNORE, ref_grad)
+    for isa in each_isa():
+        x = x0.clone()
+        cb.logprobs_backward(x, target, expected[2], expected[1], grad_logp, grad_entropy, 0.9,
+                             IGNORE, x)  # grad is logits
+        assert_grad_close(x, ref_grad, f"{isa} in-place")
+        grad = empty_grad_like(x0, "strided")  # contiguous logits, vocab-strided grad
+        cb.logprobs_backward(x0, target, expected[2], expected[1], grad_logp, grad_entropy,
+                             0.9, IGNORE, grad)
+        assert_grad_close(grad, ref_grad, f"{isa} strided grad")
+
+
+def test_logprobs_expanded_upstream_gradient():
+    x = make_logits((1, 6, 50), torch.float32)
+    target = make_target(6, 50)
+    logp, entropy, lse = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
+    ones = torch.ones(()).expand(6)  # what autograd hands over for .sum().backward()
+    grad, ref_grad = torch.empty_like(x), torch.empty_like(x)
+    cb.logprobs_backward(x, target, lse, entropy, ones, ones, 1.0, IGNORE, grad)
+    tb.logprobs_backward(x, target, lse, entropy, ones.contiguous(), ones.contiguous(), 1.0,
+                         IGNORE, ref_grad)
+    assert_grad_close(grad, ref_grad, "expanded grad_logp")
+
+
+# ------------------------------------------------------------------------------------------
+# cross_entropy_forward
+# ------------------------------------------------------------------------------------------
+
+CE_CONFIGS = (  # (label_smoothing, z_loss, softcap)
+    (0.0, 0.0, 0.0),
+    (0.1, 0.0, 0.0),
+    (0.0, 1e-3, 0.0),
+    (0.0, 0.0, 5.0),
+    (0.1, 1e-4, 30.0),
+)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab", (1, 7, 1003))
+@pytest.mark.parametrize("layout", ("contiguous", "strided_vocab", "sliced_rows"))
+def test_cross_entropy(dtype, vocab, layout):
+    x0 = make_logits((2, 6, vocab), dtype, layout, scale=4.0)
+    n = 12
+    target = make_target(n, vocab, ignored=(0, 11))
+    for smoothing, z_loss, softcap in CE_CONFIGS:
+        for scale_rows in (1, n):
+            grad_scale = torch.rand(scale_rows, generator=torch.Generator().manual_seed(5)) + 0.5
+            ref_grad = torch.empty(x0.shape, dtype=dtype)
+            expected = tb.cross_entropy_forward(x0, target, IGNORE, smoothing, z_loss, softcap,
+                                                grad_scale, ref_grad)
+            for isa in each_isa_and_path():
+                what = f"{isa} eps={smoothing} z={z_loss} cap={softcap} scale={scale_rows}"
+                got = cb.cross_entropy_forward(x0, target, IGNORE, smoothing, z_loss, softcap,
+                                               None, None)  # no gradient
+                for name, a, e in zip(("loss", "lse"), got, expected):
+                    assert_rows_close(a, e, f"{what} {name} (no grad)")
+                grad = empty_grad_like(x0)
+                got = cb.cross_entropy_forward(x0, target, IGNORE, smoothing, z_loss, softcap,
+                                               grad_scale, grad)
+                for name, a, e in zip(("loss", "lse"), got, expected):
+                    assert_rows_close(a, e, f"{what} {name}")
+                assert_grad_close(grad, ref_grad, f"{what} grad")
+                assert got[0][0] == 0 and (grad[0, 0] == 0).all()  # ignored row
+                if layout == "contiguous":
+                    x = x0.clone()
+                    got = cb.cross_entropy_forward(x, target, IGNORE, smoothing, z_loss, softcap,
+                                                   grad_scale, x)  # grad is logits
+                    for name, a, e in zip(("loss", "lse"), got, expected):
+                        assert_rows_close(a, e, f"{what} {name} (in-place)")
+                    assert_grad_close(x, ref_grad, f"{what} grad (in-place)")
+
+
+def test_cross_entropy_all_ignored():
+    x = make_logits((1, 4, 9), torch.bfloat16)
+    target = torch.full((4,), IGNORE)
+    grad = empty_grad_like(x)
+    for isa in each_isa():
+        loss, lse = cb.cross_entropy_forward(x, target, IGNORE, 0.1, 1e-3, 0.0,
+                                             torch.ones(1), grad)
+        assert (loss == 0).all() and (lse == 0).all() and (grad == 0).all(), isa
+
+
+# ------------------------------------------------------------------------------------------
+# grpo_forward
+# ------------------------------------------------------------------------------------------
+
+# Log-ratio offsets of old_logprobs: far off-policy both ways (clamped at +-20), clipped low and
+# high, inside the trust region.
+OFFSETS = (-30.0, -1.0, -0.5, 0.0, 0.05, 0.5, 1.0, 30.0, 0.3, -0.1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ("contiguous", "strided_vocab", "sliced_rows"))
+def test_grpo(dtype, layout):
+    vocab, n = 1003, 20
+    x0 = make_logits((2, 10, vocab), dtype, layout)
+    target = make_target(n, vocab)
+    g = torch.Generator().manual_seed(11)
+    token_weight = torch.rand(n, generator=g) + 0.5
+    token_weight[[2, 13]] = 0.0  # masked rows (their target is not read)
+    target[13] = IGNORE
+    advantages = torch.randn(n, generator=g)
+    logp_now = tb.logprobs_forward(x0, target.clamp(min=0), 0.8, IGNORE, False)[0]
+    offsets = torch.tensor(OFFSETS * (n // len(OFFSETS)))
+    old = (logp_now + offsets).float()
+    ref = (logp_now + torch.randn(n, generator=g)).float()
+    ref[4] = logp_now[4] + 25.0  # KL log-ratio clamped
+    for old_lp in (None, old):
+        for ref_lp, beta in ((None, 0.0), (ref, 0.04)):
+            for delta in (0.0, 2.0, 1.2):  # 1.2 = 1 + clip_high: ties between the branches
+                ref_grad = torch.empty(x0.shape, dtype=dtype)
+                args = (0.8, advantages, old_lp, ref_lp, token_weight, 0.2, 0.2, delta, beta)
+                expected = tb.grpo_forward(x0, target, *args, ref_grad)
+                for isa in each_isa_and_path():
+                    what = (f"{isa} old={old_lp is not None} beta={beta} delta={delta}")
+                    got = cb.grpo_forward(x0, target, *args, None)
+                    for name, a, e in zip(("logp", "loss"), got, expected):
+                        assert_rows_close(a, e, f"{what} {name} (no grad)")
+                    grad = empty_grad_like(x0)
+                    got = cb.grpo_forward(x0, target, *args, grad)
+                    for name, a, e in zip(("logp", "loss"), got, expected):
+                        assert_rows_close(a, e, f"{what} {name}")
+                    assert_grad_close(grad, ref_grad, f"{what} grad")
+                    assert got[0][2] == 0 and got[1][13] == 0
+                    assert (grad[0, 2] == 0).all() and (grad[1, 3] == 0).all()
+                    if layout == "contiguous":
+                        x = x0.clone()
+                        cb.grpo_forward(x, target, *args, x)
+                        assert_grad_close(x, ref_grad, f"{what} grad (in-place)")
+
+
+def test_grpo_clipping_zeroes_gradient():
+    """Far off-policy rows (log-ratio clamped, or clipped with the matching advantage sign) get
+    no surrogate gradient; the cpp and torch backends agree on which ones."""
+    x = make_logits((1, 4, 64), torch.float32)
+    target = make_target(4, 64)
+    logp = tb.logprobs_forward(x, target, 1.0, IGNORE, False)[0]
+    old = logp - torch.tensor([30.0, -30.0, 1.0, -1.0])  # ratio e^30 (clamped), e^-30, e, 1/e
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])  # clipped side for rows 2, 3
+    grad = torch.empty_like(x)
+    cb.grpo_forward(x, target, 1.0, advantages, old, None, torch.ones(4), 0.2, 0.2, 0.0, 0.0,
+                    grad)
+    assert (grad == 0).all()
+
+
+# ------------------------------------------------------------------------------------------
+# Edge cases: -inf and huge logits, V = 1, zero rows, bad targets, threads
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_negative_infinity_logits(dtype):
+    """Rows whose logits are -inf off a finite head behave as the finite head alone."""
+    head, vocab = 10, 300
+    x = make_logits((1, 6, vocab), dtype)
+    x[..., head:] = float("-inf")
+    target = make_target(6, head, ignored=(3,))
+    gl, gh = torch.randn(6), torch.randn(6)
+    expected = tb.logprobs_forward(x[..., :head].contiguous(), target, 1.0, IGNORE, True)
+    ref_grad = torch.zeros_like(x)
+    tb.logprobs_backward(x[..., :head].contiguous(), target, expected[2], expected[1], gl, gh,
+                         1.0, IGNORE, ref_grad[..., :head])
+    ce_expected = tb.cross_entropy_forward(x[..., :head].contiguous(), target, IGNORE, 0.0,
+                                           1e-3, 0.0, torch.ones(1), None)
+    for isa in each_isa():
+        got = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
+        for name, a, e in zip(("logp", "entropy", "lse"), got, expected):
+            assert torch.isfinite(a).all(), f"{isa} {name}"
+            assert_rows_close(a, e, f"{isa} {name}")
+        grad = empty_grad_like(x)
+        cb.logprobs_backward(x, target, got[2], got[1], gl, gh, 1.0, IGNORE, grad)
+        assert torch.isfinite(grad.float()).all(), isa
+        assert_grad_close(grad, ref_grad, f"{isa} grad")
+        loss, lse = cb.cross_entropy_forward(x, target, IGNORE, 0.0, 1e-3, 0.0, torch.ones(1),
+                                             grad)
+        assert_rows_close(loss, ce_expected[0], f"{isa} ce loss")
+        assert torch.isfinite(grad.float()).all() and (grad[..., head:] == 0).all(), isa
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_online_rescaling_across_blocks(dtype):
+    """Rows whose max jumps between vocabulary blocks (the kernels sum each block relative to a
+    running shift): small steps, steps past the overflow guard, a target far below the max, and
+    a -inf target logit (no usable starting shift)."""
+    vocab = 3 * 2048 + 5
+    x = make_logits((1, 6, vocab), torch.float32, scale=2.0)
+    x[0, 0, 2048:] += 10.0
+    x[0, 0, 4096:] += 10.0  # small steps up
+    x[0, 1, 2048:4096] += 70.0
+    x[0, 1, 4096:] += 150.0  # steps past the guard (exps relative to the old shift overflow)
+    x[0, 2, :2048] -= 80.0  # target far below a later max
+    x[0, 3, ::3] = float("-inf")
+    x[0, 4, 5000:] += 300.0
+    x = x.to(dtype)
+    target = torch.tensor([5, 17, 100, 4, 2, 3])
+    x[0, 5, 3] = float("-inf")  # target logit -inf: logp = -inf
+    gl = torch.randn(6)
+    expected = tb.logprobs_forward(x, target, 1.0, IGNORE, True)
+    ref_grad = torch.empty_like(x)
+    tb.logprobs_backward(x, target, expected[2], expected[1], gl, torch.empty(0), 1.0, IGNORE,
+                         ref_grad)
+    finite = [0, 1, 2, 4]  # rows without -inf logits (torch's entropy is NaN on the others)
+    for isa in each_isa():
+        logp, entropy, lse = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
+        assert_rows_close(lse, expected[2], f"{isa} lse")
+        assert_rows_close(logp, expected[0], f"{isa} logp")
+        assert_rows_close(entropy[finite], expected[1][finite], f"{isa} entropy")
+        assert torch.isfinite(entropy).all()
+        grad = empty_grad_like(x)
+        cb.logprobs_backward(x, target, lse, entropy, gl, torch.empty(0), 1.0, IGNORE, grad)
+        assert_grad_close(grad, ref_grad, f"{isa} grad")
+
+
+def test_huge_logits_do_not_overflow():
+    x = make_logits((1, 8, 2000), torch.float32, scale=1e4)
+    target = make_target(8, 2000)
+    expected = tb.logprobs_forward(x, target, 1.0, IGNORE, True)
+    for isa in each_isa():
+        got = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
+        for name, a, e in zip(("logp", "entropy", "lse"), got, expected):
+            assert torch.isfinite(a).all(), f"{isa} {name}"
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=0.05, msg=f"{isa} {name}")
+        grad = empty_grad_like(x)
+        cb.cross_entropy_forward(x, target, IGNORE, 0.0, 0.0, 0.0, torch.ones(1), grad)
+        assert torch.isfinite(grad).all(), isa
+
+
+def test_nan_logits_propagate():
+    x = make_logits((1, 3, 40), torch.float32)
+    x[0, 1, 17] = float("nan")
+    target = make_target(3, 40)
+    logp, _, lse = cb.logprobs_forward(x, target, 1.0, IGNORE, False)
+    assert torch.isnan(lse[1]) and torch.isnan(logp[1])
+    assert torch.isfinite(lse[[0, 2]]).all()
+
+
+def test_vocab_of_one():
+    x = make_logits((2, 3, 1), torch.bfloat16)
+    target = torch.zeros(6, dtype=torch.int64)
+    logp, entropy, lse = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
+    assert (logp == 0).all() and (entropy == 0).all()
+    assert_rows_close(lse, x.float().reshape(-1), "lse")
+    grad = empty_grad_like(x)
+    cb.logprobs_backward(x, target, lse, entropy, torch.ones(6), torch.ones(6), 1.0, IGNORE, grad)
+    assert (grad == 0).all()
+
+
+@pytest.mark.parametrize("shape", ((0, 3, 50), (2, 0, 50), (0, 0, 7)))
+def test_zero_rows(shape):
+    x = torch.randn(shape)
+    target = torch.zeros(0, dtype=torch.int64)
+    e = torch.empty(0)
+    logp, entropy, lse = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
+    assert logp.shape == entropy.shape == lse.shape == (0,)
+    grad = torch.empty_like(x)
+    cb.logprobs_backward(x, target, lse, entropy, e, e, 1.0, IGNORE, grad)
+    loss, lse = cb.cross_entropy_forward(x, target, IGNORE, 0.1, 0.0, 0.0, torch.ones(1), grad)
+    assert loss.shape == lse.shape == (0,)
+    logp, loss = cb.grpo_forward(x, target, 1.0, e, None, None, e, 0.2, 0.2, 0.0, 0.0, grad)
+    assert logp.shape == loss.shape == (0,)
+
+
+def test_out_of_range_target_raises():
+    x = make_logits((1, 4, 10), torch.float32)
+    for bad in (10, -1, 12345):
+        target = torch.tensor([0, 1, bad, 3])
+        with pytest.raises(ValueError, match="out of range"):
+            cb.logprobs_forward(x, target, 1.0, IGNORE, False)
+        with pytest.raises(ValueError, match="out of range"):
+            cb.cross_entropy_forward(x, target, IGNORE, 0.0, 0.0, 0.0, torch.ones(1),
+                                     torch.empty_like(x))
+        with pytest.raises(ValueError, match="out of range"):
+            cb.grpo_forward(x, target, 1.0, torch.ones(4), None, None, torch.ones(4), 0.2, 0.2,
+                            0.0, 0.0, None)
+
+
+def test_results_do_not_depend_on_thread_count():
+    x = make_logits((4, 64, 515), torch.bfloat16)
+    target = make_target(256, 515, ignored=range(0, 256, 7))
+    before = torch.get_num_threads()
+    outputs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            grad = torch.empty_like(x)
+            loss, lse = cb.cross_entropy_forward(x, target, IGNORE, 0.0, 0.0, 0.0,
+                                                 torch.ones(1), grad)
+            outputs.append((loss, lse, grad))
+    finally:
+        torch.set_num_threads(before)
+    for loss, lse, grad in outputs[1:]:
+        assert torch.equal(loss, outputs[0][0]) and torch.equal(lse, outputs[0][1])
+        assert torch.equal(grad, outputs[0][2])
+
+
+def _ulp_error(actual, expected64):
+    expected = expected64.float()
+    ulp = (torch.nextafter(expected.abs(), torch.tensor(float("inf"))) - expected.abs())
+    return ((actual.double() - expected64).abs() / ulp.double()).max().item()
+
+
+def test_fast_exp_and_tanh_accuracy():
+    ext = cb.load_extension()
+    x = torch.cat([torch.linspace(-87.3, 0.0, 200001), torch.linspace(0.0, 88.0, 20001)])
+    assert _ulp_error(ext._fast_exp(x), torch.exp(x.double())) <= 2.0
+    special = torch.tensor([float("-inf"), -1e30, -104.0, -87.34, float("nan"), 0.0, -0.0])
+    got = ext._fast_exp(special)
+    assert (got[:4] == 0).all() and torch.isnan(got[4]) and (got[5:] == 1).all()
+    y = torch.cat([torch.linspace(-12.0, 12.0, 200001), torch.logspace(-30, 0, 3001)])
+    assert _ulp_error(ext._fast_tanh(y), torch.tanh(y.double())) <= 3.0
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, 40.0])
+    got = ext._fast_tanh(special)
+    assert got[0] == 1 and got[1] == -1 and torch.isnan(got[2]) and got[3] == 0 and got[4] == 1
+
+
+def test_softmax_tail_through_gradient():
+    """grad_j = -p_j over p_j down to 1e-38: the exp of the kernels' inner loops, per ISA."""
+    t = torch.linspace(-87.0, 0.0, 3001)
+    x = torch.stack([torch.zeros_like(t), t], dim=-1).view(1, -1, 2)
+    target = torch.zeros(t.numel(), dtype=torch.int64)
+    d = t.double() - torch.log1p(torch.exp(t.double()))
+    for isa in each_isa():
+        _, _, lse = cb.logprobs_forward(x, target, 1.0, IGNORE, False)
+        torch.testing.assert_close(lse.double(), torch.log1p(torch.exp(t.double())),
+                                   rtol=3e-7, atol=1e-7, msg=isa)
+        grad = torch.empty_like(x)
+        cb.logprobs_backward(x, target, lse, torch.empty(0), torch.ones(t.numel()),
+                             torch.empty(0), 1.0, IGNORE, grad)
+        # d carries the float32 rounding of t - lse (|d| <= 87: about 4e-6 absolute)
+        torch.testing.assert_close(-grad[0, :, 1].double(), torch.exp(d), rtol=1e-5, atol=0.0,
+                                   msg=isa)
+
+
+# ------------------------------------------------------------------------------------------
+# Loader: availability, build directory, failure reporting
+# ------------------------------------------------------------------------------------------
+
+def test_unavailable_reason():
+    assert cb.unavailable_reason("cpu") is None
+    reason = cb.unavailable_reason("cuda")
+    assert isinstance(reason, str) and "CPU tensors only" in reason
+    assert cb.isa() in ("generic", "avx2", "avx512")
+
+
+def test_build_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv(cb.BUILD_DIR_ENV, str(tmp_path / "ext"))
+    assert cb.build_directory() == tmp_path / "ext"
+    monkeypatch.delenv(cb.BUILD_DIR_ENV)
+    default = cb.build_directory()
+    assert default.parent.name == "astrai_kernels" and torch.__version__ in default.name
+
+
+def test_missing_compiler_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setattr(cb, "_EXTENSION", None)
+    monkeypatch.setattr(cb, "_WARNED", False)
+    monkeypatch.setenv("CXX", "/nonexistent/astrai-c++")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reason = cb.unavailable_reason("cpu")
+        assert cb.unavailable_reason("cpu") == reason
+    assert "compiler" in reason
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "'torch' backend" in messages[0]
+    with pytest.raises(RuntimeError, match="compiler"):
+        cb.load_extension()
+
+
+def test_build_failure_carries_compiler_output(monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
+    def failing_load(**kwargs):
+        raise RuntimeError("Error building extension: csrc/logprobs.cpp:1:1: error: boom")
+
+    monkeypatch.setattr(cb, "_EXTENSION", None)
+    monkeypatch.setattr(cb, "_BUILD_ERROR", None)
+    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    for _ in range(2):  # the failure is kept, not retried
+        with pytest.raises(RuntimeError, match="error: boom"):
+            cb.load_extension()
+    monkeypatch.setattr(cb, "_WARNED", True)
+    assert "failed" in cb.unavailable_reason("cpu")
+
+
+def test_lse_reference_value():
+    """A hand-checked value, independent of the torch backend."""
+    x = torch.tensor([[[1.0, 2.0, 3.0]]])
+    logp, entropy, lse = cb.logprobs_forward(x, torch.tensor([2]), 1.0, IGNORE, True)
+    expected_lse = math.log(math.exp(1) + math.exp(2) + math.exp(3))
+    assert abs(lse.item() - expected_lse) < 1e-6
+    assert abs(logp.item() - (3 - expected_lse)) < 1e-6
+    p = [math.exp(v - expected_lse) for v in (1, 2, 3)]
+    assert abs(entropy.item() + sum(q * math.log(q) for q in p)) < 1e-6
