@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..cpu.memory import empty_gradient
 from ._backend import backend_module
 
 
@@ -19,7 +20,11 @@ def _rows(target):
 
 
 def _grad_like(logits):
-    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    return empty_gradient(logits.shape, logits.dtype, logits.device)
+
+
+def _fake_grad_like(logits):
+    return logits.new_empty(logits.shape)
 
 
 @torch.library.custom_op("astrai_kernels::logprobs_forward", mutates_args=())
@@ -49,7 +54,7 @@ def logprobs_backward(logits: Tensor, target: Tensor, lse: Tensor, entropy: Tens
 
 @logprobs_backward.register_fake
 def _(logits, target, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, backend):
-    return _grad_like(logits)
+    return _fake_grad_like(logits)
 
 
 @torch.library.custom_op("astrai_kernels::cross_entropy_forward", mutates_args=())
@@ -67,7 +72,7 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int,
 @cross_entropy_forward.register_fake
 def _(logits, target, ignore_index, label_smoothing, z_loss, softcap, grad_scale, backend):
     n_rows = _rows(target)
-    grad = _grad_like(logits) if grad_scale is not None else logits.new_empty(0)
+    grad = _fake_grad_like(logits) if grad_scale is not None else logits.new_empty(0)
     return (logits.new_empty(n_rows, dtype=torch.float32),
             logits.new_empty(n_rows, dtype=torch.float32), grad)
 
@@ -88,6 +93,6 @@ def grpo_forward(logits: Tensor, target: Tensor, temperature: float, advantages:
 def _(logits, target, temperature, advantages, old_logprobs, ref_logprobs, token_weight,
       clip_low, clip_high, delta, beta, compute_grad, backend):
     n_rows = _rows(target)
-    grad = _grad_like(logits) if compute_grad else logits.new_empty(0)
+    grad = _fake_grad_like(logits) if compute_grad else logits.new_empty(0)
     return (logits.new_empty(n_rows, dtype=torch.float32),
             logits.new_empty(n_rows, dtype=torch.float32), grad)
