@@ -1,0 +1,375 @@
+"""``astrai-kernels verify``: every op x backend x dtype x shape against ``reference.py``.
+
+What a user runs after installing on a new machine (a new GPU): each public op is called with
+each available kernel backend on random inputs rounded to each dtype, and compared with
+``reference.py`` run in float64 on the same rounded inputs, forward values and the gradient
+w.r.t. the logits (with random upstream gradients), by ``compare`` of the one tolerance table
+(:mod:`astrai_kernels.testing.tolerances`). Every row of the table is the worst case over the
+op's variants (options such as temperature, entropy, label smoothing, z-loss, softcap, GSPO) for
+one (op, backend, dtype, shape, output). Exit status 1 when any check fails or any call raises.
+
+Shapes are ``BxTxV``; a ``:shifted`` suffix makes the logits the non-contiguous view
+``base[:, :-1]`` of a ``[B, T+1, V]`` tensor (how a causal LM's logits are aligned with their
+targets). Defaults include a V below one tile, a V that is not a power of two, and V larger than
+one tile; the triton backend running interpreted on CPU (``TRITON_INTERPRET=1``) gets smaller
+shapes, the interpreter being slow.
+"""
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .tolerances import compare, tolerance
+
+OPS = ("token_logprobs", "cross_entropy", "grpo_loss", "sequence_logprobs")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_SHAPES = ("2x3x37", "2x8x1000:shifted", "2x4x50257", "1x2x131072")
+CUDA_EXTRA_SHAPES = ("4x256x32000", "2x64x128256:shifted")
+INTERPRETED_SHAPES = ("2x3x37", "2x4x1000:shifted", "1x3x5000")
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    length: int
+    vocab: int
+    shifted: bool = False
+
+    @classmethod
+    def parse(cls, text):
+        spec, _, layout = str(text).strip().partition(":")
+        if layout not in ("", "shifted", "contiguous"):
+            raise ValueError(f"shape layout must be ':shifted' or none, got {text!r}")
+        try:
+            batch, length, vocab = (int(part) for part in spec.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"shape must look like BxTxV (e.g. 2x8x1000), got {text!r}") from None
+        if min(batch, length, vocab) < 1:
+            raise ValueError(f"shape sizes must be >= 1, got {text!r}")
+        return cls(batch, length, vocab, layout == "shifted")
+
+    def __str__(self):
+        return f"{self.batch}x{self.length}x{self.vocab}" + (":shifted" if self.shifted else "")
+
+
+def _leaves(shape, dtype, device, seed):
+    """``(base, view)``: random logits rounded to ``dtype`` and the op's view of a leaf copy."""
+    g = torch.Generator().manual_seed(seed)
+    length = shape.length + (1 if shape.shifted else 0)
+    base = (torch.randn(shape.batch, length, shape.vocab, generator=g) * 2).to(dtype)
+    return base.to(device), g
+
+
+def _view(x, shape):
+    return x[:, :-1] if shape.shifted else x
+
+
+def _leaf(base, double=False):
+    return (base.detach().double() if double else base.detach().clone()).requires_grad_(True)
+
+
+def _targets(shape, g, device, ignored=0.2):
+    target = torch.randint(0, shape.vocab, (shape.batch, shape.length), generator=g)
+    target[torch.rand(shape.batch, shape.length, generator=g) < ignored] = -100
+    return target.to(device)
+
+
+def _upstream(shape, g, device):
+    return torch.randn(shape.batch, shape.length, generator=g).to(device)
+
+
+# Each check returns a list of (what, actual, expected, kind) for one variant.
+
+
+def _check_token_logprobs(ak, reference, backend, base, shape, g, device):
+    target = _targets(shape, g, device)
+    out = []
+    for temperature, entropy in ((1.0, False), (0.7, True)):
+        g_lp, g_h = _upstream(shape, g, device), _upstream(shape, g, device)
+        x, xd = _leaf(base), _leaf(base, True)
+        result = ak.token_logprobs(_view(x, shape), target, temperature=temperature,
+                                   return_entropy=entropy, backend=backend)
+        lp, h = result if entropy else (result, None)
+        ref_lp, ref_h = reference.token_logprobs(_view(xd, shape), target, temperature, -100)
+        loss = (lp * g_lp).sum() + ((h * g_h).sum() if entropy else 0.0)
+        ref_loss = (ref_lp * g_lp).sum() + ((ref_h * g_h).sum() if entropy else 0.0)
+        loss.backward()
+        ref_loss.backward()
+        out += [("logp", lp, ref_lp, "value"), ("grad", x.grad, xd.grad, "grad")]
+        if entropy:
+            out.append(("entropy", h, ref_h, "value"))
+    return out
+
+
+def _check_cross_entropy(ak, reference, backend, base, shape, g, device):
+    target = _targets(shape, g, device)
+    out = []
+    variants = (dict(reduction="mean"),
+                dict(reduction="sum", label_smoothing=0.1, z_loss=1e-4, softcap=30.0),
+                dict(reduction="none", label_smoothing=0.05))
+    for kwargs in variants:
+        x, xd = _leaf(base), _leaf(base, True)
+        loss = ak.cross_entropy(_view(x, shape), target, backend=backend, **kwargs)
+        ref = reference.cross_entropy(_view(xd, shape), target, -100,
+                                      kwargs["reduction"], kwargs.get("label_smoothing", 0.0),
+                                      kwargs.get("z_loss", 0.0), kwargs.get("softcap"), None)
+        if kwargs["reduction"] == "none":
+            upstream = _upstream(shape, g, device)
+            (loss * upstream).sum().backward()
+            (ref * upstream).sum().backward()
+        else:
+            (loss * 0.7).backward()
+            (ref * 0.7).backward()
+        out += [("loss", loss, ref, "value"), ("grad", x.grad, xd.grad, "grad")]
+    return out
+
+
+def _check_grpo_loss(ak, reference, backend, base, shape, g, device):
+    batch, length = shape.batch, shape.length
+    target = torch.randint(0, shape.vocab, (batch, length), generator=g)
+    mask = (torch.rand(batch, length, generator=g) > 0.25).float()
+    target = torch.where(mask > 0, target, torch.full_like(target, 10**6))  # never read
+    with torch.no_grad():
+        logp = torch.log_softmax(_view(base.cpu(), shape).double(), -1).gather(
+            -1, target.clamp(max=shape.vocab - 1).unsqueeze(-1)).squeeze(-1).float()
+    old = logp + 0.3 * torch.randn(batch, length, generator=g)
+    ref = logp + 0.2 * torch.randn(batch, length, generator=g)
+    advantages = torch.randn(batch, generator=g)
+    target, mask, old, ref, advantages = (t.to(device) for t in (target, mask, old, ref,
+                                                                  advantages))
+    out = []
+    variants = (dict(beta=0.04, loss_type="bnpo"),
+                dict(beta=0.04, loss_type="grpo", clip_eps_high=0.28, temperature=0.8),
+                dict(beta=0.0, loss_type="dr_grpo", importance_sampling="sequence", delta=2.0))
+    for kwargs in variants:
+        x, xd = _leaf(base), _leaf(base, True)
+        loss, metrics = ak.grpo_loss(_view(x, shape), target, advantages, mask=mask,
+                                     old_logprobs=old, ref_logprobs=ref, backend=backend,
+                                     **kwargs)
+        ref_loss, ref_metrics = reference.grpo_loss(
+            _view(xd, shape), torch.where(mask > 0, target, 0), advantages.double(),
+            mask.double(), old.double(), ref.double(), **kwargs)
+        (loss * 0.7).backward()
+        (ref_loss * 0.7).backward()
+        out += [("loss", loss, ref_loss, "value"), ("grad", x.grad, xd.grad, "grad")]
+        out += [(f"metrics/{key}", metrics[key], ref_metrics[key], "value")
+                for key in ("kl", "ratio/mean", "clip_ratio/region")]
+    return out
+
+
+def _check_sequence_logprobs(ak, reference, backend, base, shape, g, device):
+    target = torch.randint(0, shape.vocab, (shape.batch, shape.length), generator=g)
+    mask = torch.rand(shape.batch, shape.length, generator=g) > 0.3
+    target = torch.where(mask, target, torch.full_like(target, 10**6)).to(device)
+    mask = mask.to(device)
+    out = []
+    for average, temperature in ((False, 1.0), (True, 0.9)):
+        x, xd = _leaf(base), _leaf(base, True)
+        value = ak.sequence_logprobs(_view(x, shape), target, mask, average=average,
+                                     temperature=temperature, backend=backend)
+        ref = reference.sequence_logprobs(_view(xd, shape), torch.where(mask, target, -100),
+                                          mask, average, temperature)
+        upstream = torch.randn(shape.batch, generator=g).to(device)
+        (value * upstream).sum().backward()
+        (ref * upstream).sum().backward()
+        out += [("value", value, ref, "value"), ("grad", x.grad, xd.grad, "grad")]
+    return out
+
+
+CHECKS = {"token_logprobs": _check_token_logprobs, "cross_entropy": _check_cross_entropy,
+          "grpo_loss": _check_grpo_loss, "sequence_logprobs": _check_sequence_logprobs}
+
+
+def _interpreted(backend, device):
+    if backend != "triton" or torch.device(device).type == "cuda":
+        return False
+    try:
+        from ..triton.backend import kernels_interpreted
+    except Exception:
+        return False
+    return kernels_interpreted()
+
+
+def run(ops=OPS, backends=None, dtypes=("fp32", "bf16", "fp16"), shapes=None, device=None,
+        progress=None):
+    """The list of check rows (dicts); see the module doc."""
+    import astrai_kernels as ak
+    from astrai_kernels import reference
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if backends is None:
+        backends = [b for b in ak.available_backends(device) if b != "reference"]
+    rows = []
+    for op in ops:
+        if op not in CHECKS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        for backend in backends:
+            if shapes is not None:
+                backend_shapes = shapes
+            elif _interpreted(backend, device):
+                backend_shapes = INTERPRETED_SHAPES
+            else:
+                backend_shapes = DEFAULT_SHAPES + (
+                    CUDA_EXTRA_SHAPES if torch.device(device).type == "cuda" else ())
+            for dtype_name in dtypes:
+                dtype = DTYPES[dtype_name]
+                for index, spec in enumerate(backend_shapes):
+                    shape = spec if isinstance(spec, Shape) else Shape.parse(spec)
+                    if progress:
+                        progress(f"{op} {backend} {dtype_name} {shape}")
+                    rows += _run_one(ak, reference, op, backend, dtype_name, dtype, shape,
+                                     device, seed=1000 * index + 7)
+    return rows
+
+
+def _run_one(ak, reference, op, backend, dtype_name, dtype, shape, device, seed):
+    """Rows for one (op, backend, dtype, shape): the worst variant per output."""
+    head = {"op": op, "backend": backend, "dtype": dtype_name, "shape": str(shape),
+            "device": str(device)}
+    start = time.perf_counter()
+    try:
+        base, g = _leaves(shape, dtype, device, seed)
+        checks = CHECKS[op](ak, reference, backend, base, shape, g, device)
+    except Exception as exc:
+        return [{**head, "what": "call", "max_abs": None, "max_rel": None, "ok": False,
+                 "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}",
+                 "seconds": time.perf_counter() - start}]
+    worst = {}
+    for what, actual, expected, kind in checks:
+        tol = tolerance(kind, dtype)
+        try:
+            ok, max_abs, max_rel = compare(actual, expected, kind, dtype)
+            error = None
+        except AssertionError as exc:
+            ok, max_abs, max_rel, error = False, float("inf"), float("inf"), str(exc)
+        if what == "grad" and actual is not None and actual.dtype != dtype:
+            ok, error = False, f"gradient dtype {actual.dtype}, expected {dtype}"
+        row = worst.setdefault(what, {**head, "what": what, "kind": kind, "max_abs": 0.0,
+                                      "max_rel": 0.0, "rtol": tol.rtol,
+                                      "atol_frac": tol.atol_frac,
+                                      "scale_floor": tol.scale_floor, "ok": True,
+                                      "error": None, "checks": 0})
+        row["max_abs"] = max(row["max_abs"], max_abs)
+        row["max_rel"] = max(row["max_rel"], max_rel)
+        row["ok"] = row["ok"] and ok
+        row["error"] = row["error"] or error
+        row["checks"] += 1
+    elapsed = time.perf_counter() - start
+    for row in worst.values():
+        row["seconds"] = elapsed
+    return list(worst.values())
+
+
+def format_table(rows, failures_only=False):
+    head = (f"{'op':<18} {'backend':<8} {'dtype':<5} {'shape':<20} {'what':<24} "
+            f"{'max_abs':>9} {'max_rel':>9} {'tol (rtol/atol_frac)':>21} {'ok':<4}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if failures_only and r["ok"]:
+            continue
+        if r["what"] == "call":
+            lines.append(f"{r['op']:<18} {r['backend']:<8} {r['dtype']:<5} {r['shape']:<20} "
+                         f"{'call':<24} {'-':>9} {'-':>9} {'-':>21} FAIL  {r['error']}")
+            continue
+        tol = f"{r['rtol']:.0e}/{r['atol_frac']:.0e}"
+        line = (f"{r['op']:<18} {r['backend']:<8} {r['dtype']:<5} {r['shape']:<20} "
+                f"{r['what']:<24} {r['max_abs']:>9.2e} {r['max_rel']:>9.2e} {tol:>21} "
+                f"{'ok' if r['ok'] else 'FAIL':<4}")
+        if r.get("error"):
+            line += f"  {r['error']}"
+        lines.append(line)
+    failed = sum(not r["ok"] for r in rows)
+    lines.append(f"{len(rows)} checks, {failed} failed")
+    return "\n".join(lines)
+
+
+def add_arguments(parser):
+    parser.add_argument("--ops", default=",".join(OPS), help="comma-separated (default: all: "
+                                                              "%(default)s)")
+    parser.add_argument("--backends", default=None,
+                        help="comma-separated (default: the available ones except reference)")
+    parser.add_argument("--dtypes", "--dtype", dest="dtypes", default="fp32,bf16,fp16",
+                        help="comma-separated (default: %(default)s)")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated BxTxV[:shifted] (default: "
+                             f"{','.join(DEFAULT_SHAPES)}; on CUDA also "
+                             f"{','.join(CUDA_EXTRA_SHAPES)}; interpreted triton: "
+                             f"{','.join(INTERPRETED_SHAPES)})")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                        help="write the rows as JSON to PATH (no PATH: print JSON instead of "
+                             "the table)")
+    parser.add_argument("--failures-only", action="store_true",
+                        help="print only the failed rows and the summary")
+
+
+def _split(text):
+    return [item.strip() for item in str(text).split(",") if item.strip()]
+
+
+def run_from_args(args):
+    import astrai_kernels as ak
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        ops = _split(args.ops)
+        for op in ops:
+            if op not in OPS:
+                raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
+        dtypes = _split(args.dtypes)
+        for name in dtypes:
+            if name not in DTYPES:
+                raise ValueError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
+        shapes = [Shape.parse(s) for s in _split(args.shapes)] if args.shapes else None
+    except ValueError as exc:
+        print(f"verify: {exc}", file=sys.stderr)
+        return 2
+    available = ak.available_backends(device)
+    if args.backends:
+        backends = _split(args.backends)
+        missing = [b for b in backends if b not in available]
+        if missing:
+            from ..ops._backend import unavailable_reason
+
+            for name in missing:
+                print(f"verify: backend {name!r} is not available on {device}: "
+                      f"{unavailable_reason(name, device)}", file=sys.stderr)
+            return 2
+    else:
+        backends = [b for b in available if b != "reference"]
+    start = time.perf_counter()
+    stream = sys.stderr
+
+    def progress(label):
+        stream.write(f"\rverify: {label:<70}")
+        stream.flush()
+
+    rows = run(ops, backends, dtypes, shapes, device,
+               progress=progress if stream.isatty() else None)
+    if stream.isatty():
+        stream.write("\r" + " " * 80 + "\r")
+    elapsed = time.perf_counter() - start
+    payload = {"device": device, "backends": backends, "dtypes": dtypes, "ops": ops,
+               "seconds": elapsed, "ok": all(r["ok"] for r in rows), "rows": rows}
+    if args.json == "-":
+        print(json.dumps(payload, indent=1))
+    else:
+        print(f"astrai-kernels verify on {device}: backends {', '.join(backends) or 'none'}; "
+              f"reference.py in float64; tolerances from astrai_kernels.testing.tolerances")
+        print(format_table(rows, failures_only=args.failures_only))
+        print(f"{elapsed:.1f} s")
+        if args.json:
+            import os
+
+            directory = os.path.dirname(os.path.abspath(args.json))
+            os.makedirs(directory, exist_ok=True)
+            with open(args.json, "w") as out:
+                json.dump(payload, out, indent=1)
+            print(f"JSON: {args.json}")
+    if not backends:
+        print("verify: no backend to check", file=sys.stderr)
+        return 1
+    return 0 if payload["ok"] else 1

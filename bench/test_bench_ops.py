@@ -1,0 +1,91 @@
+"""pytest-benchmark cases: each op's forward+backward for every backend, the naive path, its
+``torch.compile``, and the same-run ``copy_`` of the logits (the 2 S floor).
+
+Run ``make bench-pytest`` (``pytest bench --benchmark-only``); compare runs with
+pytest-benchmark's own tools (``--benchmark-save``, ``--benchmark-compare``,
+``pytest-benchmark compare``). Sizes and methods: see ``bench/conftest.py``. The case
+definitions (inputs, the naive and fused calls) are ``astrai_kernels.bench_runner``'s, the same
+as ``astrai-kernels bench``; this file only times them with pytest-benchmark, in this process,
+and adds the peak memory measured in a process of its own per case.
+"""
+
+import os
+
+import torch
+
+from astrai_kernels import bench_runner as br
+
+
+def _sync(device):
+    return torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+
+
+def _group(op, dtype, rows, vocab):
+    return f"{op} {dtype} N={rows} V={vocab}"
+
+
+def test_copy_floor(benchmark, copy_case, settings):
+    """``dst.copy_(logits)`` (``clone`` on CUDA) of one logits tensor: 2 S bytes moved."""
+    dtype, vocab = copy_case
+    device, rows = settings["device"], settings["rows"]
+    src = torch.randn(rows, vocab, device=device).to(br._torch_dtype(dtype))
+    sync = _sync(device)
+    if str(device).startswith("cuda"):
+        def run():
+            src.clone()
+            sync()
+    else:
+        dst = torch.empty_like(src)
+
+        def run():
+            dst.copy_(src)
+    benchmark.group = f"copy {dtype} N={rows} V={vocab}"
+    benchmark.extra_info.update({"logits_bytes": src.numel() * src.element_size(),
+                                 "bytes_moved": 2 * src.numel() * src.element_size()})
+    benchmark.pedantic(run, rounds=max(5, settings["rounds"]), warmup_rounds=1, iterations=1)
+
+
+def test_op(benchmark, bench_case, settings, medians, case_runner):
+    """One op x method: forward+backward (GRPO: one step), peak memory in its own process."""
+    op, method, dtype, vocab = bench_case
+    rows, device = settings["rows"], settings["device"]
+    case = br.Case(op, method, rows, vocab, dtype, device, repeats=1, min_repeats=1)
+    extra = {"op": op, "method": method, "rows": rows, "vocab": vocab, "dtype": dtype,
+             "device": device}
+    if settings["memory"]:
+        measured = case_runner.run(case, with_copy=False)
+        if "error" in measured:
+            raise RuntimeError(f"peak-memory process for {case.label()} failed: "
+                               f"{measured['error']}")
+        extra.update({"peak_extra_bytes": measured["peak_extra_bytes"],
+                      "peak_extra_over_logits": measured["peak_extra_bytes"]
+                      / measured["logits_bytes"],
+                      "peak_method": measured["peak_method"]})
+    torch.set_num_threads(os.cpu_count() or 1)
+    workload = br.build_workload(case)
+    sync = _sync(device)
+
+    def run():
+        workload.run()
+        sync()
+
+    run()  # warm-up: kernel build/load, torch.compile
+    workload.reset()
+    benchmark.group = _group(op, dtype, rows, vocab)
+    benchmark.pedantic(run, setup=workload.reset, rounds=settings["rounds"], warmup_rounds=0,
+                       iterations=1)
+    workload.reset()
+    median = benchmark.stats.stats.median
+    copy = br.measure_copy(workload.logits, 5, str(device).startswith("cuda"))
+    floor_s = copy["copy_s"] * workload.floor_bytes / (2 * workload.logits_bytes)
+    same = medians.setdefault((op, dtype, rows, vocab), {})
+    same[method] = median
+    extra.update({"logits_bytes": workload.logits_bytes, "floor_bytes": workload.floor_bytes,
+                  "copy_s": copy["copy_s"], "copy_kind": copy["copy_kind"], "floor_s": floor_s,
+                  "ratio_vs_copy": median / floor_s,
+                  "effective_bandwidth_GBps": workload.floor_bytes / median / 1e9})
+    for base in br.BASELINES:
+        if base in same:
+            extra[f"ratio_vs_{base}"] = median / same[base]
+    benchmark.extra_info.update(extra)
+

@@ -1,0 +1,180 @@
+"""The ``astrai-kernels`` CLI: each subcommand on tiny sizes, and the fields of its JSON."""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from astrai_kernels import bench_runner as br
+from astrai_kernels import cli
+from astrai_kernels.testing import verify
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MACHINE_FIELDS = {"cpu", "cores", "platform", "python", "torch", "triton", "gpu"}
+RESULT_FIELDS = {"op", "method", "rows", "vocab", "dtype", "device", "median_s", "repeats",
+                 "times_s", "peak_extra_bytes", "peak_method", "logits_bytes", "floor_bytes",
+                 "copy_s", "floor_s", "ratio_vs_copy", "ratio_vs_naive", "ratio_vs_compile",
+                 "peak_extra_over_logits", "effective_bandwidth_GBps"}
+
+
+def test_parse_size():
+    assert cli.parse_size("4096") == 4096
+    assert cli.parse_size("32k") == 32768
+    assert cli.parse_size("128K") == 131072
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.parse_size("lots")
+
+
+def test_bench_tiny_json_and_plot(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = cli.main(["bench", "--rows", "64", "--vocab", "128", "--backends", "torch,torch:inplace",
+                   "--no-compile", "--ops", "token_logprobs,cross_entropy,grpo", "--dtype", "fp32",
+                   "--repeats", "2", "--json", str(out), "--plot", str(png), "--no-progress"])
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    assert MACHINE_FIELDS <= set(payload["machine"])
+    assert payload["machine"]["cores"] == os.cpu_count()
+    config = payload["config"]
+    assert config["rows"] == [64] and config["dtypes"] == ["fp32"]
+    assert config["methods"] == ["naive", "torch", "torch:inplace"]
+    assert payload["complete"] is True and payload["skipped"] == []
+    results = payload["results"]
+    assert {(r["op"], r["method"]) for r in results} == {
+        (op, m) for op in ("token_logprobs", "cross_entropy", "grpo") for m in ("naive", "torch")
+    } | {("token_logprobs", "torch:inplace"), ("cross_entropy", "torch:inplace")}
+    for r in results:
+        assert "error" not in r, r.get("error")
+        assert RESULT_FIELDS <= set(r), RESULT_FIELDS - set(r)
+        assert r["rows"] == 64 and r["vocab"] == 128 and r["dtype"] == "fp32"
+        assert r["median_s"] > 0 and r["copy_s"] > 0 and 1 <= r["repeats"] <= 2
+        assert r["logits_bytes"] == 64 * 128 * 4
+        assert r["floor_bytes"] == br.FLOOR_FACTOR[r["op"]] * r["logits_bytes"]
+        assert r["ratio_vs_copy"] == pytest.approx(r["median_s"] / r["floor_s"])
+        assert r["ratio_vs_compile"] is None  # --no-compile
+        assert isinstance(r["peak_extra_bytes"], int)
+        if r["method"] == "naive":
+            assert r["ratio_vs_naive"] == pytest.approx(1.0)
+            assert r["baseline"] == "naive"
+        else:
+            assert r["backend"] == "torch"
+            assert r["inplace_backward"] is (r["method"] == "torch:inplace")
+    grpo = [r for r in results if r["op"] == "grpo"]
+    assert all(r["grpo_shape"] == [br.GRPO_BATCH, 64 // br.GRPO_BATCH] for r in grpo)
+    assert png.stat().st_size > 10_000
+
+
+def test_bench_deadline_skips_and_strategies_unavailable(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(br, "load_strategy_bench", lambda: (None, "not here (test)"))
+    out = tmp_path / "bench.json"
+    rc = cli.main(["bench", "--rows", "64", "--vocab", "128", "--backends", "none",
+                   "--baselines", "naive", "--ops", "token_logprobs,strategies", "--dtype", "bf16",
+                   "--repeats", "1", "--min-repeats", "1", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    assert [r["method"] for r in payload["results"]] == ["naive"]
+    assert any("strategies: not available: not here (test)" in n for n in payload["notes"])
+    assert "strategies: not available" in capsys.readouterr().out
+    rc = cli.main(["bench", "--rows", "64", "--vocab", "128", "--backends", "none",
+                   "--baselines", "naive", "--ops", "token_logprobs", "--deadline", "0",
+                   "--json", str(out), "--no-progress"])
+    payload = json.loads(out.read_text())
+    assert rc == 0 and payload["results"] == [] and len(payload["skipped"]) == 2
+
+
+def test_peak_memory_sees_the_naive_buffers():
+    """The naive fp32 path holds three [N, V] fp32 buffers at its peak (log-softmax output, its
+    gradient, the logits' gradient); the measured extra peak must show them."""
+    case = br.Case("token_logprobs", "naive", 512, 4096, "fp32", repeats=1, min_repeats=1)
+    with br.CaseRunner("forkserver", timeout=120) as runner:
+        result = runner.run(case)
+    assert "error" not in result, result.get("error")
+    logits_bytes = 512 * 4096 * 4
+    assert result["logits_bytes"] == logits_bytes
+    if result["peak_method"].startswith("VmHWM"):
+        assert 2.5 * logits_bytes <= result["peak_extra_bytes"] <= 4.5 * logits_bytes
+
+
+def test_strategy_bench_is_found():
+    fn, why = br.load_strategy_bench()
+    if (ROOT / "bench" / "bench_strategies.py").exists():
+        assert callable(fn), why
+    else:
+        assert fn is None and "not found" in why
+
+
+@pytest.mark.parametrize("argv", [["bench", "--ops", "nope"], ["bench", "--dtype", "fp8"],
+                                  ["bench", "--ops", "grpo", "--rows", "63"],
+                                  ["bench", "--backends", "nope"],
+                                  ["verify", "--ops", "nope"], ["verify", "--dtypes", "fp8"],
+                                  ["verify", "--shapes", "2x3"]])
+def test_bad_arguments_exit_2(argv):
+    assert cli.main(argv) == 2
+
+
+def test_verify_tiny_json(tmp_path, capsys):
+    out = tmp_path / "verify.json"
+    rc = cli.main(["verify", "--ops", "token_logprobs", "--dtypes", "fp32", "--shapes",
+                   "2x3x37,1x2x3000:shifted", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "0 failed" in text
+    payload = json.loads(out.read_text())
+    assert payload["ok"] is True and payload["ops"] == ["token_logprobs"]
+    assert "reference" not in payload["backends"] and "torch" in payload["backends"]
+    rows = payload["rows"]
+    assert {r["what"] for r in rows} == {"logp", "entropy", "grad"}
+    assert {r["shape"] for r in rows} == {"2x3x37", "1x2x3000:shifted"}
+    for r in rows:
+        assert {"op", "backend", "dtype", "shape", "what", "max_abs", "max_rel", "rtol",
+                "atol_frac", "ok"} <= set(r)
+        assert r["ok"] and r["max_abs"] >= 0 and r["dtype"] == "fp32"
+
+
+def test_verify_reports_failure(monkeypatch, capsys):
+    monkeypatch.setattr(verify, "compare", lambda *a: (False, 1.0, 1.0))
+    rc = cli.main(["verify", "--ops", "cross_entropy", "--backends", "torch", "--dtypes", "bf16",
+                   "--shapes", "2x3x37"])
+    assert rc == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_verify_default_shapes_cover_tiles():
+    shapes = [verify.Shape.parse(s) for s in verify.DEFAULT_SHAPES]
+    assert any(s.vocab & (s.vocab - 1) for s in shapes)  # a V that is not a power of two
+    assert max(s.vocab for s in shapes) > 4096  # larger than one tile of any dtype
+    assert any(s.shifted for s in shapes)
+
+
+def test_compile_check_refuses_the_interpreter(capsys):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the test process runs without the interpreter")
+    assert cli.main(["compile-check", "--arch", "sm_90"]) == 2
+    assert "TRITON_INTERPRET" in capsys.readouterr().err
+
+
+def test_compile_check_json_subprocess():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "astrai_kernels.cli", "compile-check", "--json",
+                           "--quick", "--arch", "sm_90"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)
+    assert rows and {"kernel", "arch", "registers", "spills", "shared", "ok", "error"} <= set(
+        rows[0])
+    assert {r["arch"] for r in rows} == {"sm_90"}
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_gpu_script_is_valid_bash():
+    script = ROOT / "bench" / "gpu.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    assert "set -euo pipefail" in text and "OUT_DIR=${OUT:-bench/results/gpu}" in text
