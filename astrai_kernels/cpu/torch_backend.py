@@ -2,26 +2,43 @@
 
 Each block is upcast to float32 on its own, so the extra memory is bounded by a few float32
 copies of one block (``CHUNK_ELEMENTS`` elements each), never by ``N x V``.
+
+Speed comes from making few passes over each block: ``torch.log_softmax`` / ``torch.softmax``
+(one vectorized kernel each, max-shifted internally) do the exponentials, the results land in
+float32 scratch blocks reused from block to block (``out=``), the per-row factors (the ignore
+mask, ``1 / T``, the upstream gradient) are folded into one per-row coefficient, and the
+gradient is written by a single multiply straight into ``grad`` (casting once), after which
+the target-class entry (computed in float32) is scattered over it. The backward recomputes
+``p`` with ``torch.softmax`` rather than ``exp(s - lse)`` (cheaper, and equal up to rounding).
 """
 
 import torch
 
 CHUNK_ELEMENTS = 1 << 21
 LOG_RATIO_CLAMP = 20.0
+# log-probs below this are clamped before they multiply p: p is exactly 0 there in float32
+# (p <= exp(LOG_P_FLOOR + log V)), and the clamp keeps ``0 * -inf`` from making a NaN.
+LOG_P_FLOOR = -1e4
 
 
 def unavailable_reason(device):
     return None
 
 
-def _row_blocks(logits):
-    """Yield ``(n0, n1, block)``: flattened rows ``n0:n1`` and their ``[rows, V]`` view."""
+def _row_blocks(logits, scratch):
+    """Yield ``(n0, n1, block, bufs)``: flattened rows ``n0:n1``, their ``[rows, V]`` view and
+    ``scratch`` float32 ``[rows, V]`` blocks to work in. The scratch blocks are allocated once
+    and reused for every block of rows; together they hold at most ``CHUNK_ELEMENTS`` elements
+    (or one row each), which sets the rows per block (fewer when more scratch is needed, so
+    the working set stays cache-sized)."""
     outer, inner, vocab = logits.shape
-    rows = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    rows = min(inner, max(1, CHUNK_ELEMENTS // max(vocab * scratch, 1)))
+    bufs = [torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
+            for _ in range(scratch)]
     for a in range(outer):
         for b0 in range(0, inner, rows):
             b1 = min(inner, b0 + rows)
-            yield a * inner + b0, a * inner + b1, logits[a, b0:b1]
+            yield a * inner + b0, a * inner + b1, logits[a, b0:b1], [buf[:b1 - b0] for buf in bufs]
 
 
 def _grad_block(grad, n0, n1):
@@ -31,20 +48,82 @@ def _grad_block(grad, n0, n1):
 
 
 def _safe_target(target, valid):
+    """``[N, 1]`` int64 targets with masked rows pointed at column 0 (never read as such)."""
     return torch.where(valid, target, torch.zeros_like(target)).long().unsqueeze(1)
 
 
-def _shifted_row_stats(s):
-    """``(row_max, log_sumexp_shifted, shifted, exp_shifted)`` of a ``[rows, V]`` block.
+def _scaled(block, scale, buf):
+    """``float32(block) / scale``: the block itself when it already is that, else into ``buf``."""
+    if block.dtype == torch.float32 and scale == 1.0:
+        return block if block.is_contiguous() else buf.copy_(block)
+    if block.dtype == torch.float32:
+        return torch.div(block, scale, out=buf)
+    buf.copy_(block)  # upcast first: dividing a bf16/fp16 block would round in that dtype
+    return buf if scale == 1.0 else buf.div_(scale)
 
-    Working relative to the row max keeps ``logp`` and entropy accurate for confident rows:
-    ``s_y - max`` is exactly 0 there, where ``s_y - lse`` would cancel two large numbers.
+
+def _log_softmax_rows(s, out, y):
+    """``(ls, ls_y, s_y)`` of a float32 block: ``ls = log_softmax(s)`` written into ``out``
+    (which may be ``s`` itself: ``s_y`` is read first).
+
+    The kernel computes ``ls = (s - max) - log(sum exp(s - max))``, so ``ls_y`` (the log-prob)
+    stays accurate for confident rows.
     """
-    row_max = s.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
-    shifted = s - row_max
-    exp_shifted = torch.exp(shifted)
-    return row_max.squeeze(1), torch.log(exp_shifted.sum(dim=-1)), shifted, exp_shifted
+    s_y = s.gather(1, y).squeeze(1)
+    ls = torch.log_softmax(s, -1, out=out)
+    return ls, ls.gather(1, y).squeeze(1), s_y
+
+
+def _row_lse(s_y, ls_y, ls, source, scale):
+    """``lse = s_y - ls_y`` (exact up to rounding). Rows where that is not finite (target logit
+    -inf, non-finite rows) take ``max(s) - max(ls)`` instead, with ``max(s)`` read as
+    ``max(source) / scale`` (``s = float32(source) / scale``; rounding is monotone, so that is
+    exactly the row max of ``s``, even when ``s`` itself was overwritten by ``ls``)."""
+    lse = s_y - ls_y
+    finite = torch.isfinite(lse)
+    if not bool(finite.all()):
+        lse = torch.where(finite, lse, source.amax(-1).float() / scale - ls.amax(-1))
+    return lse
+
+
+def _softmax_rows(s, out, y):
+    """``(p, logp_y, lse)`` of a float32 block: ``p = softmax(s)`` written into ``out`` (which
+    may be ``s`` itself).
+
+    ``logp_y = (s_y - max) - log_sum`` and ``lse = max + log_sum``, relative to the row max as
+    the log-softmax kernel does; ``log_sum = -log(max_j p_j)``, since ``p`` at the argmax is
+    ``1 / sum_j exp(s_j - max)``.
+    """
+    row_max = s.amax(-1)
+    shifted_y = s.gather(1, y).squeeze(1) - row_max
+    p = torch.softmax(s, -1, out=out)
+    log_sum = torch.log(p.amax(-1)).neg_()
+    return p, shifted_y - log_sum, row_max + log_sum
+
+
+def _grad_dst(grad_block, p):
+    """Where the float32 gradient of a block is assembled: ``grad_block`` itself when it is
+    float32 (written once), else ``p``'s scratch block, cast by one copy at the end (a bf16/fp16
+    destination would make torch round-trip whole blocks through float32 temporaries)."""
+    return grad_block if grad_block.dtype == torch.float32 else p
+
+
+def _store_grad(grad_block, g, y, target_value, valid):
+    """Finish the float32 gradient ``g`` of a block and write it: the target column set to
+    ``target_value`` (unless None), masked rows zeroed (exactly, even where ``p`` was NaN as on
+    all -inf rows), then one cast into ``grad_block`` when ``g`` is not already it."""
+    if target_value is not None:
+        g.scatter_(1, y, target_value.unsqueeze(1))
+    if not bool(valid.all()):
+        g.index_fill_(0, torch.nonzero(~valid).squeeze(1), 0)
+    if g is not grad_block:
+        grad_block.copy_(g)
+
+
+def _write_grad(grad_block, p, coef, y, target_value, valid):
+    """``grad_block = p * coef`` (per-row ``coef``), its target column ``target_value``."""
+    g = torch.mul(p, coef.unsqueeze(1), out=_grad_dst(grad_block, p))
+    _store_grad(grad_block, g, y, target_value, valid)
 
 
 def logprobs_forward(logits, target, temperature, ignore_index, with_entropy):
@@ -52,46 +131,69 @@ def logprobs_forward(logits, target, temperature, ignore_index, with_entropy):
     logp = torch.zeros(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.zeros_like(logp)
     entropy = torch.zeros_like(logp) if with_entropy else logp.new_empty(0)
-    for n0, n1, block in _row_blocks(logits):
-        y = target[n0:n1]
-        valid = y != ignore_index
-        s = block.float() / temperature
-        row_max, log_sum, shifted, exp_shifted = _shifted_row_stats(s)
-        row_logp = shifted.gather(1, _safe_target(y, valid)).squeeze(1) - log_sum
-        logp[n0:n1] = torch.where(valid, row_logp, 0.0)
-        lse[n0:n1] = torch.where(valid, row_max + log_sum, 0.0)
+    if n_rows == 0:
+        return logp, entropy, lse
+    valid = target != ignore_index
+    safe_y = _safe_target(target, valid)
+    for n0, n1, block, bufs in _row_blocks(logits, 2 if with_entropy else 1):
+        y = safe_y[n0:n1]
+        s = _scaled(block, temperature, bufs[0])
+        ls, ls_y, s_y = _log_softmax_rows(s, bufs[-1], y)
+        logp[n0:n1] = ls_y
+        lse[n0:n1] = _row_lse(s_y, ls_y, ls, block, temperature)
         if with_entropy:
-            # H = log S - sum_j e_j d_j / S with d = s - max, e = exp(d), S = sum e;
-            # terms with e = 0 (s = -inf) are 0, not 0 * -inf.
-            weighted = torch.where(exp_shifted > 0, exp_shifted * shifted, 0.0).sum(dim=-1)
-            row_entropy = log_sum - weighted / exp_shifted.sum(dim=-1)
-            entropy[n0:n1] = torch.where(valid, row_entropy, 0.0)
+            # H = -sum_j p_j log p_j; terms with p_j = 0 (s_j = -inf) are 0, not 0 * -inf.
+            p = torch.softmax(s, -1, out=bufs[0])
+            entropy[n0:n1] = torch.linalg.vecdot(p, ls.clamp_(min=LOG_P_FLOOR)).neg_()
+    logp = torch.where(valid, logp, 0.0)
+    lse = torch.where(valid, lse, 0.0)
+    if with_entropy:
+        entropy = torch.where(valid, entropy, 0.0)
     return logp, entropy, lse
-
-
-def _onehot_minus_p_grad(block, y, valid, p, coef, temperature):
-    """``coef * (onehot(y) - p) / T`` with ignored rows zeroed, in float32."""
-    g = -p * coef.unsqueeze(1)
-    g.scatter_add_(1, _safe_target(y, valid), coef.unsqueeze(1))
-    g.mul_(valid.unsqueeze(1) / temperature)
-    return g
 
 
 def logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, temperature,
                       ignore_index, grad):
+    if target.numel() == 0:
+        return
     with_entropy = grad_entropy.numel() > 0
-    for n0, n1, block in _row_blocks(logits):
-        y = target[n0:n1]
-        valid = y != ignore_index
-        s = block.float() / temperature
-        row_lse = lse[n0:n1].unsqueeze(1)
-        p = torch.exp(s - row_lse)
-        g = _onehot_minus_p_grad(block, y, valid, p, grad_logp[n0:n1], temperature)
+    valid = target != ignore_index
+    safe_y = _safe_target(target, valid)
+    # grad = c * (onehot - p) - g_H * p * (log p + H) = c * onehot + p * (a + b * log p)
+    c = torch.where(valid, grad_logp, 0.0) / temperature
+    if with_entropy:
+        b = torch.where(valid, grad_entropy, 0.0).div(-temperature)
+        a = torch.addcmul(c.neg(), b, entropy)  # -(c + g_H * H / T)
+    else:
+        a = c.neg()
+    for n0, n1, block, bufs in _row_blocks(logits, 2 if with_entropy else 1):
+        y = safe_y[n0:n1]
+        s = _scaled(block, temperature, bufs[0])
         if with_entropy:
-            g_h = (grad_entropy[n0:n1] * valid / temperature).unsqueeze(1)
-            log_p_plus_h = s - row_lse + entropy[n0:n1].unsqueeze(1)
-            g -= g_h * torch.where(p > 0, p * log_p_plus_h, 0.0)
-        _grad_block(grad, n0, n1).copy_(g)
+            ls = torch.log_softmax(s, -1, out=bufs[1]).clamp_(min=LOG_P_FLOOR)
+            p = torch.softmax(s, -1, out=bufs[0])
+            # the target entry term by term: c (1 - p_y) and g_H p_y (log p_y + H) are each
+            # tiny on a confident row, where a = -(c + g_H H) would round g_H H away
+            p_y = p.gather(1, y).squeeze(1)
+            row_b, row_c = b[n0:n1], c[n0:n1]
+            entropy_term = row_b * p_y * (ls.gather(1, y).squeeze(1) + entropy[n0:n1])
+            target_value = torch.addcmul(row_c, p_y, row_c, value=-1.0).add_(entropy_term)
+            coef = ls.mul_(row_b.unsqueeze(1)).add_(a[n0:n1].unsqueeze(1))
+            grad_block = _grad_block(grad, n0, n1)
+            g = torch.mul(p, coef, out=_grad_dst(grad_block, p))
+            _store_grad(grad_block, g, y, target_value, valid[n0:n1])
+        else:
+            p = torch.softmax(s, -1, out=bufs[0])
+            p_y = p.gather(1, y).squeeze(1)
+            row_a, row_c = a[n0:n1], c[n0:n1]
+            _write_grad(_grad_block(grad, n0, n1), p, row_a, y,
+                        torch.addcmul(row_c, p_y, row_a), valid[n0:n1])
+
+
+def _softcapped(block, softcap, bufs):
+    """``(z, t)``: ``t = tanh(x / c)`` in ``bufs[1]`` and ``z = c * t`` in ``bufs[0]``."""
+    t = torch.tanh(_scaled(block, softcap, bufs[1]), out=bufs[1])  # never in place on the block
+    return torch.mul(t, softcap, out=bufs[0]), t
 
 
 def cross_entropy_forward(logits, target, ignore_index, label_smoothing, z_loss, softcap,
@@ -100,34 +202,56 @@ def cross_entropy_forward(logits, target, ignore_index, label_smoothing, z_loss,
     vocab = logits.shape[-1]
     loss = torch.zeros(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.zeros_like(loss)
-    for n0, n1, block in _row_blocks(logits):
-        y = target[n0:n1]
-        valid = y != ignore_index
-        z = block.float()
+    if n_rows == 0:
+        return loss, lse
+    valid = target != ignore_index
+    safe_y = _safe_target(target, valid)
+    eps = label_smoothing
+    if grad is not None:
+        scale = grad_scale if grad_scale.numel() > 1 else grad_scale.expand(n_rows)
+        row_scale = torch.where(valid, scale, 0.0)
+    for n0, n1, block, bufs in _row_blocks(logits, 2 if softcap else 1):
+        y = safe_y[n0:n1]
         if softcap:
-            z = torch.tanh(z / softcap).mul_(softcap)
-        row_max, log_sum, shifted, _ = _shifted_row_stats(z)
-        row_lse = row_max + log_sum
-        shifted_y = shifted.gather(1, _safe_target(y, valid)).squeeze(1)
-        row_loss = (1.0 - label_smoothing) * (log_sum - shifted_y) + z_loss * row_lse * row_lse
-        if label_smoothing:
-            row_loss = row_loss + label_smoothing * (log_sum - shifted.mean(dim=-1))
-        loss[n0:n1] = torch.where(valid, row_loss, 0.0)
-        lse[n0:n1] = torch.where(valid, row_lse, 0.0)
+            z, t = _softcapped(block, softcap, bufs)
+        else:
+            z = _scaled(block, 1.0, bufs[0])
+        mean_z = z.mean(-1) if eps else None
+        if grad is None:
+            ls, logp_y, z_y = _log_softmax_rows(z, bufs[-1], y)
+            row_lse = _row_lse(z_y, logp_y, ls, z if softcap else block, 1.0)
+        else:
+            p, logp_y, row_lse = _softmax_rows(z, bufs[0], y)
+        row_loss = (1.0 - eps) * -logp_y + z_loss * row_lse * row_lse
+        if eps:
+            row_loss = row_loss + eps * (row_lse - mean_z)
+        loss[n0:n1] = row_loss
+        lse[n0:n1] = row_lse
         if grad is None:
             continue
-        scale = grad_scale[n0:n1] if grad_scale.numel() > 1 else grad_scale.expand(n1 - n0)
-        row_scale = torch.where(valid, scale, 0.0).unsqueeze(1)
-        p = torch.exp(z - row_lse.unsqueeze(1))
-        g = p.mul_((1.0 + 2.0 * z_loss * row_lse).unsqueeze(1))
-        g.sub_(label_smoothing / vocab)
-        g.scatter_add_(1, _safe_target(y, valid),
-                       torch.full_like(row_lse, label_smoothing - 1.0).unsqueeze(1))
-        g.mul_(row_scale)
-        if softcap:
-            g.mul_(1.0 - (z / softcap) ** 2)
-        _grad_block(grad, n0, n1).copy_(g)
-    return loss, lse
+        # grad = scale * ((1 + 2 z_loss lse) p - (1 - eps) onehot - eps / V) [* (1 - t^2)]
+        s_n = row_scale[n0:n1]
+        p_mult = 1.0 + 2.0 * z_loss * row_lse
+        mult = s_n * p_mult
+        shift = s_n * (-eps / vocab)
+        # the target entry in the order of the formula: p_y * (1 + 2 z_loss lse) - eps / V
+        # - (1 - eps) cancels to exactly 0 when V = 1
+        p_y = p.gather(1, y).squeeze(1)
+        target_value = (p_y * p_mult - eps / vocab + (eps - 1.0)) * s_n
+        grad_block = _grad_block(grad, n0, n1)
+        if softcap:  # -g (in p's block) times t^2 - 1, t = tanh(x / c) = z / c
+            g = p.mul_(mult.neg_().unsqueeze(1))
+            if eps:
+                g.sub_(shift.unsqueeze(1))
+            g.scatter_(1, y, target_value.neg_().unsqueeze(1))
+            g = torch.mul(g, t.square_().sub_(1.0), out=_grad_dst(grad_block, g))
+            _store_grad(grad_block, g, y, None, valid[n0:n1])
+        else:
+            g = torch.mul(p, mult.unsqueeze(1), out=_grad_dst(grad_block, p))
+            if eps:
+                g.add_(shift.unsqueeze(1))
+            _store_grad(grad_block, g, y, target_value, valid[n0:n1])
+    return torch.where(valid, loss, 0.0), torch.where(valid, lse, 0.0)
 
 
 def grpo_token_terms(logp, old_logprobs, ref_logprobs, advantages, clip_low, clip_high, delta,
@@ -162,25 +286,34 @@ def grpo_forward(logits, target, temperature, advantages, old_logprobs, ref_logp
                  token_weight, clip_low, clip_high, delta, beta, grad):
     n_rows = target.numel()
     logp = torch.zeros(n_rows, dtype=torch.float32, device=logits.device)
-    loss = torch.zeros_like(logp)
-    for n0, n1, block in _row_blocks(logits):
-        y = target[n0:n1]
-        valid = token_weight[n0:n1] != 0
-        s = block.float() / temperature
-        row_max, log_sum, shifted, _ = _shifted_row_stats(s)
-        row_lse = row_max + log_sum
-        row_logp = shifted.gather(1, _safe_target(y, valid)).squeeze(1) - log_sum
-        row_logp = torch.where(valid, row_logp, 0.0)
+    if n_rows == 0:
+        return logp, torch.zeros_like(logp)
+    valid = token_weight != 0
+    safe_y = _safe_target(target, valid)
+    loss = torch.zeros_like(logp) if grad is not None else None
+    for n0, n1, block, (buf,) in _row_blocks(logits, 1):
+        y = safe_y[n0:n1]
+        s = _scaled(block, temperature, buf)
+        if grad is None:  # log-probs only here; the token terms are computed once below
+            logp[n0:n1] = _log_softmax_rows(s, buf, y)[1]
+            continue
+        p, row_logp, _ = _softmax_rows(s, buf, y)
+        row_valid = valid[n0:n1]
+        row_logp = torch.where(row_valid, row_logp, 0.0)
         old = None if old_logprobs is None else old_logprobs[n0:n1]
         ref = None if ref_logprobs is None else ref_logprobs[n0:n1]
         row_loss, dloss = grpo_token_terms(row_logp, old, ref, advantages[n0:n1], clip_low,
                                            clip_high, delta, beta)
         logp[n0:n1] = row_logp
-        loss[n0:n1] = torch.where(valid, row_loss, 0.0)
-        if grad is None:
-            continue
-        p = torch.exp(s - row_lse.unsqueeze(1))
-        coef = torch.where(valid, dloss * token_weight[n0:n1], 0.0)
-        g = _onehot_minus_p_grad(block, y, valid, p, coef, temperature)
-        _grad_block(grad, n0, n1).copy_(g)
-    return logp, loss
+        loss[n0:n1] = row_loss
+        # grad = coef * (onehot - p) = -coef * p + coef * onehot, coef = weight * dl/dlogp / T
+        coef = torch.where(row_valid, dloss * token_weight[n0:n1], 0.0) / temperature
+        neg_coef = coef.neg()
+        p_y = p.gather(1, y).squeeze(1)
+        _write_grad(_grad_block(grad, n0, n1), p, neg_coef, y,
+                    torch.addcmul(coef, p_y, neg_coef), row_valid)
+    if grad is None:
+        logp = torch.where(valid, logp, 0.0)
+        loss, _ = grpo_token_terms(logp, old_logprobs, ref_logprobs, advantages, clip_low,
+                                   clip_high, delta, beta)
+    return logp, torch.where(valid, loss, 0.0)
