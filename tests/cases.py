@@ -3,9 +3,21 @@
 from dataclasses import dataclass, field
 from typing import Callable
 
+import pytest
 import torch
 
 KERNEL_BACKENDS = ["torch", "cpp", "triton"]
+
+# torch.compile over the Triton kernels needs them compiled for a GPU (the interpreter cannot be
+# traced); without one, tests/test_triton_tracing.py traces the same ops on meta tensors.
+CUDA_TRITON = torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1"
+COMPILE_BACKENDS = ["cpp", "torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not CUDA_TRITON, reason="torch.compile of the triton backend runs on CUDA only"))]
+
+
+def compile_device(backend):
+    """Where a torch.compile test of ``backend`` runs."""
+    return "cuda" if backend == "triton" else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["fp32", "bf16", "fp16"]
 

@@ -6,7 +6,17 @@ import astrai_kernels as ak
 from astrai_kernels import reference
 from astrai_kernels.testing import assert_close
 
-from cases import CASE_NAMES, DTYPE_IDS, DTYPES, KERNEL_BACKENDS, leaf, make_case, reference_leaf
+from cases import (
+    CASE_NAMES,
+    COMPILE_BACKENDS,
+    DTYPE_IDS,
+    DTYPES,
+    KERNEL_BACKENDS,
+    compile_device,
+    leaf,
+    make_case,
+    reference_leaf,
+)
 
 BACKENDS = KERNEL_BACKENDS + ["reference"]
 
@@ -211,9 +221,11 @@ def test_module_matches_functional_and_refuses_unsupported():
         ak.nn.CrossEntropyLoss(reduction="avg")(case.base, case.target)
 
 
-@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
 def test_torch_compile_fullgraph(backend):
     case = make_case("shifted", torch.float32)
+    case.base, case.target = case.base.to(compile_device(backend)), case.target.to(
+        compile_device(backend))
 
     def loss_fn(x, y):
         return 3.0 * ak.cross_entropy(x[:, :-1], y, label_smoothing=0.1, z_loss=1e-3,

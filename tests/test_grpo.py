@@ -5,7 +5,7 @@ import astrai_kernels as ak
 from astrai_kernels import reference
 from astrai_kernels.testing import assert_close
 
-from cases import DTYPE_IDS, DTYPES, KERNEL_BACKENDS
+from cases import COMPILE_BACKENDS, DTYPE_IDS, DTYPES, KERNEL_BACKENDS, compile_device
 
 BACKENDS = KERNEL_BACKENDS + ["reference"]
 
@@ -169,9 +169,10 @@ def test_bad_advantages_and_targets():
         ak.grpo_loss(base[0], target[0], advantages)
 
 
-@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
 def test_torch_compile_fullgraph(backend):
-    base, target, mask, advantages, old, ref = _batch(torch.float32)
+    base, target, mask, advantages, old, ref = (
+        t.to(compile_device(backend)) for t in _batch(torch.float32))
 
     def loss_fn(x):
         loss, metrics = ak.grpo_loss(x[:, :-1], target, advantages, mask=mask, old_logprobs=old,

@@ -9,7 +9,17 @@ import astrai_kernels as ak
 from astrai_kernels import reference
 from astrai_kernels.testing import assert_close
 
-from cases import CASE_NAMES, DTYPE_IDS, DTYPES, KERNEL_BACKENDS, leaf, make_case, reference_leaf
+from cases import (
+    CASE_NAMES,
+    COMPILE_BACKENDS,
+    DTYPE_IDS,
+    DTYPES,
+    KERNEL_BACKENDS,
+    compile_device,
+    leaf,
+    make_case,
+    reference_leaf,
+)
 
 BACKENDS = KERNEL_BACKENDS + ["reference"]
 
@@ -173,9 +183,11 @@ def test_bad_input(call, error, match):
         call(case.base, case.target.clamp(min=0))
 
 
-@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
 def test_torch_compile_fullgraph(backend):
     case = make_case("shifted", torch.float32)
+    case.base, case.target = case.base.to(compile_device(backend)), case.target.to(
+        compile_device(backend))
 
     def loss_fn(x, y):
         logp, entropy = ak.token_logprobs(x[:, :-1], y, return_entropy=True, temperature=1.3,

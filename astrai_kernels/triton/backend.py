@@ -58,11 +58,17 @@ def unavailable_reason(device):
 _RECORDER = None
 
 
+# Inside the ``triton_op`` ops of ``ops/_library.py`` this makes the launch visible to tracing
+# (torch.compile, make_fx); in eager code it returns the kernel itself. torch < 2.6 has none.
+_wrap_triton = getattr(torch.library, "wrap_triton", None) or (lambda kernel: kernel)
+
+
 def _launch(kernel, n_programs, args, meta, num_warps):
     if _RECORDER is not None:
         _RECORDER.append((kernel, args, meta, num_warps))
         return
-    kernel[(n_programs,)](*args, **meta, num_warps=num_warps)
+    launcher = kernel if kernels_interpreted() else _wrap_triton(kernel)
+    launcher[(n_programs,)](*args, **meta, num_warps=num_warps)
 
 
 def _rows_f32(x):
