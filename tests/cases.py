@@ -1,16 +1,20 @@
 """Shared inputs for the op tests: awkward shapes, layouts and contents."""
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import pytest
 import torch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_BACKENDS = ["torch", "cpp", "triton"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
 
 # torch.compile over the Triton kernels needs them compiled for a GPU (the interpreter cannot be
 # traced); without one, tests/test_triton_tracing.py traces the same ops on meta tensors.
-CUDA_TRITON = torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1"
+CUDA_TRITON = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 COMPILE_BACKENDS = ["cpp", "torch", pytest.param("triton", marks=pytest.mark.skipif(
     not CUDA_TRITON, reason="torch.compile of the triton backend runs on CUDA only"))]
 
@@ -18,8 +22,16 @@ COMPILE_BACKENDS = ["cpp", "torch", pytest.param("triton", marks=pytest.mark.ski
 def compile_device(backend):
     """Where a torch.compile test of ``backend`` runs."""
     return "cuda" if backend == "triton" else "cpu"
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DTYPE_IDS = ["fp32", "bf16", "fp16"]
+
+
+def subprocess_env(**extra):
+    """This process's environment for a child Python: ``TRITON_INTERPRET`` dropped (so Triton
+    compiles instead of interpreting), this checkout first on ``PYTHONPATH``, then ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(
+        os.pathsep) if p])
+    env.update(extra)
+    return env
 
 
 @dataclass

@@ -14,6 +14,8 @@ from astrai_kernels import bench_runner as br
 from astrai_kernels import cli
 from astrai_kernels.testing import verify
 
+from cases import subprocess_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MACHINE_FIELDS = {"cpu", "cores", "platform", "python", "torch", "triton", "gpu"}
@@ -160,10 +162,8 @@ def test_compile_check_refuses_the_interpreter(capsys):
 
 def test_compile_check_json_subprocess():
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-m", "astrai_kernels.cli", "compile-check", "--json",
-                           "--quick", "--arch", "sm_90"], cwd=ROOT, env=env,
+                           "--quick", "--arch", "sm_90"], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     rows = json.loads(proc.stdout)

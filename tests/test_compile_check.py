@@ -5,30 +5,23 @@ there is no GPU, and the interpreter would replace the compiler).
 """
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
+from cases import ROOT, subprocess_env
+
 pytest.importorskip("triton")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = {"kernel", "config", "arch", "registers", "spills", "shared", "ok", "error"}
-
-
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(
-        os.pathsep) if p])
-    env.update(extra)
-    return env
 
 
 def test_every_kernel_compiles_without_spills():
     cmd = [sys.executable, "-m", "astrai_kernels.triton.compile_check", "--arch", "sm_80,sm_90",
            "--json", "--quick"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(),
+                          cwd=ROOT, timeout=600)
     assert proc.stdout.strip(), proc.stderr[-3000:]
     rows = json.loads(proc.stdout)
     assert rows, "no kernel configurations were compiled"
@@ -49,8 +42,8 @@ def test_every_kernel_compiles_without_spills():
 
 def test_refuses_under_the_interpreter():
     cmd = [sys.executable, "-m", "astrai_kernels.triton.compile_check", "--arch", "sm_90"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(TRITON_INTERPRET="1"),
-                          cwd=ROOT, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env=subprocess_env(TRITON_INTERPRET="1"), cwd=ROOT, timeout=300)
     assert proc.returncode == 2
     assert "TRITON_INTERPRET" in proc.stderr
 

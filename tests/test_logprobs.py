@@ -1,4 +1,3 @@
-import os
 import subprocess
 import sys
 
@@ -19,6 +18,7 @@ from cases import (
     leaf,
     make_case,
     reference_leaf,
+    subprocess_env,
 )
 
 BACKENDS = KERNEL_BACKENDS + ["reference"]
@@ -157,8 +157,8 @@ def test_triton_on_cpu_without_interpreter_is_refused():
             "except RuntimeError as exc:\n"
             "    print('refused:', exc)\n"
             "print('available:', ak.available_backends('cpu'))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True,
+                         text=True,
                          timeout=120, check=True).stdout
     assert "refused: backend 'triton' cannot serve tensors on cpu" in out
     assert "TRITON_INTERPRET=1" in out

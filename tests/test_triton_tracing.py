@@ -4,20 +4,20 @@ Without a GPU the kernels cannot run natively, so this traces them on meta tenso
 AOTAutograd's functionalization (what ``torch.compile`` hands Inductor) in a subprocess with the
 interpreter off, and checks that each primitive's graph holds its kernels as
 ``triton_kernel_wrapper_functional`` nodes and no call to the wrapping op itself. On a machine
-with CUDA, ``test_triton_backend.py`` also runs ``torch.compile`` over the triton backend.
+with CUDA, ``test_torch_compile_fullgraph[triton]`` in test_logprobs.py, test_cross_entropy.py and
+test_grpo.py also runs ``torch.compile`` over the triton backend (skipped without CUDA).
 """
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from cases import ROOT, subprocess_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytest.importorskip("triton")
 
 SCRIPT = r"""
 import json, torch
@@ -74,11 +74,8 @@ KERNELS = {
 
 @pytest.mark.skipif(not hasattr(torch.library, "triton_op"), reason="torch < 2.6 has no triton_op")
 def test_triton_ops_trace_into_their_kernels():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(
-        os.pathsep) if p])
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
+                          env=subprocess_env(), cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["triton_ops"]

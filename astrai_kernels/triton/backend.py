@@ -58,17 +58,23 @@ def unavailable_reason(device):
 _RECORDER = None
 
 
-# Inside the ``triton_op`` ops of ``ops/_library.py`` this makes the launch visible to tracing
-# (torch.compile, make_fx); in eager code it returns the kernel itself. torch < 2.6 has none.
-_wrap_triton = getattr(torch.library, "wrap_triton", None) or (lambda kernel: kernel)
+def _identity(kernel):
+    return kernel
+
+
+# ``wrap_triton`` makes a launch visible to tracing (torch.compile, make_fx) inside the
+# ``triton_op`` ops of ``ops/_library.py``; run eagerly it launches the kernel as is. torch < 2.6
+# has none, and interpreted kernels cannot be traced, so both launch the kernel directly.
+_wrap_triton = getattr(torch.library, "wrap_triton", None)
+if _wrap_triton is None or kernels_interpreted():
+    _wrap_triton = _identity
 
 
 def _launch(kernel, n_programs, args, meta, num_warps):
     if _RECORDER is not None:
         _RECORDER.append((kernel, args, meta, num_warps))
         return
-    launcher = kernel if kernels_interpreted() else _wrap_triton(kernel)
-    launcher[(n_programs,)](*args, **meta, num_warps=num_warps)
+    _wrap_triton(kernel)[(n_programs,)](*args, **meta, num_warps=num_warps)
 
 
 def _rows_f32(x):
