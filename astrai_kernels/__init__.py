@@ -4,6 +4,12 @@ from . import nn
 from .ops._backend import available_backends
 from .ops.cross_entropy import cross_entropy
 from .ops.grpo import grpo_loss
+from .ops.linear import (
+    linear_cross_entropy,
+    linear_grpo_loss,
+    linear_sequence_logprobs,
+    linear_token_logprobs,
+)
 from .ops.logprobs import sequence_logprobs, token_logprobs
 from .ops.preference import dpo_loss, group_advantages
 
@@ -14,6 +20,10 @@ __all__ = [
     "cross_entropy",
     "dpo_loss",
     "grpo_loss",
+    "linear_cross_entropy",
+    "linear_grpo_loss",
+    "linear_sequence_logprobs",
+    "linear_token_logprobs",
     "group_advantages",
     "nn",
     "sequence_logprobs",

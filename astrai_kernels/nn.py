@@ -3,6 +3,7 @@
 import torch
 
 from .ops.cross_entropy import cross_entropy
+from .ops.linear import linear_cross_entropy
 
 
 class CrossEntropyLoss(torch.nn.Module):
@@ -45,3 +46,33 @@ class CrossEntropyLoss(torch.nn.Module):
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, "
                 f"softcap={self.softcap}, backend={self.backend!r}")
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """Cross-entropy of an LM head's output, fused: ``forward(hidden, weight, target, bias=None)``.
+
+    Same keywords as ``ak.linear_cross_entropy``; never holds the ``[N, V]`` logits.
+    """
+
+    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, z_loss=0.0,
+                 softcap=None, chunk_size=None, backend="auto"):
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.chunk_size = chunk_size
+        self.backend = backend
+
+    def forward(self, hidden, weight, target, bias=None, normalizer=None):
+        return linear_cross_entropy(hidden, weight, target, bias=bias,
+                                    ignore_index=self.ignore_index, reduction=self.reduction,
+                                    label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                                    softcap=self.softcap, normalizer=normalizer,
+                                    chunk_size=self.chunk_size, backend=self.backend)
+
+    def extra_repr(self):
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, "
+                f"softcap={self.softcap}, chunk_size={self.chunk_size}, backend={self.backend!r}")

@@ -100,14 +100,11 @@ def _call(logits_rows, target_flat, params, grad_scale, grad_out=None):
                                           params.backend)
 
 
-def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                  z_loss=0.0, softcap=None, normalizer=None, inplace_backward=False,
-                  backend="auto"):
-    """Cross-entropy of ``logits [..., V]`` against ``target [...]``, float32.
+def checked_params(logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                   normalizer, inplace_backward, backend):
+    """Validate every argument; ``(params, normalizer as a device tensor or None)``.
 
-    ``normalizer`` (a number or 0-d tensor, e.g. the global count of target tokens across
-    micro-batches) replaces the local count of non-ignored rows in ``reduction="mean"``.
-    Every row ignored gives 0.0 and a zero gradient.
+    ``logits`` may be a zero-byte stand-in of the logits' shape (the fused LM head's checks).
     """
     check_logits(logits)
     ignore_index = check_index(ignore_index, "ignore_index")
@@ -119,6 +116,21 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
     normalizer_t = _check_normalizer(normalizer, logits.device)
     params = CrossEntropyParams(ignore_index, reduction, label_smoothing, z_loss, softcap_value,
                                 bool(inplace_backward), resolve_backend(backend, logits.device))
+    return params, normalizer_t
+
+
+def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                  z_loss=0.0, softcap=None, normalizer=None, inplace_backward=False,
+                  backend="auto"):
+    """Cross-entropy of ``logits [..., V]`` against ``target [...]``, float32.
+
+    ``normalizer`` (a number or 0-d tensor, e.g. the global count of target tokens across
+    micro-batches) replaces the local count of non-ignored rows in ``reduction="mean"``.
+    Every row ignored gives 0.0 and a zero gradient.
+    """
+    params, normalizer_t = checked_params(logits, target, ignore_index, reduction,
+                                          label_smoothing, z_loss, softcap, normalizer,
+                                          inplace_backward, backend)
     if params.backend == "reference":
         return reference.cross_entropy(logits.float(), target, ignore_index, reduction,
                                        label_smoothing, z_loss, softcap, normalizer_t)

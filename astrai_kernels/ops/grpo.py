@@ -9,6 +9,8 @@ Log-ratios are clamped to +-20 before ``exp`` (as verl does) so no ratio overflo
 """
 
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Optional
 
 import torch
 
@@ -107,47 +109,86 @@ def _check(logits, target, advantages, mask, old_logprobs, ref_logprobs, beta, c
     return mask, advantages, old, ref, params
 
 
+@dataclass(frozen=True)
+class GRPOPlan:
+    """The checked inputs of one GRPO call, shaped ``[B, T]``, and each token's loss weight."""
+    params: GRPOParams
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    old: Optional[torch.Tensor]
+    ref: Optional[torch.Tensor]
+    weight: torch.Tensor
+
+    def flat_rows(self):
+        """The per-token inputs of the fused kernels: contiguous float32 vectors of B*T."""
+        def flat(x):
+            return None if x is None else x.detach().reshape(-1).float().contiguous()
+
+        return SimpleNamespace(advantages=flat(self.advantages), old=flat(self.old),
+                               ref=flat(self.ref), weight=flat(self.weight))
+
+
+def plan(logits, target, advantages, *, mask=None, old_logprobs=None, ref_logprobs=None,
+         beta=0.0, clip_eps_low=0.2, clip_eps_high=None, delta=None, loss_type="bnpo",
+         importance_sampling="token", temperature=1.0, max_completion_length=None,
+         normalizer=None, backend="auto"):
+    """Check a call's arguments and weigh its tokens; ``logits`` may be a zero-byte stand-in."""
+    mask, adv, old, ref, params = _check(
+        logits, target, advantages, mask, old_logprobs, ref_logprobs, beta, clip_eps_low,
+        clip_eps_high, delta, loss_type, importance_sampling, temperature,
+        max_completion_length, normalizer, backend)
+    if isinstance(normalizer, torch.Tensor):
+        normalizer = normalizer.reshape(()).to(device=logits.device, dtype=torch.float32)
+    weight = _token_weight(mask, loss_type, max_completion_length, normalizer)
+    return GRPOPlan(params, mask, adv, old, ref, weight)
+
+
 def grpo_loss(logits, target, advantages, *, mask=None, old_logprobs=None, ref_logprobs=None,
               beta=0.0, clip_eps_low=0.2, clip_eps_high=None, delta=None, loss_type="bnpo",
               importance_sampling="token", temperature=1.0, max_completion_length=None,
               normalizer=None, backend="auto"):
     """GRPO policy loss and detached float32 metrics (means over masked tokens)."""
-    mask, adv, old, ref, params = _check(
-        logits, target, advantages, mask, old_logprobs, ref_logprobs, beta, clip_eps_low,
-        clip_eps_high, delta, loss_type, importance_sampling, temperature,
-        max_completion_length, normalizer, backend)
+    checked = plan(logits, target, advantages, mask=mask, old_logprobs=old_logprobs,
+                   ref_logprobs=ref_logprobs, beta=beta, clip_eps_low=clip_eps_low,
+                   clip_eps_high=clip_eps_high, delta=delta, loss_type=loss_type,
+                   importance_sampling=importance_sampling, temperature=temperature,
+                   max_completion_length=max_completion_length, normalizer=normalizer,
+                   backend=backend)
+    params = checked.params
     if params.backend == "reference":
         return reference.grpo_loss(
-            logits.float(), target, adv, mask, old_logprobs, ref_logprobs, beta, clip_eps_low,
-            clip_eps_high, delta, loss_type, importance_sampling, temperature,
-            max_completion_length, normalizer)
-    if isinstance(normalizer, torch.Tensor):
-        normalizer = normalizer.reshape(()).to(device=logits.device, dtype=torch.float32)
-    weight = _token_weight(mask, loss_type, max_completion_length, normalizer)
+            logits.float(), target, checked.advantages, checked.mask, old_logprobs,
+            ref_logprobs, beta, params.clip_eps_low, clip_eps_high, delta, loss_type,
+            importance_sampling, params.temperature, max_completion_length, normalizer)
     if importance_sampling == "sequence":
-        return _sequence_level(logits, target, adv, mask, old, ref, weight, params)
-    return _token_level(logits, target, adv, mask, old, ref, weight, params)
+        def logprobs_of(masked_target):
+            return token_logprobs(logits, masked_target, temperature=params.temperature,
+                                  backend=params.backend)
+        return sequence_level(logprobs_of, target, checked)
+    return _token_level(logits, target, checked)
 
 
-def _token_level(logits, target, adv, mask, old, ref, weight, params):
+def _token_level(logits, target, checked):
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
-
-    def flat(x):
-        return None if x is None else x.detach().reshape(-1).float().contiguous()
-
+    params, flat = checked.params, checked.flat_rows()
     with torch.no_grad():
         logp, token_loss, grad = _library.grpo_forward(
-            rows_view(logits), flat_target(target), params.temperature, flat(adv), flat(old),
-            flat(ref), flat(weight), params.clip_eps_low, params.clip_eps_high, params.delta,
-            params.beta, needs_grad, params.backend)
-        value = (token_loss * flat(weight)).sum()
-        logp = logp.view(mask.shape)
-        old_or_logp = logp if old is None else old.float()
-        ratio = torch.exp((logp - old_or_logp).clamp(-20.0, 20.0))
-        k3 = _k3(logp, ref)
-        metrics = _metrics(ratio, k3, adv, mask, params)
+            rows_view(logits), flat_target(target), params.temperature, flat.advantages,
+            flat.old, flat.ref, flat.weight, params.clip_eps_low, params.clip_eps_high,
+            params.delta, params.beta, needs_grad, params.backend)
+        value, metrics = token_level_result(logp, token_loss, checked)
     loss = AttachGrad.apply(rows_view(logits), value, grad) if needs_grad else value
     return loss, metrics
+
+
+def token_level_result(logp, token_loss, checked):
+    """The loss (weighted sum of per-token losses) and metrics from the fused kernel's rows."""
+    value = (token_loss * checked.flat_rows().weight).sum()
+    logp = logp.view(checked.mask.shape)
+    old_or_logp = logp if checked.old is None else checked.old.float()
+    ratio = torch.exp((logp - old_or_logp).clamp(-20.0, 20.0))
+    k3 = _k3(logp, checked.ref)
+    return value, _metrics(ratio, k3, checked.advantages, checked.mask, checked.params)
 
 
 def _k3(logp, ref):
@@ -157,16 +198,20 @@ def _k3(logp, ref):
     return torch.exp(log_ratio) - log_ratio - 1.0
 
 
-def _sequence_level(logits, target, adv, mask, old, ref, weight, params):
-    """GSPO: ``r_b = exp(masked mean of logp - old)``, one per sequence, gradient to every token."""
+def sequence_level(logprobs_of, target, checked):
+    """GSPO: ``r_b = exp(masked mean of logp - old)``, one per sequence, gradient to every token.
+
+    ``logprobs_of(masked_target)`` returns the differentiable token log-probs ``[B, T]``.
+    """
+    mask, old, ref, params = checked.mask, checked.old, checked.ref, checked.params
     masked_target = torch.where(mask > 0, target, torch.full_like(target, -100))
-    logp = token_logprobs(logits, masked_target, temperature=params.temperature,
-                          backend=params.backend)
+    logp = logprobs_of(masked_target)
     old_value = logp.detach() if old is None else old.float() * mask
     lengths = mask.sum(-1, keepdim=True).clamp(min=1.0)
     seq_log_ratio = ((logp - old_value) * mask).sum(-1, keepdim=True) / lengths
     token_loss, ratio, k3 = reference.grpo_token_loss(
-        logp, logp - seq_log_ratio, None if ref is None else ref.float() * mask, adv,
-        params.clip_eps_low, params.clip_eps_high, params.delta or None, params.beta)
-    loss = (token_loss * weight).sum()
-    return loss, _metrics(ratio.detach(), k3.detach(), adv, mask, params)
+        logp, logp - seq_log_ratio, None if ref is None else ref.float() * mask,
+        checked.advantages, params.clip_eps_low, params.clip_eps_high, params.delta or None,
+        params.beta)
+    loss = (token_loss * checked.weight).sum()
+    return loss, _metrics(ratio.detach(), k3.detach(), checked.advantages, mask, params)

@@ -26,7 +26,7 @@ class LogprobsParams:
     backend: str
 
 
-def _checked_params(logits, target, temperature, ignore_index, return_entropy,
+def checked_params(logits, target, temperature, ignore_index, return_entropy,
                     inplace_backward, backend):
     check_logits(logits)
     ignore_index = check_index(ignore_index, "ignore_index")
@@ -84,7 +84,7 @@ def token_logprobs(logits, target, *, temperature=1.0, ignore_index=-100, return
     A call without autograd (``torch.no_grad()`` or logits not requiring grad) runs the
     forward only and saves nothing: the way to compute old/reference-policy log-probs.
     """
-    params = _checked_params(logits, target, temperature, ignore_index, return_entropy,
+    params = checked_params(logits, target, temperature, ignore_index, return_entropy,
                              inplace_backward, backend)
     lead_shape = target.shape
     if params.backend == "reference":
@@ -102,6 +102,19 @@ def token_logprobs(logits, target, *, temperature=1.0, ignore_index=-100, return
 
 def sequence_logprobs(logits, target, mask, *, average=False, temperature=1.0, backend="auto"):
     """Per-sequence sum (or mean over ``mask``) of token log-probs; logits ``[B, T, V]``."""
+    keep = checked_sequence_mask(logits, target, mask)
+    backend = resolve_backend(backend, logits.device)
+    if backend == "reference":
+        return reference.sequence_logprobs(logits.float(), torch.where(keep, target, -100), mask,
+                                           average, check_positive(temperature, "temperature"))
+    masked_target = torch.where(keep, target, torch.full_like(target, -100))
+    logp = token_logprobs(logits, masked_target, temperature=temperature, ignore_index=-100,
+                          backend=backend)
+    return reduce_sequence(logp, mask, average)
+
+
+def checked_sequence_mask(logits, target, mask):
+    """Check ``[B, T, V]`` logits, ``mask`` and the targets it keeps; the mask as bool."""
     check_logits(logits)
     if logits.dim() != 3:
         raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
@@ -112,13 +125,11 @@ def sequence_logprobs(logits, target, mask, *, average=False, temperature=1.0, b
         raise ValueError(f"mask is on {mask.device} but logits are on {logits.device}")
     keep = mask.bool()
     check_target(target, logits, where=keep)
-    backend = resolve_backend(backend, logits.device)
-    if backend == "reference":
-        return reference.sequence_logprobs(logits.float(), torch.where(keep, target, -100), mask,
-                                           average, check_positive(temperature, "temperature"))
-    masked_target = torch.where(keep, target, torch.full_like(target, -100))
-    logp = token_logprobs(logits, masked_target, temperature=temperature, ignore_index=-100,
-                          backend=backend)
+    return keep
+
+
+def reduce_sequence(logp, mask, average):
+    """Sum (or mean over ``mask``) of token log-probs ``[B, T]`` per sequence."""
     weight = mask.to(torch.float32)
     total = (logp * weight).sum(-1)
     return total / weight.sum(-1).clamp(min=1.0) if average else total

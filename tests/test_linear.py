@@ -1,0 +1,413 @@
+"""The fused LM head ops against float64 math on ``hidden.double() @ weight.double().T``."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import astrai_kernels as ak
+from astrai_kernels import reference
+from astrai_kernels.ops import linear as linear_op
+
+from cases import DTYPE_IDS, DTYPES, KERNEL_BACKENDS
+
+BACKENDS = KERNEL_BACKENDS + ["reference"]
+
+
+def assert_elementwise(actual, exact, naive, dtype, name):
+    """Each entry within 4x the naive same-dtype path's error on it, one rounding to ``dtype``
+    of the exact value, and float32 accumulation noise."""
+    actual, exact, naive = (t.detach().double() for t in (actual, exact, naive))
+    if exact.numel() == 0:
+        return
+    err = (actual - exact).abs()
+    allowed = (4 * (naive - exact).abs() + torch.finfo(dtype).eps * exact.abs()
+               + 16 * torch.finfo(torch.float32).eps * exact.abs().max())
+    bad = ~(err <= allowed)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad.reshape(-1))[0])
+        raise AssertionError(f"{name}: {int(bad.sum())} entries off; first at flat index {i}: "
+                             f"{actual.reshape(-1)[i]:.6e} vs exact {exact.reshape(-1)[i]:.6e} "
+                             f"(allowed {allowed.reshape(-1)[i]:.3e})")
+
+
+def _inputs(n_rows, hidden_size, vocab, dtype, seed=0, bias=True, lead=None):
+    g = torch.Generator().manual_seed(seed)
+    lead = (n_rows,) if lead is None else lead
+    hidden = torch.randn(*lead, hidden_size, generator=g).to(dtype)
+    weight = (torch.randn(vocab, hidden_size, generator=g) * hidden_size ** -0.5 * 3).to(dtype)
+    bias_t = (torch.randn(vocab, generator=g) * 0.5).to(dtype) if bias else None
+    target = torch.randint(0, vocab, lead, generator=g)
+    target[torch.rand(lead, generator=g) < 0.2] = -100
+    return hidden, weight, bias_t, target
+
+
+def _leaves(*tensors, dtype=None):
+    return [None if t is None else
+            (t.detach().clone() if dtype is None else t.detach().to(dtype)).requires_grad_(True)
+            for t in tensors]
+
+
+def _upstream(shape, seed=3):
+    return torch.rand(shape, generator=torch.Generator().manual_seed(seed)) + 0.5
+
+
+def _grads(output, inputs, upstream):
+    present = [t for t in inputs if t is not None]
+    grads = iter(torch.autograd.grad(output, present, upstream, allow_unused=True))
+    return [None if t is None else next(grads) for t in inputs]
+
+
+def _compare(fused_fn, logits_fn, tensors, dtype, upstream_seed=3):
+    """Run ``fused_fn(h, w, b)`` and ``logits_fn(logits)`` (float64 exact and same-dtype naive)
+    and compare the output and every gradient entry by entry."""
+    fused_in = _leaves(*tensors)
+    exact_in = _leaves(*tensors, dtype=torch.float64)
+    naive_in = _leaves(*tensors)
+    out = fused_fn(*fused_in)
+    exact = logits_fn(F.linear(*exact_in))
+    naive = logits_fn(F.linear(*naive_in).float())
+    assert out.dtype == torch.float32 and out.shape == exact.shape
+    upstream = _upstream(out.shape, upstream_seed)
+    assert_elementwise(out, exact, naive, dtype, "output")
+    if out.numel() == 0:
+        return
+    got = _grads(out, fused_in, upstream)
+    want = _grads(exact, exact_in, upstream.double())
+    naive_grads = _grads(naive, naive_in, upstream)
+    for name, g, w, n, t in zip(("hidden", "weight", "bias"), got, want, naive_grads, tensors):
+        if t is None:
+            continue
+        assert g.dtype == t.dtype and g.shape == t.shape, name
+        assert_elementwise(g, w, n, dtype, f"grad {name}")
+
+
+CE_OPTIONS = {
+    "plain": {},
+    "smooth_zloss": {"label_smoothing": 0.1, "z_loss": 1e-3},
+    "softcap": {"softcap": 4.0},
+    "normalizer": {"normalizer": 11.0},
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", list(CE_OPTIONS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_cross_entropy(backend, options, reduction, dtype):
+    kwargs = dict(CE_OPTIONS[options])
+    if reduction != "mean":
+        kwargs.pop("normalizer", None)
+    tensors = _inputs(37, 16, 101, dtype)
+    target = tensors[3]
+
+    def fused(h, w, b):
+        return ak.linear_cross_entropy(h, w, target, bias=b, reduction=reduction, chunk_size=8,
+                                       backend=backend, **kwargs)
+
+    def logits_fn(logits):
+        return reference.cross_entropy(logits, target, reduction=reduction, **kwargs)
+
+    _compare(fused, logits_fn, tensors[:3], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_token_logprobs_with_entropy(backend, dtype):
+    tensors = _inputs(29, 12, 77, dtype, seed=1)
+    target = tensors[3]
+
+    def fused(h, w, b):
+        logp, entropy = ak.linear_token_logprobs(h, w, target, bias=b, temperature=0.7,
+                                                 return_entropy=True, chunk_size=6,
+                                                 backend=backend)
+        return torch.stack([logp, entropy])
+
+    def logits_fn(logits):
+        return torch.stack(reference.token_logprobs(logits, target, temperature=0.7))
+
+    _compare(fused, logits_fn, tensors[:3], dtype)
+
+
+@pytest.mark.parametrize("average", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_sequence_logprobs(backend, average):
+    dtype = torch.float32
+    hidden, weight, bias, target = _inputs(0, 8, 50, dtype, seed=2, lead=(3, 7))
+    target = target.clamp(min=0)
+    mask = torch.rand(3, 7, generator=torch.Generator().manual_seed(4)) < 0.7
+    mask[2] = False
+
+    def fused(h, w, b):
+        return ak.linear_sequence_logprobs(h, w, target, mask, bias=b, average=average,
+                                           backend=backend)
+
+    def logits_fn(logits):
+        return reference.sequence_logprobs(logits, torch.where(mask, target, -100), mask,
+                                           average)
+
+    _compare(fused, logits_fn, (hidden, weight, bias), dtype)
+
+
+GRPO_SETTINGS = {
+    "bnpo_token": dict(loss_type="bnpo"),
+    "grpo_kl_clip_high": dict(loss_type="grpo", beta=0.05, clip_eps_high=0.28),
+    "dr_grpo_delta": dict(loss_type="dr_grpo", delta=1.5, max_completion_length=9),
+    "dapo_normalizer": dict(loss_type="dapo", normalizer=13.0),
+    "gspo": dict(loss_type="grpo", importance_sampling="sequence", beta=0.02),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("setting", list(GRPO_SETTINGS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_grpo_loss(backend, setting, dtype):
+    kwargs = dict(GRPO_SETTINGS[setting])
+    hidden, weight, bias, target = _inputs(0, 8, 45, dtype, seed=5, lead=(3, 6))
+    target = target.clamp(min=0)
+    g = torch.Generator().manual_seed(6)
+    mask = (torch.rand(3, 6, generator=g) < 0.8).float()
+    advantages = torch.randn(3, generator=g)
+    with torch.no_grad():
+        logp_now = reference.token_logprobs(F.linear(hidden, weight, bias).double(), target)[0]
+    old = (logp_now + 0.3 * torch.randn(3, 6, generator=g, dtype=torch.float64)).float()
+    ref = (logp_now + 0.3 * torch.randn(3, 6, generator=g, dtype=torch.float64)).float()
+    kwargs.update(mask=mask, old_logprobs=old, ref_logprobs=ref)
+
+    def fused(h, w, b):
+        loss, metrics = ak.linear_grpo_loss(h, w, target, advantages, bias=b, chunk_size=5,
+                                            backend=backend, **kwargs)
+        assert set(metrics) >= {"kl", "ratio/mean", "clip_ratio/low", "clip_ratio/high",
+                                "clip_ratio/region"}
+        return loss
+
+    def logits_fn(logits):
+        return reference.grpo_loss(logits, target, advantages.to(logits.dtype),
+                                   **kwargs)[0].to(logits.dtype)
+
+    _compare(fused, logits_fn, (hidden, weight, bias), dtype)
+
+
+SHAPES = {
+    "one_row": dict(lead=(1,), vocab=33),
+    "zero_rows": dict(lead=(0,), vocab=33),
+    "3d_hidden": dict(lead=(2, 5), vocab=40),
+    "vocab_below_chunk_tile": dict(lead=(9,), vocab=3),
+    "one_class": dict(lead=(4,), vocab=1),
+    "rows_below_chunk": dict(lead=(5,), vocab=64, chunk_size=64),
+    "default_chunk": dict(lead=(11,), vocab=70, chunk_size=None),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_awkward_shapes(backend, shape):
+    spec = dict(SHAPES[shape])
+    chunk_size = spec.pop("chunk_size", 4)
+    dtype = torch.float32
+    hidden, weight, bias, target = _inputs(0, 6, spec["vocab"], dtype, seed=7, lead=spec["lead"])
+
+    def fused(h, w, b):
+        return ak.linear_cross_entropy(h, w, target, bias=b, chunk_size=chunk_size,
+                                       reduction="none", backend=backend)
+
+    def logits_fn(logits):
+        return reference.cross_entropy(logits, target, reduction="none")
+
+    _compare(fused, logits_fn, (hidden, weight, bias), dtype)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_non_contiguous_hidden_and_all_ignored(backend):
+    hidden, weight, bias, target = _inputs(0, 10, 30, torch.float32, seed=8, lead=(4, 6))
+    strided = hidden.transpose(0, 1)  # [6, 4, H], not contiguous
+    target_t = target.transpose(0, 1).contiguous()
+
+    def fused(h, w, b):
+        return ak.linear_cross_entropy(h.transpose(0, 1), w, target_t, bias=b, chunk_size=5,
+                                       backend=backend)
+
+    def logits_fn(logits):
+        return reference.cross_entropy(logits.transpose(0, 1), target_t)
+
+    assert not strided.is_contiguous()
+    _compare(fused, logits_fn, (hidden, weight, bias), torch.float32)
+    everything_ignored = torch.full_like(target, -100)
+    h, w = _leaves(hidden, weight)
+    loss = ak.linear_cross_entropy(h, w, everything_ignored, backend=backend)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.count_nonzero(h.grad) == 0 and torch.count_nonzero(w.grad) == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_tied_weight_gets_both_gradients(backend):
+    g = torch.Generator().manual_seed(9)
+    vocab, hidden_size = 40, 8
+    embedding = torch.randn(vocab, hidden_size, generator=g)
+    ids = torch.randint(0, vocab, (3, 7), generator=g)
+    mix = torch.randn(hidden_size, hidden_size, generator=g) * 0.3
+
+    def loss_of(table, fused):
+        hidden = torch.tanh(F.embedding(ids[:, :-1], table) @ mix)
+        if fused:
+            return ak.linear_cross_entropy(hidden, table, ids[:, 1:], chunk_size=4,
+                                           backend=backend)
+        return F.cross_entropy(F.linear(hidden, table).reshape(-1, vocab),
+                               ids[:, 1:].reshape(-1))
+
+    table = embedding.clone().requires_grad_(True)
+    loss_of(table, True).backward()
+    exact = embedding.double().requires_grad_(True)
+    mix = mix.double()
+    loss_of(exact, False).backward()
+    naive = embedding.clone().requires_grad_(True)
+    mix = mix.float()
+    loss_of(naive, False).backward()
+    assert_elementwise(table.grad, exact.grad, naive.grad, torch.float32, "tied weight grad")
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_bf16_weight_gradient_rounded_once_over_many_chunks(backend):
+    """128 chunks: the float32 accumulator keeps the weight gradient at one bf16 rounding."""
+    hidden, weight, _, target = _inputs(512, 16, 24, torch.bfloat16, seed=10)
+    h, w = _leaves(hidden, weight)
+    ak.linear_cross_entropy(h, w, target, reduction="sum", chunk_size=4,
+                            backend=backend).backward()
+    hd, wd = _leaves(hidden, weight, dtype=torch.float64)
+    reference.cross_entropy(F.linear(hd, wd), target, reduction="sum").backward()
+    exact = wd.grad
+    allowed = exact.abs() * 2.0 ** -8 + exact.abs().max() * 1e-5
+    assert bool(((w.grad.double() - exact).abs() <= allowed).all())
+    # A bf16 running sum over the same chunks breaks that bound: the test can fail.
+    running = torch.zeros_like(weight)
+    with torch.no_grad():
+        for start in range(0, 512, 4):
+            rows = slice(start, start + 4)
+            logits = F.linear(hidden[rows].float(), weight.float())
+            y = target[rows]
+            dlogits = torch.softmax(logits, -1)
+            dlogits[y != -100, y[y != -100]] -= 1.0
+            dlogits[y == -100] = 0.0
+            running += (dlogits.t() @ hidden[rows].float()).to(torch.bfloat16)
+    assert not bool(((running.double() - exact).abs() <= allowed).all())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_equals_torch_linear_cross_entropy(backend, reduction):
+    if not hasattr(F, "linear_cross_entropy"):
+        pytest.skip("torch.nn.functional.linear_cross_entropy needs torch >= 2.13")
+    hidden, weight, bias, target = _inputs(23, 12, 90, torch.float32, seed=11)
+    ours = _leaves(hidden, weight, bias)
+    theirs = _leaves(hidden, weight, bias)
+    loss = ak.linear_cross_entropy(ours[0], ours[1], target, bias=ours[2], reduction=reduction,
+                                   label_smoothing=0.05, chunk_size=7, backend=backend)
+    expected = F.linear_cross_entropy(theirs[0], theirs[1], target, linear_bias=theirs[2],
+                                      reduction=reduction, label_smoothing=0.05)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    upstream = _upstream(loss.shape)
+    for a, b in zip(_grads(loss, ours, upstream), _grads(expected, theirs, upstream)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_second_backward_and_frozen_weight(backend):
+    hidden, weight, bias, target = _inputs(17, 6, 25, torch.float32, seed=12)
+    h, w, b = _leaves(hidden, weight, bias)
+    loss = ak.linear_cross_entropy(h, w, target, bias=b, chunk_size=5, backend=backend)
+    (loss / 2).backward(retain_graph=True)
+    first = [t.grad.clone() for t in (h, w, b)]
+    (loss / 2).backward(retain_graph=True)
+    loss.backward()
+    for t, once in zip((h, w, b), first):
+        torch.testing.assert_close(t.grad, 4 * once)
+    frozen = weight.clone()
+    h2 = hidden.clone().requires_grad_(True)
+    ak.linear_cross_entropy(h2, frozen, target, bias=bias, chunk_size=5,
+                            backend=backend).backward()
+    torch.testing.assert_close(h2.grad, first[0] * 2, rtol=1e-5, atol=1e-7)
+
+
+def test_forward_only_under_no_grad_holds_no_gradient(monkeypatch):
+    seen = []
+    original = linear_op._ChunkedHead.__init__
+
+    def record(self, hidden, weight, bias, chunk_size, needs_grad=(False, False, False)):
+        seen.append(tuple(needs_grad))
+        original(self, hidden, weight, bias, chunk_size, needs_grad)
+
+    monkeypatch.setattr(linear_op._ChunkedHead, "__init__", record)
+    hidden, weight, bias, target = _inputs(9, 6, 20, torch.float32, seed=13)
+    h, w, b = _leaves(hidden, weight, bias)
+    with torch.no_grad():
+        logp = ak.linear_token_logprobs(h, w, target, bias=b, backend="torch")
+        loss = ak.linear_cross_entropy(h, w, target, bias=b, backend="torch")
+    assert not logp.requires_grad and not loss.requires_grad
+    assert seen == [(False, False, False)] * 2
+
+
+def test_chunk_rule_bounds_the_workspace():
+    for vocab in (1, 1000, 32768, 262144):
+        rows = linear_op.chunk_rows(10 ** 6, vocab, torch.device("cpu"))
+        assert rows >= 1
+        assert rows == 1 or rows * vocab * 4 <= linear_op.CHUNK_BYTES["cpu"]
+    assert linear_op.chunk_rows(5, 100, torch.device("cpu"), chunk_size=3) == 3
+    assert linear_op.chunk_rows(5, 100, torch.device("cpu"), chunk_size=30) == 5
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_torch_compile_fullgraph(backend):
+    hidden, weight, bias, target = _inputs(13, 8, 30, torch.float32, seed=14)
+
+    def step(h, w, b):
+        loss = ak.linear_cross_entropy(h, w, target, bias=b, chunk_size=4, backend=backend)
+        logp = ak.linear_token_logprobs(h, w, target, bias=b, chunk_size=4, backend=backend)
+        return loss + 0.1 * logp.sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    eager_in, compiled_in = _leaves(hidden, weight, bias), _leaves(hidden, weight, bias)
+    expected = step(*eager_in)
+    got = compiled(*compiled_in)
+    torch.testing.assert_close(got, expected)
+    for a, b in zip(_grads(got, compiled_in, None), _grads(expected, eager_in, None)):
+        torch.testing.assert_close(a, b)
+
+
+def test_nn_module():
+    hidden, weight, bias, target = _inputs(10, 6, 21, torch.float32, seed=15)
+    module = ak.nn.LinearCrossEntropyLoss(label_smoothing=0.1, chunk_size=3, backend="torch")
+    expected = ak.linear_cross_entropy(hidden, weight, target, bias=bias, label_smoothing=0.1,
+                                       backend="torch")
+    torch.testing.assert_close(module(hidden, weight, target, bias), expected)
+    assert "chunk_size=3" in repr(module)
+
+
+BAD = {
+    "dtype_mismatch": (lambda h, w, b: (h, w.double(), b), TypeError, "weight must have"),
+    "weight_1d": (lambda h, w, b: (h, w[0], b), ValueError, r"weight must have shape \[V, H\]"),
+    "hidden_size": (lambda h, w, b: (h, w[:, :-1], b), ValueError, "H = hidden.shape"),
+    "bias_shape": (lambda h, w, b: (h, w, b[:-1]), ValueError, r"bias must have shape \[V\]"),
+    "bias_dtype": (lambda h, w, b: (h, w, b.half()), TypeError, "bias must have"),
+    "int_hidden": (lambda h, w, b: (h.long(), w.long(), b), TypeError, "hidden must be"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input(case):
+    hidden, weight, bias, target = _inputs(5, 4, 9, torch.float32, seed=16)
+    change, error, message = BAD[case]
+    h, w, b = change(hidden, weight, bias)
+    with pytest.raises(error, match=message):
+        ak.linear_cross_entropy(h, w, target, bias=b)
+    with pytest.raises(error, match=message):
+        ak.linear_token_logprobs(h, w, target, bias=b)
+
+
+def test_bad_chunk_size_and_target():
+    hidden, weight, bias, target = _inputs(5, 4, 9, torch.float32, seed=17)
+    with pytest.raises(ValueError, match="chunk_size"):
+        ak.linear_cross_entropy(hidden, weight, target, chunk_size=0)
+    with pytest.raises(ValueError, match="target"):
+        ak.linear_cross_entropy(hidden, weight, target.clamp(min=0) + 9)
+    with pytest.raises(ValueError, match="target must have shape"):
+        ak.linear_cross_entropy(hidden, weight, target[:-1])
