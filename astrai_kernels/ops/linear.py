@@ -120,7 +120,7 @@ class _ChunkedHead:
 
     def gradients(self):
         """``(grad_hidden, grad_weight, grad_bias)`` in the inputs' dtype; empty where unneeded."""
-        self.buffer = None
+        self.buffer = self.weight = self.product = None  # free the workspace before rounding
         grad_weight = _absent(self.hidden)
         if self.grad_weight_acc is not None:
             grad_weight = (self.grad_weight_acc if self.dtype == torch.float32
