@@ -11,6 +11,7 @@ import astrai_kernels as ak
 from .. import naive
 from .base import (
     BaseStrategy,
+    Device,
     LossOutput,
     StrategyFactory,
     check_ids,
@@ -21,6 +22,7 @@ from .base import (
 )
 from .logprobs import reduce_logprobs, token_logprobs
 from .masks import left_align, model_inputs
+from .rollout import RolloutResult
 
 DPO_REDUCTIONS = ("sum", "mean")
 
@@ -55,7 +57,7 @@ class DPOStrategy(BaseStrategy):
     def __init__(
         self,
         model: nn.Module,
-        device,
+        device: Device,
         ref_model: Optional[nn.Module],
         beta: float = 0.1,
         reduction: str = "sum",
@@ -159,7 +161,7 @@ class DPOStrategy(BaseStrategy):
     def supports_online(self) -> bool:
         return True
 
-    def prepare_from_rollout(self, result) -> Dict[str, Tensor]:
+    def prepare_from_rollout(self, result: RolloutResult) -> Dict[str, Tensor]:
         """Best/worst response of each prompt by reward become chosen/rejected.
 
         Each side is ``prompt + response`` (the seed scored the responses without their prompt,

@@ -11,6 +11,7 @@ import astrai_kernels as ak
 from .. import naive
 from .base import (
     BaseStrategy,
+    Device,
     LossOutput,
     StrategyFactory,
     check_ids,
@@ -22,6 +23,7 @@ from .base import (
 from .executor import Executor, broadcast_state_dict, unwrap_module
 from .logprobs import token_logprobs
 from .masks import left_align, model_inputs
+from .rollout import RolloutResult
 
 
 @StrategyFactory.register("grpo")
@@ -61,7 +63,7 @@ class GRPOStrategy(BaseStrategy):
     def __init__(
         self,
         model: nn.Module,
-        device,
+        device: Device,
         old_model: Optional[nn.Module],
         ref_model: Optional[nn.Module],
         clip_eps: float = 0.2,
@@ -257,7 +259,7 @@ class GRPOStrategy(BaseStrategy):
     def supports_online(self) -> bool:
         return True
 
-    def prepare_from_rollout(self, result) -> Dict[str, Tensor]:
+    def prepare_from_rollout(self, result: RolloutResult) -> Dict[str, Tensor]:
         batch = {
             "prompts": result.prompts,
             "responses": result.responses,

@@ -9,7 +9,7 @@ from torch import Tensor
 import astrai_kernels as ak
 
 from .. import naive
-from .base import LogprobsOutput, model_outputs
+from .base import LogprobsOutput, Model, model_outputs
 
 IGNORE_INDEX = -100
 REDUCTIONS = ("mean", "sum", "none")
@@ -44,7 +44,7 @@ def reduce_logprobs(token_lp: Tensor, mask: Tensor, reduction: str) -> Tensor:
 
 
 def get_logprobs(
-    model,
+    model: Model,
     input_ids: Tensor,
     attn_mask: Tensor,
     loss_mask: Tensor,

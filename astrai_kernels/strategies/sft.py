@@ -1,9 +1,8 @@
 """Next-token prediction (``seq``) and supervised fine-tuning with a loss mask (``sft``)."""
 
-from typing import Callable, Dict, Tuple, Union
+from typing import Dict, Tuple
 
 import torch
-import torch.nn as nn
 from torch import Tensor
 
 import astrai_kernels as ak
@@ -11,7 +10,9 @@ import astrai_kernels as ak
 from .. import naive
 from .base import (
     BaseStrategy,
+    Device,
     LossOutput,
+    Model,
     StrategyFactory,
     check_ids,
     check_same_shape,
@@ -50,8 +51,8 @@ class SEQStrategy(BaseStrategy):
 
     def __init__(
         self,
-        model: Union[nn.Module, Callable[..., Dict[str, Tensor]]],
-        device,
+        model: Model,
+        device: Device,
         label_smoothing: float = 0.0,
         inplace_backward: bool = False,
         **kwargs,
