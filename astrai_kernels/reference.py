@@ -1,57 +1,88 @@
 """The spec: one short, naive, materializing function per op.
 
 Every backend is tested against these in float64 (call them with ``logits.double()``); with
-``backend="reference"`` the public ops call them on ``logits.float()``, as the seed did.
-Inputs are the public ops' inputs after validation; outputs keep the input's float dtype.
+``backend="reference"`` the public ops call them on ``logits.float()``. No production path
+calls them otherwise: the ops implement their own math, so a test against this module checks
+one implementation against another. Inputs are the public ops' inputs after validation;
+outputs keep the input's float dtype.
+
+Rows that are ignored or masked are *selected* away (``torch.where``), never multiplied by 0:
+an ignored row holding inf or NaN gives 0 and a zero gradient, as the kernels do.
 """
+
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 LOG_RATIO_CLAMP = 20.0
 
 
-def token_logprobs(logits, target, temperature=1.0, ignore_index=-100):
+def token_logprobs(logits: Tensor, target: Tensor, temperature: float = 1.0,
+                   ignore_index: int = -100) -> Tuple[Tensor, Tensor]:
     """``(logp, entropy)`` of ``softmax(logits / T)`` at ``target``; ignored rows give 0."""
     valid = target != ignore_index
+    # Ignored rows are replaced by zeros before the softmax: their values (inf, NaN) never
+    # reach the result or the gradient.
+    logits = torch.where(valid.unsqueeze(-1), logits, 0.0)
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
     safe = torch.where(valid, target, 0).long().unsqueeze(-1)
     logp = logp_all.gather(-1, safe).squeeze(-1)
     p = logp_all.exp()
     # Terms with p = 0 (logits of -inf) contribute 0, not 0 * -inf, and no NaN gradient.
     entropy = -(p * torch.where(p > 0, logp_all, 0.0)).sum(-1)
-    return logp * valid, entropy * valid
+    return torch.where(valid, logp, 0.0), torch.where(valid, entropy, 0.0)
 
 
-def sequence_logprobs(logits, target, mask, average=False, temperature=1.0):
+def sequence_logprobs(logits: Tensor, target: Tensor, mask: Tensor, average: bool = False,
+                      temperature: float = 1.0) -> Tensor:
     """Sum (or mean over ``mask``) of token log-probs per sequence, ``[B]``."""
     logp, _ = token_logprobs(logits, target, temperature, ignore_index=-100)
-    mask = mask.to(logp.dtype)
-    total = (logp * mask).sum(-1)
-    return total / mask.sum(-1).clamp(min=1.0) if average else total
+    weight = mask.to(logp.dtype)
+    total = torch.where(weight != 0, logp * weight, 0.0).sum(-1)
+    return total / weight.sum(-1).clamp(min=1.0) if average else total
 
 
-def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                  z_loss=0.0, softcap=None, normalizer=None):
-    """``F.cross_entropy`` on softcapped logits plus ``z_loss * lse**2`` per counted row."""
+def _divide_or_zero(total: Tensor, count: Tensor) -> Tensor:
+    """``total / count``, and 0 (with a zero gradient) where ``count`` is 0."""
+    return torch.where(count > 0, total / torch.where(count > 0, count, 1), 0.0)
+
+
+def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100,
+                  reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
+                  softcap: Optional[float] = None,
+                  normalizer: Union[None, float, Tensor] = None) -> Tensor:
+    """``F.cross_entropy`` on softcapped logits plus ``z_loss * lse**2`` per counted row.
+
+    ``mean`` divides by the count of counted rows (or ``normalizer``); a count of 0 gives 0.
+    """
     z = logits.reshape(-1, logits.shape[-1])
     y = target.reshape(-1)
+    valid = y != ignore_index
+    z = torch.where(valid.unsqueeze(-1), z, 0.0)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    valid = y != ignore_index
-    rows = F.cross_entropy(z, y.long(), ignore_index=ignore_index, reduction="none",
+    rows = F.cross_entropy(z, torch.where(valid, y, 0).long(), reduction="none",
                            label_smoothing=label_smoothing)
-    rows = rows + z_loss * torch.logsumexp(z, dim=-1) ** 2 * valid
+    if z_loss > 0:
+        # Only formed when on: 0 * lse**2 is NaN once lse**2 overflows (|lse| > 1.8e19 in fp32).
+        rows = rows + z_loss * torch.logsumexp(z, dim=-1) ** 2
+    rows = torch.where(valid, rows, 0.0)
     if reduction == "none":
         return rows.reshape(target.shape)
     if reduction == "sum":
         return rows.sum()
-    count = valid.sum().clamp(min=1) if normalizer is None else normalizer
-    return rows.sum() / count
+    count = valid.sum().to(rows.dtype) if normalizer is None else normalizer
+    return _divide_or_zero(rows.sum(), torch.as_tensor(count, dtype=rows.dtype,
+                                                      device=rows.device))
 
 
-def grpo_token_loss(logp, old_logprobs, ref_logprobs, advantages, clip_eps_low=0.2,
-                    clip_eps_high=None, delta=None, beta=0.0):
+def grpo_token_loss(logp: Tensor, old_logprobs: Optional[Tensor],
+                    ref_logprobs: Optional[Tensor], advantages: Tensor,
+                    clip_eps_low: float = 0.2, clip_eps_high: Optional[float] = None,
+                    delta: Optional[float] = None,
+                    beta: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
     """Per-token clipped surrogate plus ``beta * k3``; ``(loss, ratio, k3)``.
 
     Where both branches of the min agree the unclipped one is taken (it carries the gradient).
@@ -72,20 +103,32 @@ def grpo_token_loss(logp, old_logprobs, ref_logprobs, advantages, clip_eps_low=0
     return loss, ratio, k3
 
 
-def grpo_loss(logits, target, advantages, mask=None, old_logprobs=None, ref_logprobs=None,
-              beta=0.0, clip_eps_low=0.2, clip_eps_high=None, delta=None, loss_type="bnpo",
-              importance_sampling="token", temperature=1.0, max_completion_length=None,
-              normalizer=None):
-    """GRPO/DAPO/Dr.GRPO/GSPO loss on ``[B, T, V]`` logits aligned with ``target [B, T]``."""
+def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional[Tensor] = None,
+              old_logprobs: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None,
+              beta: float = 0.0, clip_eps_low: float = 0.2, clip_eps_high: Optional[float] = None,
+              delta: Optional[float] = None, loss_type: str = "bnpo",
+              importance_sampling: str = "token", temperature: float = 1.0,
+              max_completion_length: Optional[int] = None,
+              normalizer: Union[None, float, Tensor] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """GRPO/DAPO/Dr.GRPO/GSPO loss on ``[B, T, V]`` logits aligned with ``target [B, T]``.
+
+    Masked tokens are selected away before any arithmetic: their logits, targets, advantages
+    and old/reference log-probs may hold anything (inf, NaN, out-of-range ids).
+    """
     batch, length = target.shape
-    mask = torch.ones_like(target, dtype=logits.dtype) if mask is None else mask.to(logits.dtype)
-    target = torch.where(mask > 0, target, -100)
-    logp, _ = token_logprobs(logits, target, temperature, ignore_index=-100)
+    dtype = logits.dtype
+    valid = (torch.ones_like(target, dtype=torch.bool) if mask is None else mask != 0)
+    mask = valid.to(dtype)
+
+    def select(values: Tensor) -> Tensor:
+        return torch.where(valid, values.to(dtype), 0.0)
+
+    logp, _ = token_logprobs(logits, torch.where(valid, target, -100), temperature, -100)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1).expand(batch, length)
-    advantages = advantages.to(logits.dtype)
-    old = logp.detach() if old_logprobs is None else old_logprobs.to(logits.dtype) * mask
-    ref = None if ref_logprobs is None else ref_logprobs.to(logits.dtype) * mask
+    advantages = select(advantages)
+    old = logp.detach() if old_logprobs is None else select(old_logprobs)
+    ref = None if ref_logprobs is None else select(ref_logprobs)
     lengths = mask.sum(-1).clamp(min=1.0)
     if importance_sampling == "sequence":
         seq_log_ratio = ((logp - old) * mask).sum(-1, keepdim=True) / lengths.unsqueeze(1)
@@ -93,15 +136,17 @@ def grpo_loss(logits, target, advantages, mask=None, old_logprobs=None, ref_logp
         old = logp - seq_log_ratio.expand(batch, length)
     loss, ratio, k3 = grpo_token_loss(logp, old, ref, advantages, clip_eps_low, clip_eps_high,
                                       delta, beta)
-    loss = loss * mask
+    loss = torch.where(valid, loss, 0.0)
     if loss_type == "grpo":
-        total = ((loss.sum(-1) / lengths)).mean()
+        total = (loss.sum(-1) / lengths).mean()
     elif loss_type == "bnpo":
         total = loss.sum() / mask.sum().clamp(min=1.0)
     elif loss_type == "dr_grpo":
         total = loss.sum() / (batch * (max_completion_length or length))
     elif loss_type == "dapo":
-        total = loss.sum() / (mask.sum().clamp(min=1.0) if normalizer is None else normalizer)
+        count = mask.sum() if normalizer is None else normalizer
+        total = _divide_or_zero(loss.sum(), torch.as_tensor(count, dtype=dtype,
+                                                            device=loss.device))
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
     eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
@@ -109,8 +154,8 @@ def grpo_loss(logits, target, advantages, mask=None, old_logprobs=None, ref_logp
     low = (ratio < 1.0 - clip_eps_low) & (advantages < 0)
     high = (ratio > 1.0 + eps_high) & (advantages > 0)
 
-    def masked_mean(x):
-        return ((x.to(logits.dtype) * mask).sum() / count).detach()
+    def masked_mean(x: Tensor) -> Tensor:
+        return (torch.where(valid, x.to(dtype), 0.0).sum() / count).detach()
 
     metrics = {
         "kl": masked_mean(k3),
@@ -122,8 +167,9 @@ def grpo_loss(logits, target, advantages, mask=None, old_logprobs=None, ref_logp
     return total, metrics
 
 
-def dpo_loss(policy_chosen, policy_rejected, ref_chosen=None, ref_rejected=None, beta=0.1,
-             loss_type="sigmoid", label_smoothing=0.0):
+def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Optional[Tensor] = None,
+             ref_rejected: Optional[Tensor] = None, beta: float = 0.1, loss_type: str = "sigmoid",
+             label_smoothing: float = 0.0) -> Tuple[Tensor, Dict[str, Tensor]]:
     """DPO family on sequence log-probs ``[B]``; no reference means reference-free."""
     chosen_reward = policy_chosen - (0.0 if ref_chosen is None else ref_chosen)
     rejected_reward = policy_rejected - (0.0 if ref_rejected is None else ref_rejected)
@@ -150,13 +196,15 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen=None, ref_rejected=None,
     return losses.mean(), metrics
 
 
-def group_advantages(rewards, scale="group", eps=1e-6):
-    """``(r - mean_g) / (std_g + eps)`` with the population std; a group of one gives 0."""
+def group_advantages(rewards: Tensor, scale: str = "group", eps: float = 1e-6) -> Tensor:
+    """``(r - mean_g) / (std_g + eps)`` with the population std (``scale="batch"``: the std of
+    the whole batch; ``"none"``: no division). A tied group (a group of one included) gives 0."""
+    tied = (rewards == rewards[:, :1]).all(dim=-1, keepdim=True)
     centred = rewards - rewards.mean(dim=-1, keepdim=True)
     if scale == "none":
-        return centred
+        return torch.where(tied, 0.0, centred)
     if scale == "group":
         std = rewards.std(dim=-1, keepdim=True, unbiased=False)
     else:
         std = rewards.std(unbiased=False)
-    return centred / (std + eps)
+    return torch.where(tied, 0.0, centred / (std + eps))

@@ -1,5 +1,13 @@
-"""The training strategies of the seed (``seed/strategy.py``), computing their losses with the
-fused ops of :mod:`astrai_kernels`.
+"""Training strategies (next-token, SFT, DPO, GRPO, online DPO/GRPO) computing their losses with
+the fused ops of :mod:`astrai_kernels` (docs/architecture.md, "Strategies").
+
+They reproduce the interface and behaviour of the original strategy module this package was
+built for, called "the seed" below: a ``StrategyFactory`` of strategy classes that each take a
+batch dict, run the model (``model(input_ids=..., input_mask=..., position_ids=...)`` returning a
+dict with ``logits`` and optionally ``aux_loss``), and compute the loss from
+``log_softmax(logits.float())`` + ``gather`` or ``F.cross_entropy`` in plain PyTorch; GRPO with
+separate policy, old-policy and reference models, DPO with an optional reference model, online
+variants fed by a rollout runner. That math lives on in :mod:`astrai_kernels.naive`.
 
 ``StrategyFactory.create(name, model, device, **kwargs)`` builds one of ``seq``, ``sft``, ``dpo``,
 ``grpo``, ``online_dpo``, ``online_grpo`` (the ``online_*`` names are the same classes: a rollout
@@ -19,10 +27,10 @@ when the model returns an ``aux_loss``, and keeps the seed's extension points
   reference log-probs are forward-only and computed before the policy's forward, so their
   logits are freed before the policy's exist. ``SEQStrategy``/``SFTStrategy`` also take
   ``inplace_backward=True`` (the logits' gradient overwrites the logits buffer).
-* ``"reference"``: the seed's own math, through no op of this package: ``log_softmax(
-  logits.float())`` + ``gather`` over the whole sequence, ``F.cross_entropy``, the clipped
-  surrogate and the DPO sigmoid in plain torch. It exists for parity tests and comparisons, and
-  accepts only the seed's options (``ValueError`` otherwise).
+* ``"reference"``: the seed's own math (:mod:`astrai_kernels.naive`), through no op of this
+  package: ``log_softmax(logits.float())`` + ``gather`` over the whole sequence,
+  ``F.cross_entropy``, the clipped surrogate and the DPO sigmoid in plain torch. It exists for
+  parity tests and comparisons, and accepts only the seed's options (``ValueError`` otherwise).
 
 Both paths build the same model inputs, so they differ only in the loss math; the fixes below
 apply to both.
@@ -42,7 +50,7 @@ Fixes to the seed, and why
    bias that grows as ``r`` shrinks, and once the policy is ``> 18.4`` nats above the reference
    on a token the log term is stuck at ``log(1e-8)``, so the penalty stops growing and its
    gradient vanishes. ``k3 = exp(d) - d - 1`` with ``d = ref - logp`` is used (the fused op clamps
-   ``d`` to +-20 before ``exp`` to keep it finite, DESIGN.md; the reference path does not clamp).
+   ``d`` to +-20 before ``exp`` to keep it finite; the reference path does not clamp).
 4. **Right-padded prompts broke GRPO.** With ``prompt + response`` concatenated, the first
    response token of a shorter, right-padded prompt was "predicted" from a padding position, and
    the response positions were shifted by the pad count (the seed's own rollout generator pads

@@ -2,13 +2,24 @@
 
 import inspect
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Dict, Generic, List, Optional, Type, TypeVar, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Generic,
+    List,
+    Optional,
+    Sequence,
+    Type,
+    TypeVar,
+    Union,
+)
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .rollout import RolloutResult
+from .rollout import RolloutResult, RolloutRunner
 
 try:
     from typing import TypedDict
@@ -16,6 +27,11 @@ except ImportError:  # pragma: no cover
     from typing_extensions import TypedDict
 
 T = TypeVar("T")
+#: A device as the strategies take it: ``"cuda:0"``, ``torch.device("cpu")``.
+Device = Union[str, torch.device]
+#: A model: called with ``input_ids=``, ``input_mask=``, ``position_ids=`` keywords, it returns a
+#: dict with ``logits`` (and optionally ``aux_loss``).
+Model = Union[nn.Module, Callable[..., Dict[str, Tensor]]]
 
 #: Values accepted for ``loss_backend``: ``"reference"`` is the seed's own naive math, every other
 #: value is passed as ``backend=`` to the ops of ``astrai_kernels``.
@@ -111,7 +127,7 @@ class LogprobsOutput(TypedDict):
     aux_loss: Optional[Tensor]
 
 
-def move_to_device(batch: Dict[str, Any], device) -> Dict[str, Any]:
+def move_to_device(batch: Dict[str, Any], device: Device) -> Dict[str, Any]:
     """Move the tensors of a batch to ``device`` (non-blocking); other values pass through."""
     return {key: value.to(device, non_blocking=True) if isinstance(value, Tensor) else value
             for key, value in batch.items()}
@@ -120,7 +136,7 @@ def move_to_device(batch: Dict[str, Any], device) -> Dict[str, Any]:
 # ---------------------------------------------------------------- batch checks
 
 
-def require_keys(batch: Dict[str, Any], keys, owner: str) -> None:
+def require_keys(batch: Dict[str, Any], keys: Sequence[str], owner: str) -> None:
     if not isinstance(batch, dict):
         raise TypeError(f"{owner}: the batch must be a dict of tensors, got {type(batch).__name__}")
     missing = [key for key in keys if key not in batch]
@@ -155,7 +171,7 @@ def check_logits(logits: Tensor, input_ids: Tensor, owner: str) -> None:
                          f"[{input_ids.shape[0]}, {input_ids.shape[1]}, V], got {shape}")
 
 
-def model_outputs(model, owner: str, **inputs) -> Dict[str, Tensor]:
+def model_outputs(model: Model, owner: str, **inputs: Tensor) -> Dict[str, Tensor]:
     outputs = model(**inputs)
     if not isinstance(outputs, dict) or "logits" not in outputs:
         raise TypeError(f"{owner}: the model must return a dict with 'logits' (and optionally "
@@ -190,9 +206,9 @@ class BaseStrategy(ABC):
 
     def __init__(
         self,
-        model: Union[nn.Module, Callable[..., Dict[str, Tensor]]],
-        device,
-        **kwargs,
+        model: Model,
+        device: Device,
+        **kwargs: Any,
     ):
         self.model = model
         self.device = device
@@ -257,7 +273,7 @@ class BaseStrategy(ABC):
         :meth:`prepare_from_rollout`)."""
         return False
 
-    def set_rollout_runner(self, runner) -> None:
+    def set_rollout_runner(self, runner: Optional[RolloutRunner]) -> None:
         """Inject a rollout runner to enable online mode (``None`` goes back to offline)."""
         if runner is not None and not self.supports_online():
             raise ValueError(f"{type(self).__name__} does not support online rollout")

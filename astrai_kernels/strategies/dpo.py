@@ -4,13 +4,14 @@ from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 import astrai_kernels as ak
 
+from .. import naive
 from .base import (
     BaseStrategy,
+    Device,
     LossOutput,
     StrategyFactory,
     check_ids,
@@ -21,6 +22,7 @@ from .base import (
 )
 from .logprobs import reduce_logprobs, token_logprobs
 from .masks import left_align, model_inputs
+from .rollout import RolloutResult
 
 DPO_REDUCTIONS = ("sum", "mean")
 
@@ -55,7 +57,7 @@ class DPOStrategy(BaseStrategy):
     def __init__(
         self,
         model: nn.Module,
-        device,
+        device: Device,
         ref_model: Optional[nn.Module],
         beta: float = 0.1,
         reduction: str = "sum",
@@ -145,35 +147,21 @@ class DPOStrategy(BaseStrategy):
         ref_rejected = None if log_ref is None else log_ref[n_pairs:]
 
         if self.uses_reference:
-            dpo_loss, metrics = self._seed_dpo(pi_chosen, pi_rejected, ref_chosen, ref_rejected)
+            dpo_loss, metrics = naive.dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected,
+                                               self.beta)
         else:
             dpo_loss, metrics = ak.dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected,
                                             beta=self.beta, loss_type=self.loss_type,
                                             label_smoothing=self.label_smoothing)
-            metrics = dict(metrics)
-        metrics = {"dpo_loss": dpo_loss, **metrics}
+        metrics = {"dpo_loss": dpo_loss, **metrics}  # a new dict: the ops' own is not changed
         return self._loss_output(dpo_loss, metrics, aux_loss)
-
-    def _seed_dpo(self, pi_chosen, pi_rejected, ref_chosen, ref_rejected):
-        """The seed's sigmoid DPO loss, and the reward metrics, in plain torch."""
-        chosen_reward = pi_chosen - (0.0 if ref_chosen is None else ref_chosen)
-        rejected_reward = pi_rejected - (0.0 if ref_rejected is None else ref_rejected)
-        ratio_diff = chosen_reward - rejected_reward
-        loss = -F.logsigmoid(self.beta * ratio_diff).mean()
-        metrics = {
-            "rewards/chosen": (self.beta * chosen_reward).mean(),
-            "rewards/rejected": (self.beta * rejected_reward).mean(),
-            "rewards/accuracy": (chosen_reward > rejected_reward).float().mean(),
-            "rewards/margin": (self.beta * ratio_diff).mean(),
-        }
-        return loss, metrics
 
     # ------------------------------------------------------------ online
 
     def supports_online(self) -> bool:
         return True
 
-    def prepare_from_rollout(self, result) -> Dict[str, Tensor]:
+    def prepare_from_rollout(self, result: RolloutResult) -> Dict[str, Tensor]:
         """Best/worst response of each prompt by reward become chosen/rejected.
 
         Each side is ``prompt + response`` (the seed scored the responses without their prompt,

@@ -8,8 +8,10 @@ from torch import Tensor
 
 import astrai_kernels as ak
 
+from .. import naive
 from .base import (
     BaseStrategy,
+    Device,
     LossOutput,
     StrategyFactory,
     check_ids,
@@ -19,8 +21,9 @@ from .base import (
     require_keys,
 )
 from .executor import Executor, broadcast_state_dict, unwrap_module
-from .logprobs import naive_token_logprobs, token_logprobs
+from .logprobs import token_logprobs
 from .masks import left_align, model_inputs
+from .rollout import RolloutResult
 
 
 @StrategyFactory.register("grpo")
@@ -60,7 +63,7 @@ class GRPOStrategy(BaseStrategy):
     def __init__(
         self,
         model: nn.Module,
-        device,
+        device: Device,
         old_model: Optional[nn.Module],
         ref_model: Optional[nn.Module],
         clip_eps: float = 0.2,
@@ -226,8 +229,9 @@ class GRPOStrategy(BaseStrategy):
 
     def _seed_loss(self, forward, logits, full_sequences, prompt_len, responses, masks,
                    rewards):
-        """The seed's math: full-sequence ``log_softmax(logits.float())`` for the policy, old and
-        reference models, then the clipped surrogate and the k3 penalty in plain torch."""
+        """The seed's math (:mod:`astrai_kernels.naive`): full-sequence ``log_softmax(
+        logits.float())`` + ``gather`` for the policy, old and reference models, then the clipped
+        surrogate and the k3 penalty in plain torch."""
         batch_size, group_size = rewards.shape
         full_masks = torch.cat(
             [torch.zeros(masks.shape[0], prompt_len, dtype=torch.float32, device=masks.device),
@@ -235,66 +239,27 @@ class GRPOStrategy(BaseStrategy):
         target, shifted_mask = full_sequences[:, 1:], full_masks[:, 1:]
 
         def seed_logprobs(model_logits):
-            token_lp = naive_token_logprobs(model_logits, target) * shifted_mask
+            token_lp = token_logprobs(model_logits, target, shifted_mask, "reference")
             return token_lp[:, prompt_len - 1:].reshape(batch_size, group_size, -1)
 
         lp_policy = seed_logprobs(logits)
         with torch.no_grad():
+            lp_old = None
             if self.old_model is not None and self.old_model is not self.model:
                 lp_old = seed_logprobs(forward(self.old_model)["logits"])
-            else:
-                lp_old = lp_policy.detach()
             lp_ref = seed_logprobs(forward(self.ref_model)["logits"]) if self.kl_coef else None
         token_masks = masks.reshape(batch_size, group_size, -1).float()
-
-        # Group-normalized advantages from scalar per-response rewards.
-        rewards = rewards.float()
-        mean = rewards.mean(dim=-1, keepdim=True)
-        std = rewards.std(dim=-1, keepdim=True, unbiased=False)
-        advantages = ((rewards - mean) / (std + self.advantage_eps)).unsqueeze(-1)
-
-        # Token-level ratio (pi_theta / pi_old) and PPO clipping.
-        ratio = torch.exp(lp_policy - lp_old)
-        surr1 = ratio * advantages
-        surr2 = torch.clamp(ratio, 1 - self.clip_eps, 1 + self.clip_eps) * advantages
-        per_token_policy_loss = -torch.min(surr1, surr2)
-        token_count = token_masks.sum().clamp(min=1.0)
-        policy_loss = (per_token_policy_loss * token_masks).sum() / token_count
-
-        # KL penalty to the frozen reference with the k3 estimator (non-negative, unbiased):
-        # k3 = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1. The seed took log(r + 1e-8) of
-        # r = exp(ref - logp); the log-ratio is used directly here (log(r + eps) saturates at
-        # -18.4 and loses the gradient when the policy has moved far from the reference).
-        if lp_ref is not None:
-            log_ref_ratio = lp_ref - lp_policy
-            kl_per_token = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0
-        else:
-            kl_per_token = torch.zeros_like(lp_policy)
-        kl = (kl_per_token * token_masks).sum() / token_count
-        kl_penalty = self.kl_coef * kl
-
-        def masked_mean(x):
-            return (x.float() * token_masks).sum() / token_count
-
-        low = (ratio < 1 - self.clip_eps) & (advantages < 0)
-        high = (ratio > 1 + self.clip_eps) & (advantages > 0)
-        metrics = {
-            "policy_loss": policy_loss,
-            "kl_loss": kl_penalty,
-            "kl": kl,
-            "ratio/mean": masked_mean(ratio),
-            "clip_ratio/low": masked_mean(low),
-            "clip_ratio/high": masked_mean(high),
-            "clip_ratio/region": masked_mean(low | high),
-        }
-        return policy_loss + kl_penalty, metrics
+        advantages = naive.group_advantages(rewards, self.advantage_eps).unsqueeze(-1)
+        task_loss, metrics = naive.grpo_loss(lp_policy, lp_old, lp_ref, advantages, token_masks,
+                                             self.clip_eps, self.kl_coef)
+        return task_loss, dict(metrics)
 
     # ------------------------------------------------------------ online
 
     def supports_online(self) -> bool:
         return True
 
-    def prepare_from_rollout(self, result) -> Dict[str, Tensor]:
+    def prepare_from_rollout(self, result: RolloutResult) -> Dict[str, Tensor]:
         batch = {
             "prompts": result.prompts,
             "responses": result.responses,

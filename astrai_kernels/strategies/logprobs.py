@@ -1,4 +1,5 @@
-"""Token log-probs from a model: the seed's naive math and the fused ops, behind one switch."""
+"""Token log-probs from a model: the seed's naive math (:mod:`astrai_kernels.naive`) and the
+fused ops, behind one switch."""
 
 from typing import Optional
 
@@ -7,31 +8,26 @@ from torch import Tensor
 
 import astrai_kernels as ak
 
-from .base import LogprobsOutput, model_outputs
+from .. import naive
+from .base import LogprobsOutput, Model, model_outputs
 
 IGNORE_INDEX = -100
 REDUCTIONS = ("mean", "sum", "none")
-
-
-def naive_token_logprobs(logits: Tensor, target: Tensor) -> Tensor:
-    """The seed's math: ``log_softmax(logits.float())`` then ``gather`` (an fp32 ``[..., V]``
-    copy, and another in the backward)."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    return torch.gather(log_probs, dim=-1, index=target.long().unsqueeze(-1)).squeeze(-1)
 
 
 def token_logprobs(logits: Tensor, target: Tensor, mask: Tensor, backend: str,
                    temperature: float = 1.0) -> Tensor:
     """``log p(target)`` per token, zero where ``mask`` is 0; ``[B, T]`` float32.
 
-    ``backend="reference"`` is the seed's math times the mask; otherwise the fused
+    ``backend="reference"`` is the seed's math (:func:`astrai_kernels.naive.token_logprobs`) with
+    the masked tokens set to 0; otherwise the fused
     ``ak.token_logprobs`` with the masked tokens' targets set to ``ignore_index`` (they cost
     nothing and get zero gradient).
     """
     if backend == "reference":
         if temperature != 1.0:
             logits = logits.float() / temperature
-        return naive_token_logprobs(logits, target) * mask.to(torch.float32)
+        return torch.where(mask != 0, naive.token_logprobs(logits, target), 0.0)
     target = target.masked_fill(mask == 0, IGNORE_INDEX)
     return ak.token_logprobs(logits, target, temperature=temperature, ignore_index=IGNORE_INDEX,
                              backend=backend)
@@ -48,7 +44,7 @@ def reduce_logprobs(token_lp: Tensor, mask: Tensor, reduction: str) -> Tensor:
 
 
 def get_logprobs(
-    model,
+    model: Model,
     input_ids: Tensor,
     attn_mask: Tensor,
     loss_mask: Tensor,

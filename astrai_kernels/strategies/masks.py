@@ -73,7 +73,7 @@ def left_align(tokens: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
     return tokens.gather(-1, order), mask.bool().gather(-1, order)
 
 
-def model_inputs(key_mask: Optional[Tensor], input_ids: Tensor):
+def model_inputs(key_mask: Optional[Tensor], input_ids: Tensor) -> Tuple[Tensor, Tensor]:
     """``(input_mask, position_ids)`` for a ``[B, S]`` batch whose real tokens ``key_mask`` marks.
 
     Without a key mask (no padding, or right padding only, which a causal mask already hides from

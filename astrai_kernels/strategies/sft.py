@@ -1,17 +1,18 @@
 """Next-token prediction (``seq``) and supervised fine-tuning with a loss mask (``sft``)."""
 
-from typing import Callable, Dict, Union
+from typing import Dict, Tuple
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 import astrai_kernels as ak
 
+from .. import naive
 from .base import (
     BaseStrategy,
+    Device,
     LossOutput,
+    Model,
     StrategyFactory,
     check_ids,
     check_same_shape,
@@ -23,22 +24,11 @@ from .logprobs import IGNORE_INDEX
 from .masks import make_doc_boundary_mask
 
 
-def _cross_entropy(strategy, logits: Tensor, target: Tensor) -> Tensor:
-    """Mean token cross-entropy over the targets that are not ``IGNORE_INDEX``."""
+def _cross_entropy(strategy: "SEQStrategy", logits: Tensor, target: Tensor) -> Tensor:
+    """Mean token cross-entropy over the targets that are not ``IGNORE_INDEX`` (0.0 with a zero
+    gradient when every target is ignored, on both paths)."""
     if strategy.uses_reference:
-        # The seed's math. F.cross_entropy's mean is 0/0 = NaN when every target is ignored
-        # (e.g. a packed chunk made only of prompt tokens); give 0 with zero gradient instead,
-        # as the fused op does.
-        flat_target = target.flatten()
-        loss = F.cross_entropy(
-            input=logits.flatten(0, 1).float(),
-            target=flat_target,
-            ignore_index=IGNORE_INDEX,
-            label_smoothing=strategy.label_smoothing,
-        )
-        if not bool((flat_target != IGNORE_INDEX).any()):
-            loss = logits.float().sum() * 0.0
-        return loss
+        return naive.cross_entropy(logits, target, IGNORE_INDEX, strategy.label_smoothing)
     return ak.cross_entropy(
         logits,
         target,
@@ -61,8 +51,8 @@ class SEQStrategy(BaseStrategy):
 
     def __init__(
         self,
-        model: Union[nn.Module, Callable[..., Dict[str, Tensor]]],
-        device,
+        model: Model,
+        device: Device,
         label_smoothing: float = 0.0,
         inplace_backward: bool = False,
         **kwargs,
@@ -75,6 +65,13 @@ class SEQStrategy(BaseStrategy):
         return self.compute_loss_output(batch)["loss"]
 
     def compute_loss_output(self, batch: Dict[str, Tensor]) -> LossOutput:
+        model_kwargs, target_ids = self._model_inputs(batch)
+        outputs = model_outputs(self.model, type(self).__name__, **model_kwargs)
+        loss = _cross_entropy(self, outputs["logits"], target_ids)
+        return self._loss_output(loss, {"task_loss": loss}, outputs.get("aux_loss"))
+
+    def _model_inputs(self, batch: Dict[str, Tensor]) -> Tuple[Dict[str, Tensor], Tensor]:
+        """The model's keyword inputs and the targets (``IGNORE_INDEX`` where not scored)."""
         owner = type(self).__name__
         require_keys(batch, ("input_ids", "target_ids"), owner)
         batch = move_to_device(batch, self.device)
@@ -82,45 +79,26 @@ class SEQStrategy(BaseStrategy):
         check_ids(input_ids, "input_ids", owner, 2)
         check_ids(target_ids, "target_ids", owner, 2)
         check_same_shape(target_ids, "target_ids", input_ids, "input_ids", owner)
-        outputs = model_outputs(self.model, owner, input_ids=input_ids)
-        loss = _cross_entropy(self, outputs["logits"], target_ids)
-        return self._loss_output(loss, {"task_loss": loss}, outputs.get("aux_loss"))
+        return {"input_ids": input_ids}, target_ids
 
 
 @StrategyFactory.register("sft")
-class SFTStrategy(BaseStrategy):
+class SFTStrategy(SEQStrategy):
     """Supervised fine-tuning: cross-entropy only where ``loss_mask`` is true.
 
     Batch: ``input_ids``, ``target_ids``, ``loss_mask`` (bool, or 0/1 of any dtype) and
     ``position_ids``, all ``[B, T]``. Packed documents are kept apart by
     :func:`make_doc_boundary_mask` from the position ids; without ``position_ids`` the batch is
-    one document per row (``arange`` positions, plain causal mask).
+    one document per row (``arange`` positions, plain causal mask). Keywords as
+    :class:`SEQStrategy`.
     """
 
-    def __init__(
-        self,
-        model: Union[nn.Module, Callable[..., Dict[str, Tensor]]],
-        device,
-        label_smoothing: float = 0.0,
-        inplace_backward: bool = False,
-        **kwargs,
-    ):
-        super().__init__(model, device, **kwargs)
-        self.label_smoothing = label_smoothing
-        self.inplace_backward = inplace_backward
-
-    def compute_loss(self, batch: Dict[str, Tensor]) -> Tensor:
-        return self.compute_loss_output(batch)["loss"]
-
-    def compute_loss_output(self, batch: Dict[str, Tensor]) -> LossOutput:
+    def _model_inputs(self, batch: Dict[str, Tensor]) -> Tuple[Dict[str, Tensor], Tensor]:
         owner = type(self).__name__
         require_keys(batch, ("input_ids", "target_ids", "loss_mask"), owner)
         batch = move_to_device(batch, self.device)
-        input_ids, target_ids, loss_mask = (
-            batch["input_ids"], batch["target_ids"], batch["loss_mask"])
-        check_ids(input_ids, "input_ids", owner, 2)
-        check_ids(target_ids, "target_ids", owner, 2)
-        check_same_shape(target_ids, "target_ids", input_ids, "input_ids", owner)
+        inputs, target_ids = super()._model_inputs(batch)
+        input_ids, loss_mask = inputs["input_ids"], batch["loss_mask"]
         check_same_shape(loss_mask, "loss_mask", input_ids, "input_ids", owner)
         position_ids = batch.get("position_ids")
         if position_ids is None:
@@ -128,11 +106,8 @@ class SFTStrategy(BaseStrategy):
             position_ids = position_ids.expand_as(input_ids)
         else:
             check_same_shape(position_ids, "position_ids", input_ids, "input_ids", owner)
-        input_mask = make_doc_boundary_mask(position_ids)
         # The seed wrote ``~loss_mask``, which is a bitwise NOT for 0/1 integer masks (~1 = -2,
         # ~0 = -1) and an error for float masks; compare with 0 instead.
         target_ids = target_ids.masked_fill(loss_mask == 0, IGNORE_INDEX)
-        outputs = model_outputs(self.model, owner, input_ids=input_ids,
-                                position_ids=position_ids, input_mask=input_mask)
-        loss = _cross_entropy(self, outputs["logits"], target_ids)
-        return self._loss_output(loss, {"task_loss": loss}, outputs.get("aux_loss"))
+        inputs.update(position_ids=position_ids, input_mask=make_doc_boundary_mask(position_ids))
+        return inputs, target_ids

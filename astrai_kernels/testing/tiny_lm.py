@@ -220,9 +220,6 @@ class ToyRolloutRunner:
     def step(self) -> None:
         self._steps_since_rollout += 1
 
-    def clear_cache(self) -> None:
-        self._cache = None
-
     def __call__(self, batch: Dict[str, Tensor]):
         from ..strategies.rollout import RolloutResult
 
