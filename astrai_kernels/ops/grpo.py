@@ -13,8 +13,7 @@ logits, advantages and old/reference log-probs may hold anything, inf and NaN in
 
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -171,6 +170,14 @@ def _check(logits, target, advantages, mask, old_logprobs, ref_logprobs, beta, c
     return _Inputs(valid, select(advantages), select(old), select(ref), normalizer), params
 
 
+class FlatRows(NamedTuple):
+    """The fused kernels' per-token inputs: contiguous float32 vectors of B*T (or None)."""
+    advantages: Tensor
+    old: Optional[Tensor]
+    ref: Optional[Tensor]
+    weight: Tensor
+
+
 @dataclass(frozen=True)
 class GRPOPlan:
     """One call's checked inputs and each token's weight in the aggregated loss ``[B, T]``."""
@@ -178,13 +185,12 @@ class GRPOPlan:
     params: GRPOParams
     weight: Tensor
 
-    def flat_rows(self) -> SimpleNamespace:
-        """The fused kernels' per-token inputs: contiguous float32 vectors of B*T (or None)."""
+    def flat_rows(self) -> FlatRows:
         def flat(x: Optional[Tensor]) -> Optional[Tensor]:
             return None if x is None else x.reshape(-1).contiguous()
 
-        return SimpleNamespace(advantages=flat(self.inputs.advantages), old=flat(self.inputs.old),
-                               ref=flat(self.inputs.ref), weight=flat(self.weight))
+        return FlatRows(flat(self.inputs.advantages), flat(self.inputs.old),
+                        flat(self.inputs.ref), flat(self.weight))
 
 
 def plan(logits: Tensor, target: Tensor, advantages: Tensor, *, mask=None, old_logprobs=None,
