@@ -359,15 +359,22 @@ def test_chunk_rule_bounds_the_workspace():
 def test_torch_compile_fullgraph(backend):
     hidden, weight, bias, target = _inputs(13, 8, 30, torch.float32, seed=14)
 
-    def step(h, w, b):
+    advantages = torch.linspace(-1.0, 1.0, 13).reshape(1, 13)
+
+    def step(h, w, b, temperature):
         loss = ak.linear_cross_entropy(h, w, target, bias=b, chunk_size=4, backend=backend)
-        logp = ak.linear_token_logprobs(h, w, target, bias=b, chunk_size=4, backend=backend)
-        return loss + 0.1 * logp.sum()
+        logp = ak.linear_token_logprobs(h, w, target, bias=b, temperature=temperature,
+                                        chunk_size=4, backend=backend)
+        grpo, _ = ak.linear_grpo_loss(h.unsqueeze(0), w, target.clamp(min=0).unsqueeze(0),
+                                      advantages, bias=b, beta=0.1,
+                                      ref_logprobs=logp.detach().unsqueeze(0), chunk_size=4,
+                                      backend=backend)
+        return loss + 0.1 * logp.sum() + grpo
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     eager_in, compiled_in = _leaves(hidden, weight, bias), _leaves(hidden, weight, bias)
-    expected = step(*eager_in)
-    got = compiled(*compiled_in)
+    expected = step(*eager_in, 0.7)
+    got = compiled(*compiled_in, 0.7)
     torch.testing.assert_close(got, expected)
     for a, b in zip(_grads(got, compiled_in, None), _grads(expected, eager_in, None)):
         torch.testing.assert_close(a, b)
