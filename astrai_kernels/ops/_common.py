@@ -67,10 +67,11 @@ def check_real(value, name):
     """``value`` as a Python float (a traced ``SymFloat`` as is) if it is a real number.
 
     Any ``numbers.Real`` is accepted (Python and NumPy ints and floats), never a bool. Under
-    ``torch.compile`` a float argument arrives as a ``SymFloat`` (dynamo does not specialize
-    floats, ``torch._dynamo.config.specialize_float=False``); the checks below only compare it,
-    which guards on the comparison's outcome, not on the value, so a new value needs no
-    recompile.
+    ``torch.compile`` a float argument of the compiled function arrives as a ``SymFloat``
+    (``torch._dynamo.config.specialize_float`` is False); the checks only compare it, which
+    traces (``fullgraph=True`` works). The ``torch.library`` ops take their float arguments as
+    Python floats, so dynamo guards on the value there: in torch 2.13 each new value of such an
+    argument recompiles (pass a fixed value, or expect one graph per value).
     """
     if _is_symbolic(value):
         return value
