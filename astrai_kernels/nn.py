@@ -1,5 +1,9 @@
 """``nn.Module`` wrappers of the losses."""
 
+from __future__ import annotations
+
+from typing import Optional
+
 import torch
 
 from .ops.cross_entropy import cross_entropy
@@ -15,9 +19,11 @@ class CrossEntropyLoss(torch.nn.Module):
     ``size_average``/``reduce``. Logits are ``[..., V]`` with the classes last, not ``[N, C, d]``.
     """
 
-    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                 reduction="mean", label_smoothing=0.0, *, z_loss=0.0, softcap=None,
-                 inplace_backward=False, backend="auto"):
+    def __init__(self, weight: Optional[torch.Tensor] = None, size_average: None = None,
+                 ignore_index: int = -100, reduce: None = None, reduction: str = "mean",
+                 label_smoothing: float = 0.0, *, z_loss: float = 0.0,
+                 softcap: Optional[float] = None, inplace_backward: bool = False,
+                 backend: str = "auto") -> None:
         super().__init__()
         if weight is not None:
             raise ValueError("weight (per-class weights) is not supported by "
@@ -33,7 +39,7 @@ class CrossEntropyLoss(torch.nn.Module):
         self.inplace_backward = inplace_backward
         self.backend = backend
 
-    def forward(self, input, target):
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if isinstance(target, torch.Tensor) and target.is_floating_point():
             raise ValueError("probability (soft) targets are not supported: target must hold "
                              "class indices (int32 or int64)")
@@ -42,7 +48,7 @@ class CrossEntropyLoss(torch.nn.Module):
                              z_loss=self.z_loss, softcap=self.softcap,
                              inplace_backward=self.inplace_backward, backend=self.backend)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, "
                 f"softcap={self.softcap}, backend={self.backend!r}")

@@ -59,8 +59,12 @@ token_weight, clip_low, clip_high, delta, beta, grad)`` -> ``(logp, loss)``
 chunked implementation of these primitives.
 """
 
+from __future__ import annotations
+
 import importlib
 import os
+from types import ModuleType
+from typing import List, Optional, Union
 
 import torch
 
@@ -73,14 +77,22 @@ _MODULES = {
 ENV_VAR = "ASTRAI_KERNELS_BACKEND"
 
 
-def backend_module(name):
+def backend_module(name: str) -> ModuleType:
     """The module implementing the primitives of kernel backend ``name``."""
     return importlib.import_module(_MODULES[name])
 
 
-def unavailable_reason(name, device):
+def _device(device: Union[str, torch.device]) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or "
+                         f"'cuda', got {device!r}") from exc
+
+
+def unavailable_reason(name: str, device: Union[str, torch.device]) -> Optional[str]:
     """None when backend ``name`` can serve tensors on ``device``, else why it cannot."""
-    device = torch.device(device)
+    device = _device(device)
     if name == "reference":
         return None
     try:
@@ -90,12 +102,13 @@ def unavailable_reason(name, device):
     return module.unavailable_reason(device)
 
 
-def available_backends(device="cpu"):
+def available_backends(device: Union[str, torch.device] = "cpu") -> List[str]:
     """Names of the backends usable on ``device`` now, in order of preference."""
+    device = _device(device)
     return [name for name in BACKENDS if unavailable_reason(name, device) is None]
 
 
-def resolve_backend(backend, device):
+def resolve_backend(backend: str, device: Union[str, torch.device]) -> str:
     """The concrete backend name for a call; ``auto`` honours ``ASTRAI_KERNELS_BACKEND``."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
@@ -105,6 +118,9 @@ def resolve_backend(backend, device):
 def _resolve(backend, device):
     if backend == "auto":
         backend = os.environ.get(ENV_VAR, "auto") or "auto"
+        if backend != "auto" and backend not in BACKENDS:
+            raise ValueError(f"the environment variable {ENV_VAR} must be 'auto' or one of "
+                             f"{BACKENDS}, got {backend!r}")
         if backend == "auto":
             device = torch.device(device)
             preferred = ("triton", "torch") if device.type == "cuda" else ("cpp", "torch")

@@ -1,6 +1,8 @@
 """Argument checks, the ``[A, B, V]`` row view, and the autograd node shared by the losses."""
 
 import math
+import numbers
+import operator
 
 import torch
 
@@ -13,6 +15,9 @@ def check_logits(logits, name="logits"):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(logits).__name__}")
     if logits.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {logits.dtype}")
+    if logits.device.type == "meta":
+        raise ValueError(f"{name} are meta tensors (no data): the losses need real tensors; "
+                         f"for shapes only, trace them with torch.compile or FakeTensorMode")
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"{name} must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
 
@@ -47,32 +52,92 @@ def check_target(target, logits, ignore_index=None, name="target", where=None):
         raise ValueError(f"{name} holds {first}, outside [0, {vocab}){allowed}")
 
 
-def check_positive(value, name):
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+# Float hyperparameters reach the kernels as float32: they and (for scales such as a
+# temperature) their reciprocals must be finite there.
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _is_symbolic(value):
+    """A value traced by ``torch.compile`` (a ``SymFloat``/``SymInt``): compared, never read."""
+    return isinstance(value, (torch.SymFloat, torch.SymInt))
+
+
+def check_real(value, name):
+    """``value`` as a Python float (a traced ``SymFloat`` as is) if it is a real number.
+
+    Any ``numbers.Real`` is accepted (Python and NumPy ints and floats), never a bool. Under
+    ``torch.compile`` a float argument of the compiled function arrives as a ``SymFloat``
+    (``torch._dynamo.config.specialize_float`` is False); the checks only compare it, which
+    traces (``fullgraph=True`` works). The ``torch.library`` ops take their float arguments as
+    Python floats, so dynamo guards on the value there: in torch 2.13 each new value of such an
+    argument recompiles (pass a fixed value, or expect one graph per value).
+    """
+    if _is_symbolic(value):
+        return value
+    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value)
+
+
+def check_positive(value, name):
+    """A finite number > 0 whose float32 reciprocal is finite too (``1/T``, ``1/softcap``)."""
+    value = check_real(value, name)
+    if not (0 < value <= FLOAT32_MAX):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    if not (1.0 / value <= FLOAT32_MAX):
+        raise ValueError(f"{name}={value} is too small: 1/{name} overflows float32 "
+                         f"(the least allowed value is {1.0 / FLOAT32_MAX:.3g})")
+    return value
 
 
 def check_in_range(value, name, low, high):
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not (low <= value <= high):
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
-    return float(value)
+    """A finite number in ``[low, high]`` (``high`` may be inf: then up to float32's max)."""
+    value = check_real(value, name)
+    if not (low <= value <= high and -FLOAT32_MAX <= value <= FLOAT32_MAX):
+        bound = "a finite number" if high == math.inf else "a number"
+        raise ValueError(f"{name} must be {bound} in [{low}, {high}], got {value}")
+    return value
 
 
 def check_choice(value, name, choices):
-    if value not in choices:
+    if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value
 
 
 def check_index(value, name):
-    if not isinstance(value, int) or isinstance(value, bool):
+    """An integer (Python or NumPy, never a bool) that fits in int64, as a Python int."""
+    if _is_symbolic(value):
+        return value
+    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = operator.index(value)
+    if not (INT64_MIN <= value <= INT64_MAX):
+        raise ValueError(f"{name} must fit in int64, got {value}")
     return value
+
+
+def check_no_overlap(logits, name="logits"):
+    """Raise unless no two elements of ``logits`` share memory (for ``inplace_backward``).
+
+    A gradient written over logits whose elements alias (a stride-0 ``expand``, overlapping
+    ``as_strided`` windows) would overwrite values still to be read and sum entries that
+    autograd keeps apart. The test is sufficient, not necessary: dims sorted by stride, each
+    stride must exceed the span of the smaller ones; exotic interleaved layouts that do not
+    overlap but fail it are refused too.
+    """
+    dims = sorted((stride, size) for size, stride in zip(logits.shape, logits.stride())
+                  if size > 1)
+    span = 0
+    for stride, size in dims:
+        if stride <= span:
+            raise ValueError(
+                f"inplace_backward=True needs {name} whose elements do not overlap in memory "
+                f"(got shape {tuple(logits.shape)}, strides {tuple(logits.stride())}, e.g. from "
+                f"expand or as_strided): the gradient cannot be written over them; pass "
+                f"inplace_backward=False or a contiguous copy")
+        span += stride * (size - 1)
 
 
 def check_per_row(tensor, name, shape, device, allow_none=False):
@@ -114,6 +179,92 @@ def rows_view(logits):
     return logits.reshape(1, n_rows, vocab)
 
 
+# Backward nodes of the views autograd records between a tensor and its base.
+_VIEW_NODES = frozenset({"SliceBackward0", "SelectBackward0", "ViewBackward0", "AliasBackward0",
+                         "UnsafeViewBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
+                         "SqueezeBackward1", "SqueezeBackward2", "AsStridedBackward0"})
+
+
+def _slice_starts(view, base):
+    """Per-dim start indices when ``view`` is ``base[s0:e0, s1:e1, ...]`` of a contiguous
+    ``base`` (same rank, same strides), else None."""
+    if view.dim() != base.dim() or base.numel() == 0 or not base.is_contiguous():
+        return None
+    offset = view.storage_offset() - base.storage_offset()
+    starts = []
+    for size, stride, base_size, base_stride in zip(view.shape, view.stride(), base.shape,
+                                                    base.stride()):
+        if size != 1 and stride != base_stride:
+            return None
+        start = (offset // base_stride) % base_size if base_stride else 0
+        if start + size > base_size:
+            return None
+        starts.append(start)
+    if sum(start * stride for start, stride in zip(starts, base.stride())) != offset:
+        return None
+    return tuple(starts)
+
+
+def _reaches_through_views(view, base):
+    """True when autograd's path from ``view`` back to ``base`` is views only."""
+    target = torch.autograd.graph.get_gradient_edge(base).node
+    node = view.grad_fn
+    while node is not None and node is not target:
+        if type(node).__name__ not in _VIEW_NODES:
+            return False
+        node = node.next_functions[0][0]
+    return node is target
+
+
+def inplace_grad_owner(logits, logits_rows):
+    """``(owner, starts)`` for writing the gradient over ``logits_rows`` (``rows_view(logits)``),
+    or None when that cannot save memory: under ``torch.compile`` (the ops are functional) or
+    when ``logits_rows`` is a copy.
+
+    ``owner`` is the tensor autograd is given the gradient of: ``logits`` itself, or, when
+    ``logits`` is a slice of a contiguous tensor that requires grad (``x[:, :-1]``) reached
+    through views only, that tensor, with ``starts`` the slice's position. Its gradient is the
+    kernel's gradient in the slice and zero elsewhere, so handing autograd the whole buffer
+    (``finish_inplace_grad``) spares the zero-filled copy the slice's backward would allocate.
+    """
+    if torch.compiler.is_compiling() or logits_rows.data_ptr() != logits.data_ptr():
+        return None
+    base = logits._base
+    if base is None or not base.requires_grad or logits.grad_fn is None:
+        return logits, None
+    starts = _slice_starts(logits, base)
+    if starts is None or not _reaches_through_views(logits, base):
+        return logits, None
+    return base, starts
+
+
+def finish_inplace_grad(owner, starts, shape):
+    """The gradient to hand autograd for ``owner`` once the slice at ``starts`` (of
+    ``shape``) holds the kernel's gradient: the rest of ``owner`` is zeroed (its values are
+    destroyed, as the slice's are)."""
+    if starts is not None:
+        with torch.no_grad():
+            index = []
+            for start, size, full in zip(starts, shape, owner.shape):
+                for low, high in ((0, start), (start + size, full)):
+                    if high > low:
+                        owner[(*index, slice(low, high))].zero_()
+                index.append(slice(start, start + size))
+    # the C++ and Triton kernels write through the data pointer: tell autograd the values
+    # changed, so a node that saved them fails its version check instead of reading gradients
+    torch.autograd.graph.increment_version(owner)
+    return owner.detach()
+
+
+def grad_for_owner(grad, owner, starts):
+    """A new gradient ``grad`` (of the slice at ``starts``) as one of ``owner``'s shape."""
+    if starts is None:
+        return grad
+    full = torch.zeros_like(owner)
+    full[tuple(slice(start, start + size) for start, size in zip(starts, grad.shape))] = grad
+    return full
+
+
 def flat_target(target):
     return target.reshape(-1).contiguous()
 
@@ -132,12 +283,22 @@ def scale_grad_inplace(grad, grad_output):
         grad.mul_(grad_output.to(grad.dtype))
 
 
+def graph_is_retained():
+    """True inside a backward that keeps the graph (``retain_graph=True`` or
+    ``create_graph=True``): the node may run again, so saved buffers must stay unchanged."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep_graph is None else bool(keep_graph())
+
+
 class AttachGrad(torch.autograd.Function):
     """Give ``value`` (computed without autograd) the gradient ``grad`` w.r.t. ``logits``.
 
-    ``grad`` was computed in the forward for an upstream gradient of 1; backward only rescales
-    it in place, so ``loss.backward()`` costs no extra pass over it. A second backward through
-    the same graph after a rescale fails autograd's saved-tensor version check (as it should).
+    ``grad`` was computed in the forward for an upstream gradient of 1. In the usual single
+    backward it is rescaled in place and handed to autograd as is (no extra pass over it, no
+    allocation; ``x.grad`` becomes that buffer). When the graph is retained (``retain_graph``,
+    ``create_graph``) this node may run again and ``grad`` must survive, so that backward
+    returns ``grad * grad_output`` as a new tensor instead; a later backward that frees the
+    graph takes the in-place path again.
     """
 
     @staticmethod
@@ -148,7 +309,7 @@ class AttachGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         (grad,) = ctx.saved_tensors
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or graph_is_retained():
             return grad * grad_output.to(grad.dtype), None, None
         scale_grad_inplace(grad, grad_output)
         return grad, None, None

@@ -9,7 +9,10 @@ logits during the forward (their values are destroyed). ``reduction="none"`` rec
 the backward with the per-row upstream gradient.
 """
 
-from dataclasses import dataclass
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Union
 
 import torch
 
@@ -17,14 +20,21 @@ from .. import reference
 from . import _library
 from ._backend import backend_module, resolve_backend
 from ._common import (
+    FLOAT32_MAX,
     AttachGrad,
     check_choice,
     check_in_range,
     check_index,
     check_logits,
+    check_no_overlap,
     check_positive,
+    check_real,
     check_target,
+    finish_inplace_grad,
     flat_target,
+    grad_for_owner,
+    graph_is_retained,
+    inplace_grad_owner,
     rows_view,
 )
 
@@ -42,27 +52,54 @@ class CrossEntropyParams:
     backend: str
 
 
-def _check_normalizer(normalizer, device):
-    """``normalizer`` as a float32 0-d tensor on ``device`` (a number or a 1-element tensor)."""
+def _check_normalizer(normalizer, reduction, device):
+    """``normalizer`` as a float32 0-d tensor on ``device``, or None.
+
+    A number must be finite and > 0 (with a finite float32 reciprocal) or exactly 0. A
+    1-element tensor is checked on its own device: on CPU a negative, non-finite or too small
+    value raises here; elsewhere (CUDA) that check is an asynchronous device assert, so no
+    host sync is added (a failure surfaces at the next synchronization). 0 means the loss is
+    0.0 with a zero gradient.
+    """
     if normalizer is None:
         return None
+    if reduction != "mean":
+        raise ValueError(f"normalizer applies to reduction='mean' only, got reduction="
+                         f"{reduction!r}")
     if isinstance(normalizer, torch.Tensor):
         if normalizer.numel() != 1:
             raise ValueError(f"normalizer must be a number or a 1-element tensor, got shape "
                              f"{tuple(normalizer.shape)}")
-        return normalizer.reshape(()).to(device=device, dtype=torch.float32)
-    return torch.tensor(check_positive(normalizer, "normalizer"), dtype=torch.float32,
-                        device=device)
+        if normalizer.dtype == torch.bool or normalizer.is_complex():
+            raise TypeError(f"normalizer must be a real tensor, got {normalizer.dtype}")
+        value = normalizer.detach().reshape(()).to(torch.float32)
+        ok = (value == 0) | ((value > 0) & (value.reciprocal() <= FLOAT32_MAX)
+                             & (value <= FLOAT32_MAX))
+        message = "normalizer must be 0 or a finite number > 0 (with a finite float32 inverse)"
+        if value.device.type != "cpu" or torch.compiler.is_compiling():
+            torch._assert_async(ok, message)
+        elif not bool(ok):
+            raise ValueError(f"{message}, got {value.item()}")
+        return value.to(device)
+    value = check_real(normalizer, "normalizer")
+    if value != 0:
+        value = check_positive(value, "normalizer")
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 def _grad_scale(target_flat, params, normalizer):
-    """Per-loss gradient factor: 1 for ``sum``, ``1 / count`` for ``mean`` (on device)."""
+    """Per-loss gradient factor: 1 for ``sum``, ``1 / count`` for ``mean`` (on device); 0
+    when a given normalizer is 0."""
     if params.reduction == "sum":
         return torch.ones(1, dtype=torch.float32, device=target_flat.device)
-    count = normalizer
-    if count is None:
+    if normalizer is None:
         count = (target_flat != params.ignore_index).sum().clamp(min=1).to(torch.float32)
-    return (1.0 / count).reshape(1)
+        return count.reciprocal().reshape(1)
+    return _inverse_or_zero(normalizer).reshape(1)
+
+
+def _inverse_or_zero(count):
+    return torch.where(count > 0, count.reciprocal(), torch.zeros_like(count))
 
 
 def _reduce(rows_loss, grad_scale, params):
@@ -72,21 +109,37 @@ def _reduce(rows_loss, grad_scale, params):
 
 
 class _CrossEntropyRows(torch.autograd.Function):
-    """``reduction="none"``: per-row losses, gradient recomputed with per-row upstream grads."""
+    """``reduction="none"``: per-row losses, gradient recomputed with per-row upstream grads.
+
+    ``base`` is None, or (``inplace_backward``) the tensor ``logits`` slice that autograd is
+    given the gradient of instead (``inplace_grad_owner``); ``logits`` are read in the backward.
+    """
 
     @staticmethod
-    def forward(ctx, logits_rows, target_flat, params):
-        loss, _, _ = _call(logits_rows, target_flat, params, None)
-        ctx.save_for_backward(logits_rows, target_flat)
-        ctx.params = params
+    def forward(ctx, logits, base, target_flat, params, starts):
+        loss, _, _ = _call(rows_view(logits), target_flat, params, None)
+        ctx.save_for_backward(logits, target_flat)
+        ctx.params, ctx.starts = params, starts
         return loss
 
     @staticmethod
     def backward(ctx, grad_rows):
-        logits_rows, target_flat = ctx.saved_tensors
+        logits, target_flat = ctx.saved_tensors
+        params = ctx.params
         row_scale = grad_rows.reshape(-1).float().contiguous()
-        _, _, grad = _call(logits_rows, target_flat, ctx.params, row_scale)
-        return grad, None, None
+        logits_rows = rows_view(logits)
+        # a retained graph may run this again: then the logits must survive
+        if params.inplace_backward and not graph_is_retained():
+            _call(logits_rows, target_flat, params, row_scale, logits_rows)
+            if ctx.starts is None:
+                return finish_inplace_grad(logits, None, logits.shape), None, None, None, None
+            grad_base = finish_inplace_grad(logits._base, ctx.starts, logits.shape)
+            return None, grad_base, None, None, None
+        _, _, grad = _call(logits_rows, target_flat, params, row_scale)
+        grad = grad.view(logits.shape)
+        if ctx.starts is None:
+            return grad, None, None, None, None
+        return None, grad_for_owner(grad, logits._base, ctx.starts), None, None, None
 
 
 def _call(logits_rows, target_flat, params, grad_scale, grad_out=None):
@@ -113,41 +166,83 @@ def checked_params(logits, target, ignore_index, reduction, label_smoothing, z_l
     label_smoothing = check_in_range(label_smoothing, "label_smoothing", 0.0, 1.0)
     z_loss = check_in_range(z_loss, "z_loss", 0.0, float("inf"))
     softcap_value = 0.0 if softcap is None else check_positive(softcap, "softcap")
-    normalizer_t = _check_normalizer(normalizer, logits.device)
+    normalizer_t = _check_normalizer(normalizer, reduction, logits.device)
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
+    if inplace_backward:
+        check_no_overlap(logits)
     params = CrossEntropyParams(ignore_index, reduction, label_smoothing, z_loss, softcap_value,
-                                bool(inplace_backward), resolve_backend(backend, logits.device))
+                                inplace_backward, resolve_backend(backend, logits.device))
     return params, normalizer_t
 
 
-def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                  z_loss=0.0, softcap=None, normalizer=None, inplace_backward=False,
-                  backend="auto"):
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    normalizer: Union[float, torch.Tensor, None] = None,
+    inplace_backward: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Cross-entropy of ``logits [..., V]`` against ``target [...]``, float32.
 
-    ``normalizer`` (a number or 0-d tensor, e.g. the global count of target tokens across
-    micro-batches) replaces the local count of non-ignored rows in ``reduction="mean"``.
-    Every row ignored gives 0.0 and a zero gradient.
+    ``normalizer`` (``reduction="mean"`` only: a number or 1-element tensor, e.g. the global
+    count of target tokens across micro-batches) replaces the local count of non-ignored
+    rows. It must be 0 or a finite number > 0; 0 gives a loss of 0.0 and a zero gradient
+    (an all-ignored batch), never NaN. A negative tensor normalizer raises on CPU; on CUDA it
+    trips an asynchronous device assert (no host sync). Every row ignored gives 0.0 and a zero
+    gradient.
+
+    ``inplace_backward=True`` writes the gradient over the logits (their values are
+    destroyed) so the peak memory is the logits alone: for ``mean``/``sum`` in the forward,
+    for ``none`` in the backward. When ``logits`` is a slice of a contiguous tensor that
+    requires grad (``x[:, :-1]``), the whole of that tensor's buffer becomes its gradient
+    (the rest of it zeroed), so no ``x``-sized zero-filled gradient is allocated. Logits whose
+    elements overlap in memory (``expand``) are refused. It saves nothing (the gradient is a
+    new buffer, the logits are kept) under ``torch.compile``, when the graph is retained
+    (``retain_graph=True``: a later backward needs the logits), and for leading dims that
+    cannot be viewed as ``[A, B, V]`` without a copy.
     """
     params, normalizer_t = checked_params(logits, target, ignore_index, reduction,
                                           label_smoothing, z_loss, softcap, normalizer,
                                           inplace_backward, backend)
     if params.backend == "reference":
-        return reference.cross_entropy(logits.float(), target, ignore_index, reduction,
-                                       label_smoothing, z_loss, softcap, normalizer_t)
+        if normalizer_t is None:
+            return reference.cross_entropy(logits.float(), target, ignore_index, reduction,
+                                           label_smoothing, z_loss, softcap)
+        total = reference.cross_entropy(logits.float(), target, ignore_index, "sum",
+                                        label_smoothing, z_loss, softcap)
+        return total * _inverse_or_zero(normalizer_t)
     logits_rows, target_flat = rows_view(logits), flat_target(target)
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
     if reduction == "none":
-        if needs_grad:
-            loss = _CrossEntropyRows.apply(logits_rows, target_flat, params)
-        else:
+        if not needs_grad:
             loss, _, _ = _call(logits_rows, target_flat, params, None)
-        return loss.view(target.shape)
+            return loss.view(target.shape)
+        inplace = inplace_grad_owner(logits, logits_rows) if inplace_backward else None
+        if inplace is None:
+            params = replace(params, inplace_backward=False)
+            inplace = (logits, None)
+        base, starts = inplace
+        return _CrossEntropyRows.apply(logits, None if starts is None else base, target_flat,
+                                       params, starts).view(target.shape)
     grad_scale = _grad_scale(target_flat, params, normalizer_t)
     if not needs_grad:
         loss, _, _ = _call(logits_rows, target_flat, params, None)
         return _reduce(loss, grad_scale, params)
+    inplace = inplace_grad_owner(logits, logits_rows) if inplace_backward else None
     with torch.no_grad():
-        grad_out = logits_rows if params.inplace_backward else None
-        loss, _, grad = _call(logits_rows, target_flat, params, grad_scale, grad_out)
+        if inplace is None:
+            loss, _, grad = _call(logits_rows, target_flat, params, grad_scale)
+            owner, grad = logits, grad.view(logits.shape)
+        else:
+            owner, starts = inplace
+            loss, _, _ = _call(logits_rows, target_flat, params, grad_scale, logits_rows)
+            grad = finish_inplace_grad(owner, starts, logits.shape)
         value = _reduce(loss, grad_scale, params)
-    return AttachGrad.apply(logits_rows, value, grad)
+    return AttachGrad.apply(owner, value, grad)

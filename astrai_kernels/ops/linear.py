@@ -508,7 +508,7 @@ def linear_sequence_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, mas
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
     from . import logprobs as lp_op
-    keep = lp_op.checked_sequence_mask(_logits_like(hidden, weight), target, mask)
+    keep = lp_op.checked_sequence_mask(_logits_like(hidden, weight), target, mask, average)
     masked_target = torch.where(keep, target, torch.full_like(target, -100))
     logp = linear_token_logprobs(hidden, weight, masked_target, bias=bias,
                                  temperature=temperature, ignore_index=-100,

@@ -7,14 +7,29 @@ The forward keeps one float32 ``lse`` (and entropy) per row; the backward recomp
 ``inplace_backward=True`` (which destroys the logits: use it when nothing else needs them).
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
+from typing import Literal, Tuple, Union, overload
 
 import torch
 
 from .. import reference
 from . import _library
 from ._backend import backend_module, resolve_backend
-from ._common import check_index, check_logits, check_positive, check_target, flat_target, rows_view
+from ._common import (
+    check_index,
+    check_logits,
+    check_no_overlap,
+    check_positive,
+    check_target,
+    finish_inplace_grad,
+    flat_target,
+    grad_for_owner,
+    graph_is_retained,
+    inplace_grad_owner,
+    rows_view,
+)
 
 
 @dataclass(frozen=True)
@@ -31,35 +46,50 @@ def checked_params(logits, target, temperature, ignore_index, return_entropy,
     check_logits(logits)
     ignore_index = check_index(ignore_index, "ignore_index")
     check_target(target, logits, ignore_index)
+    for flag, name in ((return_entropy, "return_entropy"), (inplace_backward, "inplace_backward")):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if inplace_backward:
+        check_no_overlap(logits)
     return LogprobsParams(check_positive(temperature, "temperature"), ignore_index,
-                          bool(return_entropy), bool(inplace_backward),
-                          resolve_backend(backend, logits.device))
+                          return_entropy, inplace_backward, resolve_backend(backend, logits.device))
 
 
 class _TokenLogprobs(torch.autograd.Function):
+    """``base`` is None, or (``inplace_backward``) the tensor ``logits`` slice that autograd is
+    given the gradient of instead (``inplace_grad_owner``); ``logits`` are read in the backward."""
+
     @staticmethod
-    def forward(ctx, logits_rows, target_flat, params):
+    def forward(ctx, logits, base, target_flat, params, starts):
         logp, entropy, lse = _library.logprobs_forward(
-            logits_rows, target_flat, params.temperature, params.ignore_index,
+            rows_view(logits), target_flat, params.temperature, params.ignore_index,
             params.with_entropy, params.backend)
-        ctx.save_for_backward(logits_rows, target_flat, lse, entropy)
-        ctx.params = params
+        ctx.save_for_backward(logits, target_flat, lse, entropy)
+        ctx.params, ctx.starts = params, starts
         if params.with_entropy:
             return logp, entropy
         return logp, entropy.new_zeros(logp.shape)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        logits_rows, target_flat, lse, entropy = ctx.saved_tensors
+        logits, target_flat, lse, entropy = ctx.saved_tensors
         params = ctx.params
         grad_logp = _dense(grad_logp, lse)
         grad_entropy = _dense(grad_entropy, lse) if params.with_entropy else lse.new_empty(0)
         args = (target_flat, lse, entropy, grad_logp, grad_entropy, params.temperature,
                 params.ignore_index)
-        if params.inplace_backward:
+        logits_rows = rows_view(logits)
+        # a retained graph may run this again: then the logits must survive
+        if params.inplace_backward and not graph_is_retained():
             backend_module(params.backend).logprobs_backward(logits_rows, *args, logits_rows)
-            return logits_rows, None, None
-        return _library.logprobs_backward(logits_rows, *args, params.backend), None, None
+            if ctx.starts is None:
+                return finish_inplace_grad(logits, None, logits.shape), None, None, None, None
+            grad_base = finish_inplace_grad(logits._base, ctx.starts, logits.shape)
+            return None, grad_base, None, None, None
+        grad = _library.logprobs_backward(logits_rows, *args, params.backend).view(logits.shape)
+        if ctx.starts is None:
+            return grad, None, None, None, None
+        return None, grad_for_owner(grad, logits._base, ctx.starts), None, None, None
 
 
 def _dense(grad, like):
@@ -76,13 +106,40 @@ def _forward_only(logits_rows, target_flat, params):
     return logp, entropy
 
 
-def token_logprobs(logits, target, *, temperature=1.0, ignore_index=-100, return_entropy=False,
-                   inplace_backward=False, backend="auto"):
+@overload
+def token_logprobs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = ...,
+                   ignore_index: int = ..., return_entropy: Literal[False] = ...,
+                   inplace_backward: bool = ..., backend: str = ...) -> torch.Tensor: ...
+
+
+@overload
+def token_logprobs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = ...,
+                   ignore_index: int = ..., return_entropy: Literal[True],
+                   inplace_backward: bool = ..., backend: str = ...
+                   ) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    inplace_backward: bool = False,
+    backend: str = "auto",
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Log-probability of ``target`` under ``softmax(logits / temperature)``, float32 ``[...]``.
 
     ``return_entropy=True`` also returns the entropy of that softmax (differentiable).
     A call without autograd (``torch.no_grad()`` or logits not requiring grad) runs the
     forward only and saves nothing: the way to compute old/reference-policy log-probs.
+
+    ``inplace_backward=True`` makes the backward write the gradient over the logits (their
+    values are destroyed; overlapping logits such as an ``expand`` are refused). When
+    ``logits`` slice a contiguous tensor that requires grad (``x[:, :-1]``), that tensor's
+    whole buffer becomes its gradient (the rest zeroed). The logits are kept, and the gradient
+    is a new buffer, under ``torch.compile`` and in a backward that retains the graph.
     """
     params = checked_params(logits, target, temperature, ignore_index, return_entropy,
                              inplace_backward, backend)
@@ -93,16 +150,35 @@ def token_logprobs(logits, target, *, temperature=1.0, ignore_index=-100, return
     else:
         logits_rows, target_flat = rows_view(logits), flat_target(target)
         if torch.is_grad_enabled() and logits.requires_grad:
-            logp, entropy = _TokenLogprobs.apply(logits_rows, target_flat, params)
+            inplace = inplace_grad_owner(logits, logits_rows) if inplace_backward else None
+            if inplace is None:
+                params = LogprobsParams(params.temperature, params.ignore_index,
+                                        params.with_entropy, False, params.backend)
+                inplace = (logits, None)
+            base, starts = inplace
+            logp, entropy = _TokenLogprobs.apply(logits, None if starts is None else base,
+                                                 target_flat, params, starts)
         else:
             logp, entropy = _forward_only(logits_rows, target_flat, params)
         logp, entropy = logp.view(lead_shape), entropy.view(lead_shape) if return_entropy else None
     return (logp, entropy) if return_entropy else logp
 
 
-def sequence_logprobs(logits, target, mask, *, average=False, temperature=1.0, backend="auto"):
-    """Per-sequence sum (or mean over ``mask``) of token log-probs; logits ``[B, T, V]``."""
-    keep = checked_sequence_mask(logits, target, mask)
+def sequence_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    average: bool = False,
+    temperature: float = 1.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Per-sequence sum (or mean over ``mask``) of token log-probs; logits ``[B, T, V]``.
+
+    ``mask`` (bool, integer or float, of target's shape) selects the tokens counted (nonzero
+    entries); masked targets are not read, so they may hold anything.
+    """
+    keep = checked_sequence_mask(logits, target, mask, average)
     backend = resolve_backend(backend, logits.device)
     if backend == "reference":
         return reference.sequence_logprobs(logits.float(), torch.where(keep, target, -100), mask,
@@ -113,22 +189,28 @@ def sequence_logprobs(logits, target, mask, *, average=False, temperature=1.0, b
     return reduce_sequence(logp, mask, average)
 
 
-def checked_sequence_mask(logits, target, mask):
-    """Check ``[B, T, V]`` logits, ``mask`` and the targets it keeps; the mask as bool."""
+def checked_sequence_mask(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
+                          average: bool) -> torch.Tensor:
+    """Check ``[B, T, V]`` logits (or a zero-byte stand-in), ``mask``, ``average`` and the
+    targets the mask keeps; the mask as bool."""
     check_logits(logits)
     if logits.dim() != 3:
         raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
     if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(target.shape):
         raise ValueError(f"mask must be a tensor of target's shape {tuple(target.shape)}, got "
                          f"{getattr(mask, 'shape', type(mask).__name__)}")
     if mask.device != logits.device:
         raise ValueError(f"mask is on {mask.device} but logits are on {logits.device}")
+    if not isinstance(average, bool):
+        raise TypeError(f"average must be a bool, got {type(average).__name__}")
     keep = mask.bool()
     check_target(target, logits, where=keep)
     return keep
 
 
-def reduce_sequence(logp, mask, average):
+def reduce_sequence(logp: torch.Tensor, mask: torch.Tensor, average: bool) -> torch.Tensor:
     """Sum (or mean over ``mask``) of token log-probs ``[B, T]`` per sequence."""
     weight = mask.to(torch.float32)
     total = (logp * weight).sum(-1)
