@@ -29,14 +29,7 @@ from astrai_kernels.strategies import (
 from astrai_kernels.testing import assert_close
 from astrai_kernels.testing.tiny_lm import TinyCausalLM, ToyRolloutRunner
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are tiny: extra intra-op threads only add spin-waiting on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
 
 
 # Every fused backend this machine can run, decided at collection time (no silent skips).
