@@ -152,3 +152,24 @@ def assert_matches_spec(got, expected, naive, what, dtype):
             assert actual.dtype == dtype, f"{what} {name}"
         assert_close(actual.cpu(), expected[name].detach(), kind, dtype, f"{what} {name}",
                      naive=naive[name].detach(), scale=expected.get(f"{name}_terms"))
+
+
+def reference_and_naive(run, base):
+    """``(expected, naive)`` of ``run(x) -> {name: output}``, where ``run`` also calls backward
+    through ``x``, a leaf copy of ``base`` (the gradient is returned as ``"grad"``): in float64,
+    and the naive path in each result's dtype (values from float32 logits, the gradient from
+    logits of ``base``'s dtype), the yardstick of the per-element comparison."""
+    results = {}
+    for precision in {torch.float64, torch.float32, base.dtype}:
+        x = base.detach().to(precision).requires_grad_(True)
+        out = {k: v.detach() for k, v in run(x).items()}
+        results[precision] = {**out, "grad": x.grad}
+    naive = dict(results[torch.float32], grad=results[base.dtype]["grad"])
+    return results[torch.float64], naive
+
+
+def view_terms(case, terms):
+    """Gradient terms of ``case.view(base)`` placed in a float64 tensor shaped like the base."""
+    full = torch.zeros(case.base.shape, dtype=torch.float64)
+    case.view(full).copy_(terms.reshape(case.view(full).shape))
+    return full

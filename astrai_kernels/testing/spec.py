@@ -34,6 +34,12 @@ def logprobs(logits, target, temperature, ignore_index, with_entropy, grad_logp=
     logp, entropy = reference.token_logprobs(x, target, temperature, ignore_index)
     lse = torch.logsumexp(x / temperature, dim=-1) * valid
     out = {"logp": logp, "entropy": entropy if with_entropy else None, "lse": lse}
+    if with_entropy:  # the primitive's entropy = lse - sum_j p_j s_j cancels: judge by its terms
+        with torch.no_grad():
+            s = x / temperature
+            p = torch.softmax(s, dim=-1)
+            spread = (p * s.abs()).nan_to_num(0.0, 0.0, 0.0).sum(-1)
+            out["entropy_terms"] = (lse.abs() + spread) * valid
     if grad_logp is not None:
         g_lp = grad_logp.cpu().to(precision).expand(logp.shape)
         total = (logp * g_lp).sum()
@@ -52,7 +58,11 @@ def logprobs(logits, target, temperature, ignore_index, with_entropy, grad_logp=
         total.backward()
         out["grad"] = _grad(x, logits)
         out["grad_terms"] = (terms * valid.unsqueeze(-1) / temperature).reshape(logits.shape)
-    return out
+    return _detached(out)
+
+
+def _detached(out):
+    return {k: None if v is None else v.detach() for k, v in out.items()}
 
 
 def _onehot(target, valid, like):
@@ -81,11 +91,11 @@ def cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, softcap
             terms = ((1 + 2 * z_loss * lse.abs()).unsqueeze(-1) * p
                      + (1 - label_smoothing) * _onehot(target, valid, p)
                      + label_smoothing / z.shape[-1])
-            if softcap:
-                terms = terms * (1 - (z / softcap) ** 2)
+            if softcap:  # the factor 1 - (z / c)^2 is itself formed by two terms
+                terms = terms * (1 + (z / softcap) ** 2)
             terms = (g * valid).abs().unsqueeze(-1) * terms
         out["grad_terms"] = terms.nan_to_num(0.0, 0.0, 0.0).reshape(logits.shape)
-    return out
+    return _detached(out)
 
 
 def grpo(logits, target, temperature, advantages, old_logprobs, ref_logprobs, token_weight,
@@ -111,12 +121,22 @@ def grpo(logits, target, temperature, advantages, old_logprobs, ref_logprobs, to
         coefficient = logp.grad
         logp_x.backward(coefficient)
         out["grad"] = _grad(x, logits)
-        # terms of coefficient * (d_jy - p_j) / T
+        # terms of coefficient * (d_jy - p_j) / T; the coefficient is formed by A * r and
+        # beta * (1 - exp(dr)), exps of differences of log-probs as large as |logp|, |old|, |ref|
         with torch.no_grad():
             p = torch.softmax(x / temperature, dim=-1)
-            terms = coefficient.abs().unsqueeze(-1) * (_onehot(target, active, p) + p)
+            lp = logp.detach()
+            old_lp = lp if old is None else old
+            ratio = torch.exp((lp - old_lp).clamp(-20, 20))
+            size = 1 + lp.abs() + old_lp.abs()
+            coefficient_terms = rows(advantages).abs() * ratio * size
+            if ref is not None:
+                kl_terms = beta * (1 + torch.exp((ref - lp).clamp(-20, 20)))
+                coefficient_terms = coefficient_terms + kl_terms * (size + ref.abs())
+            coefficient_terms = (coefficient_terms * weight).abs() + coefficient.abs()
+            terms = coefficient_terms.unsqueeze(-1) * (_onehot(target, active, p) + p)
         out["grad_terms"] = (terms / temperature).reshape(logits.shape)
-    return out
+    return _detached(out)
 
 
 def expected_and_naive(spec, logits, *args, **kwargs):

@@ -122,9 +122,9 @@ def compare_elementwise(actual, expected, naive=None, scale=None, dtype=None, na
     same_special = (a == e) | (torch.isnan(a) & torch.isnan(e))
     error = torch.where(finite, (a - e).abs(), torch.where(same_special, 0.0, float("inf")))
     error = error.nan_to_num(float("inf"))  # NaN actual against a finite expected
-    allowed = allowed.reshape(-1)
+    allowed = torch.where(finite, allowed.reshape(-1), 0.0)  # non-finite: exactly equal
     bad = error > allowed
-    ratio = error / allowed
+    ratio = torch.where(error == 0, 0.0, error / allowed)
     worst = int(torch.argmax(ratio.nan_to_num(float("inf"))))
     result.failed = int(bad.sum())
     result.ok = result.failed == 0

@@ -129,12 +129,13 @@ def _check_token_logprobs(ak, reference, backend, base, shape, g, device):
 
         expected, naive = _reference(run, base)
         terms = spec.logprobs(_view(base, shape), target.reshape(-1), temperature, -100,
-                              entropy, g_lp.reshape(-1), g_h.reshape(-1))["grad_terms"]
+                              entropy, g_lp.reshape(-1), g_h.reshape(-1))
         out += [("logp", lp, expected["logp"], naive["logp"], None, "value"),
                 ("grad", x.grad, expected["grad"], naive["grad"],
-                 _full_terms(terms, base, shape), "grad")]
+                 _full_terms(terms["grad_terms"], base, shape), "grad")]
         if entropy:
-            out.append(("entropy", h, expected["entropy"], naive["entropy"], None, "value"))
+            out.append(("entropy", h, expected["entropy"], naive["entropy"],
+                        terms["entropy_terms"].reshape(h.shape), "value"))
     return out
 
 
