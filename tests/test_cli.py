@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from astrai_kernels import bench_runner as br
 from astrai_kernels import cli
-from astrai_kernels.testing import verify
+from astrai_kernels.testing import Comparison, verify
 
 from cases import subprocess_env
 
@@ -139,7 +140,9 @@ def test_verify_tiny_json(tmp_path, capsys):
 
 
 def test_verify_reports_failure(monkeypatch, capsys):
-    monkeypatch.setattr(verify, "compare", lambda *a: (False, 1.0, 1.0))
+    failed = Comparison(False, "forced", torch.float32, (), max_abs=1.0, max_ratio=2.0,
+                        reason="forced failure")
+    monkeypatch.setattr(verify, "compare", lambda *a, **k: failed)
     rc = cli.main(["verify", "--ops", "cross_entropy", "--backends", "torch", "--dtypes", "bf16",
                    "--shapes", "2x3x37"])
     assert rc == 1
