@@ -208,8 +208,13 @@ def _check_grpo_loss(ak, reference, backend, base, shape, g, device):
             return {"loss": ref_loss.detach(), **{k: ref_metrics[k] for k in metric_keys}}
 
         expected, naive = _reference(run, base)
+        # each row is c * (d_jy - p_j) / T, c formed by exps of log-prob differences: its
+        # entries' terms are |grad_j| times the log-probs' size (as testing/spec.grpo)
+        size = 1 + logp.abs() + old.cpu().abs() + ref.cpu().abs()
+        scale = expected["grad"].abs().cpu()
+        _view(scale, shape).mul_(size.double().unsqueeze(-1))
         out += [("loss", loss, expected["loss"], naive["loss"], None, "value"),
-                ("grad", x.grad, expected["grad"], naive["grad"], None, "grad")]
+                ("grad", x.grad, expected["grad"], naive["grad"], scale, "grad")]
         out += [(f"metrics/{key}", metrics[key], expected[key], naive[key], None, "value")
                 for key in metric_keys]
     return out
