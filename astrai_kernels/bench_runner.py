@@ -140,10 +140,6 @@ class Case:
     def from_json(cls, text):
         return cls(**json.loads(text))
 
-    @property
-    def shape_key(self):
-        return (self.op, self.rows, self.vocab, self.dtype, self.device)
-
     def label(self):
         return f"{self.op} {self.method} {self.dtype} N={self.rows} V={self.vocab}"
 

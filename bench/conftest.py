@@ -56,16 +56,12 @@ def pytest_addoption(parser):
                         help=f"{text} (env {env}=1)")
 
 
-def _split(text):
-    return [item.strip() for item in str(text).split(",") if item.strip()]
-
-
 def bench_settings(config):
     """The suite's settings from the options and environment."""
     import torch
 
     from astrai_kernels import bench_runner as br
-    from astrai_kernels.cli import parse_size
+    from astrai_kernels.cli import _split, parse_size
     from astrai_kernels.ops._backend import available_backends
 
     def value(name):

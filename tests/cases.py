@@ -7,6 +7,12 @@ from typing import Callable
 import pytest
 import torch
 
+# reference.py as the primitives, for the backend tests
+from astrai_kernels.testing.spec import cross_entropy as spec_cross_entropy  # noqa: F401
+from astrai_kernels.testing.spec import expected_and_naive as spec_expected_and_naive  # noqa: F401
+from astrai_kernels.testing.spec import grpo as spec_grpo  # noqa: F401
+from astrai_kernels.testing.spec import logprobs as spec_logprobs  # noqa: F401
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_BACKENDS = ["torch", "cpp", "triton"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -109,3 +115,61 @@ def leaf(base):
 
 def reference_leaf(base):
     return base.detach().double().requires_grad_(True)
+
+
+def make_logits(shape, dtype, layout="contiguous", scale=3.0, seed=0, device="cpu"):
+    """``[A, B, V]`` logits rounded to ``dtype``, in a memory layout (always a view of fresh
+    data): ``contiguous``; ``shifted``, the ``x[:, :-1]`` view of causal-LM logits (rows not
+    uniformly strided); ``strided_vocab``, vocabulary stride 2; ``transposed``, vocabulary
+    stride != 1 and row stride 1."""
+    g = torch.Generator().manual_seed(seed)
+    a, b, v = shape
+    if layout == "contiguous":
+        x = torch.randn(a, b, v, generator=g) * scale
+    elif layout == "shifted":
+        x = (torch.randn(a, b + 1, v, generator=g) * scale)[:, :-1]
+    elif layout == "strided_vocab":
+        x = (torch.randn(a, b, 2 * v, generator=g) * scale)[..., ::2]
+    elif layout == "transposed":
+        x = (torch.randn(v, a, b, generator=g) * scale).permute(1, 2, 0)
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    return x.to(dtype).to(device)
+
+
+def assert_matches_spec(got, expected, naive, what, dtype):
+    """Each of the primitive's outputs ``got`` ({name: tensor}, None to skip) against the
+    float64 spec, by the one tolerance model (per element, yardstick the naive path)."""
+    from astrai_kernels.testing import assert_close
+
+    for name, actual in got.items():
+        if actual is None or expected.get(name) is None:
+            continue
+        kind = "grad" if name == "grad" else "value"
+        if kind == "value":
+            assert actual.dtype == torch.float32 and actual.is_contiguous(), f"{what} {name}"
+        else:
+            assert actual.dtype == dtype, f"{what} {name}"
+        assert_close(actual.cpu(), expected[name].detach(), kind, dtype, f"{what} {name}",
+                     naive=naive[name].detach(), scale=expected.get(f"{name}_terms"))
+
+
+def reference_and_naive(run, base):
+    """``(expected, naive)`` of ``run(x) -> {name: output}``, where ``run`` also calls backward
+    through ``x``, a leaf copy of ``base`` (the gradient is returned as ``"grad"``): in float64,
+    and the naive path in each result's dtype (values from float32 logits, the gradient from
+    logits of ``base``'s dtype), the yardstick of the per-element comparison."""
+    results = {}
+    for precision in {torch.float64, torch.float32, base.dtype}:
+        x = base.detach().to(precision).requires_grad_(True)
+        out = {k: v.detach() for k, v in run(x).items()}
+        results[precision] = {**out, "grad": x.grad}
+    naive = dict(results[torch.float32], grad=results[base.dtype]["grad"])
+    return results[torch.float64], naive
+
+
+def view_terms(case, terms):
+    """Gradient terms of ``case.view(base)`` placed in a float64 tensor shaped like the base."""
+    full = torch.zeros(case.base.shape, dtype=torch.float64)
+    case.view(full).copy_(terms.reshape(case.view(full).shape))
+    return full

@@ -11,6 +11,16 @@ if not torch.cuda.is_available():
 os.environ.pop("ASTRAI_KERNELS_BACKEND", None)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny models: more only add spin-waiting on a busy
+    machine (``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_sessionstart(session):
     # triton is a dependency on Linux (pyproject.toml): there a missing triton fails the whole
     # suite instead of skipping the triton tests (their importorskip serves other platforms).

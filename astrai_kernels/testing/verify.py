@@ -3,8 +3,10 @@
 What a user runs after installing on a new machine (a new GPU): each public op is called with
 each available kernel backend on random inputs rounded to each dtype, and compared with
 ``reference.py`` run in float64 on the same rounded inputs, forward values and the gradient
-w.r.t. the logits (with random upstream gradients), by ``compare`` of the one tolerance table
-(:mod:`astrai_kernels.testing.tolerances`). Every row of the table is the worst case over the
+w.r.t. the logits (with random upstream gradients), per element by the one tolerance model
+(:mod:`astrai_kernels.testing.tolerances`): each entry's error at most a small multiple of the
+naive path's (``reference.py`` in the result's dtype) plus a few ulp of the terms forming it.
+Every row of the table is the worst case over the
 op's variants (options such as temperature, entropy, label smoothing, z-loss, softcap, GSPO) for
 one (op, backend, dtype, shape, output). Exit status 1 when any check fails or any call raises.
 
@@ -22,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .tolerances import compare, tolerance
+from ..cli import _split
+from . import spec
+from .tolerances import compare, result_dtype, tolerance
 
 OPS = ("token_logprobs", "cross_entropy", "grpo_loss", "sequence_logprobs")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -67,8 +71,8 @@ def _view(x, shape):
     return x[:, :-1] if shape.shifted else x
 
 
-def _leaf(base, double=False):
-    return (base.detach().double() if double else base.detach().clone()).requires_grad_(True)
+def _leaf(base):
+    return base.detach().clone().requires_grad_(True)
 
 
 def _targets(shape, g, device, ignored=0.2):
@@ -81,7 +85,27 @@ def _upstream(shape, g, device):
     return torch.randn(shape.batch, shape.length, generator=g).to(device)
 
 
-# Each check returns a list of (what, actual, expected, kind) for one variant.
+def _reference(run, base):
+    """``(expected, naive)`` of ``run(x) -> {name: output}`` (with ``x`` a leaf of ``base`` in
+    the given dtype, gradients in ``x.grad``): float64, and the naive path in each result's dtype
+    (values from float32 logits, the gradient from logits of ``base``'s dtype)."""
+    results = {}
+    for precision in {torch.float64, torch.float32, base.dtype}:
+        x = base.detach().to(precision).requires_grad_(True)
+        results[precision] = {**run(x), "grad": x}
+    naive = dict(results[torch.float32], grad=results[base.dtype]["grad"].grad)
+    expected = dict(results[torch.float64], grad=results[torch.float64]["grad"].grad)
+    return expected, naive
+
+
+def _full_terms(terms, base, shape):
+    """Gradient terms of the op's view placed in a tensor shaped like ``base``."""
+    full = torch.zeros(base.shape, dtype=torch.float64)
+    _view(full, shape).copy_(terms)
+    return full
+
+
+# Each check returns a list of (what, actual, expected, naive, scale, kind) for one variant.
 
 
 def _check_token_logprobs(ak, reference, backend, base, shape, g, device):
@@ -89,18 +113,29 @@ def _check_token_logprobs(ak, reference, backend, base, shape, g, device):
     out = []
     for temperature, entropy in ((1.0, False), (0.7, True)):
         g_lp, g_h = _upstream(shape, g, device), _upstream(shape, g, device)
-        x, xd = _leaf(base), _leaf(base, True)
+        x = _leaf(base)
         result = ak.token_logprobs(_view(x, shape), target, temperature=temperature,
                                    return_entropy=entropy, backend=backend)
         lp, h = result if entropy else (result, None)
-        ref_lp, ref_h = reference.token_logprobs(_view(xd, shape), target, temperature, -100)
-        loss = (lp * g_lp).sum() + ((h * g_h).sum() if entropy else 0.0)
-        ref_loss = (ref_lp * g_lp).sum() + ((ref_h * g_h).sum() if entropy else 0.0)
-        loss.backward()
-        ref_loss.backward()
-        out += [("logp", lp, ref_lp, "value"), ("grad", x.grad, xd.grad, "grad")]
+        ((lp * g_lp).sum() + ((h * g_h).sum() if entropy else 0.0)).backward()
+
+        def run(xr, temperature=temperature, entropy=entropy, g_lp=g_lp, g_h=g_h):
+            ref_lp, ref_h = reference.token_logprobs(_view(xr, shape), target, temperature, -100)
+            loss = (ref_lp * g_lp.to(xr.dtype)).sum()
+            if entropy:
+                loss = loss + (ref_h * g_h.to(xr.dtype)).sum()
+            loss.backward()
+            return {"logp": ref_lp.detach(), "entropy": ref_h.detach()}
+
+        expected, naive = _reference(run, base)
+        terms = spec.logprobs(_view(base, shape), target.reshape(-1), temperature, -100,
+                              entropy, g_lp.reshape(-1), g_h.reshape(-1))
+        out += [("logp", lp, expected["logp"], naive["logp"], None, "value"),
+                ("grad", x.grad, expected["grad"], naive["grad"],
+                 _full_terms(terms["grad_terms"], base, shape), "grad")]
         if entropy:
-            out.append(("entropy", h, ref_h, "value"))
+            out.append(("entropy", h, expected["entropy"], naive["entropy"],
+                        terms["entropy_terms"].reshape(h.shape), "value"))
     return out
 
 
@@ -111,19 +146,31 @@ def _check_cross_entropy(ak, reference, backend, base, shape, g, device):
                 dict(reduction="sum", label_smoothing=0.1, z_loss=1e-4, softcap=30.0),
                 dict(reduction="none", label_smoothing=0.05))
     for kwargs in variants:
-        x, xd = _leaf(base), _leaf(base, True)
+        x = _leaf(base)
         loss = ak.cross_entropy(_view(x, shape), target, backend=backend, **kwargs)
-        ref = reference.cross_entropy(_view(xd, shape), target, -100,
-                                      kwargs["reduction"], kwargs.get("label_smoothing", 0.0),
-                                      kwargs.get("z_loss", 0.0), kwargs.get("softcap"), None)
-        if kwargs["reduction"] == "none":
-            upstream = _upstream(shape, g, device)
-            (loss * upstream).sum().backward()
-            (ref * upstream).sum().backward()
-        else:
-            (loss * 0.7).backward()
-            (ref * 0.7).backward()
-        out += [("loss", loss, ref, "value"), ("grad", x.grad, xd.grad, "grad")]
+        count = max(int((target != -100).sum()), 1)
+        upstream = {"none": _upstream(shape, g, device), "sum": torch.full_like(
+            target, 0.7, dtype=torch.float32), "mean": torch.full_like(
+            target, 0.7 / count, dtype=torch.float32)}[kwargs["reduction"]]
+        (loss * (upstream if kwargs["reduction"] == "none" else 0.7)).sum().backward()
+        options = (-100, kwargs.get("label_smoothing", 0.0), kwargs.get("z_loss", 0.0),
+                   kwargs.get("softcap"))
+
+        def run(xr, kwargs=kwargs, options=options, upstream=upstream):
+            ref = reference.cross_entropy(_view(xr, shape), target, options[0],
+                                          kwargs["reduction"], *options[1:], None)
+            if kwargs["reduction"] == "none":
+                (ref * upstream.to(xr.dtype)).sum().backward()
+            else:
+                (ref * 0.7).backward()
+            return {"loss": ref.detach()}
+
+        expected, naive = _reference(run, base)
+        terms = spec.cross_entropy(_view(base, shape), target.reshape(-1), *options[:3],
+                                   options[3] or 0.0, upstream.reshape(-1))["grad_terms"]
+        out += [("loss", loss, expected["loss"], naive["loss"], None, "value"),
+                ("grad", x.grad, expected["grad"], naive["grad"],
+                 _full_terms(terms, base, shape), "grad")]
     return out
 
 
@@ -144,19 +191,32 @@ def _check_grpo_loss(ak, reference, backend, base, shape, g, device):
     variants = (dict(beta=0.04, loss_type="bnpo"),
                 dict(beta=0.04, loss_type="grpo", clip_eps_high=0.28, temperature=0.8),
                 dict(beta=0.0, loss_type="dr_grpo", importance_sampling="sequence", delta=2.0))
+    metric_keys = ("kl", "ratio/mean", "clip_ratio/region")
     for kwargs in variants:
-        x, xd = _leaf(base), _leaf(base, True)
+        x = _leaf(base)
         loss, metrics = ak.grpo_loss(_view(x, shape), target, advantages, mask=mask,
                                      old_logprobs=old, ref_logprobs=ref, backend=backend,
                                      **kwargs)
-        ref_loss, ref_metrics = reference.grpo_loss(
-            _view(xd, shape), torch.where(mask > 0, target, 0), advantages.double(),
-            mask.double(), old.double(), ref.double(), **kwargs)
         (loss * 0.7).backward()
-        (ref_loss * 0.7).backward()
-        out += [("loss", loss, ref_loss, "value"), ("grad", x.grad, xd.grad, "grad")]
-        out += [(f"metrics/{key}", metrics[key], ref_metrics[key], "value")
-                for key in ("kl", "ratio/mean", "clip_ratio/region")]
+
+        def run(xr, kwargs=kwargs):
+            p = xr.dtype
+            ref_loss, ref_metrics = reference.grpo_loss(
+                _view(xr, shape), torch.where(mask > 0, target, 0), advantages.to(p),
+                mask.to(p), old.to(p), ref.to(p), **kwargs)
+            (ref_loss * 0.7).backward()
+            return {"loss": ref_loss.detach(), **{k: ref_metrics[k] for k in metric_keys}}
+
+        expected, naive = _reference(run, base)
+        # each row is c * (d_jy - p_j) / T, c formed by exps of log-prob differences: its
+        # entries' terms are |grad_j| times the log-probs' size (as testing/spec.grpo)
+        size = 1 + logp.abs() + old.cpu().abs() + ref.cpu().abs()
+        scale = expected["grad"].abs().cpu()
+        _view(scale, shape).mul_(size.double().unsqueeze(-1))
+        out += [("loss", loss, expected["loss"], naive["loss"], None, "value"),
+                ("grad", x.grad, expected["grad"], naive["grad"], scale, "grad")]
+        out += [(f"metrics/{key}", metrics[key], expected[key], naive[key], None, "value")
+                for key in metric_keys]
     return out
 
 
@@ -167,15 +227,27 @@ def _check_sequence_logprobs(ak, reference, backend, base, shape, g, device):
     mask = mask.to(device)
     out = []
     for average, temperature in ((False, 1.0), (True, 0.9)):
-        x, xd = _leaf(base), _leaf(base, True)
+        x = _leaf(base)
         value = ak.sequence_logprobs(_view(x, shape), target, mask, average=average,
                                      temperature=temperature, backend=backend)
-        ref = reference.sequence_logprobs(_view(xd, shape), torch.where(mask, target, -100),
-                                          mask, average, temperature)
         upstream = torch.randn(shape.batch, generator=g).to(device)
         (value * upstream).sum().backward()
-        (ref * upstream).sum().backward()
-        out += [("value", value, ref, "value"), ("grad", x.grad, xd.grad, "grad")]
+
+        def run(xr, average=average, temperature=temperature, upstream=upstream):
+            ref = reference.sequence_logprobs(_view(xr, shape), torch.where(mask, target, -100),
+                                              mask, average, temperature)
+            (ref * upstream.to(xr.dtype)).sum().backward()
+            return {"value": ref.detach()}
+
+        expected, naive = _reference(run, base)
+        per_token = upstream.unsqueeze(1) * mask
+        if average:
+            per_token = per_token / mask.sum(-1, keepdim=True).clamp(min=1)
+        terms = spec.logprobs(_view(base, shape), torch.where(mask, target, -100).reshape(-1),
+                              temperature, -100, False, per_token.reshape(-1))["grad_terms"]
+        out += [("value", value, expected["value"], naive["value"], None, "value"),
+                ("grad", x.grad, expected["grad"], naive["grad"],
+                 _full_terms(terms, base, shape), "grad")]
     return out
 
 
@@ -216,8 +288,8 @@ def run(ops=OPS, backends=None, dtypes=("fp32", "bf16", "fp16"), shapes=None, de
                     CUDA_EXTRA_SHAPES if torch.device(device).type == "cuda" else ())
             for dtype_name in dtypes:
                 dtype = DTYPES[dtype_name]
-                for index, spec in enumerate(backend_shapes):
-                    shape = spec if isinstance(spec, Shape) else Shape.parse(spec)
+                for index, text in enumerate(backend_shapes):
+                    shape = text if isinstance(text, Shape) else Shape.parse(text)
                     if progress:
                         progress(f"{op} {backend} {dtype_name} {shape}")
                     rows += _run_one(ak, reference, op, backend, dtype_name, dtype, shape,
@@ -234,26 +306,26 @@ def _run_one(ak, reference, op, backend, dtype_name, dtype, shape, device, seed)
         base, g = _leaves(shape, dtype, device, seed)
         checks = CHECKS[op](ak, reference, backend, base, shape, g, device)
     except Exception as exc:
-        return [{**head, "what": "call", "max_abs": None, "max_rel": None, "ok": False,
+        return [{**head, "what": "call", "max_abs": None, "max_ratio": None, "ok": False,
                  "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}",
                  "seconds": time.perf_counter() - start}]
     worst = {}
-    for what, actual, expected, kind in checks:
-        tol = tolerance(kind, dtype)
+    for what, actual, expected, naive, scale, kind in checks:
+        tol = tolerance(result_dtype(kind, dtype))
         try:
-            ok, max_abs, max_rel = compare(actual, expected, kind, dtype)
-            error = None
-        except AssertionError as exc:
-            ok, max_abs, max_rel, error = False, float("inf"), float("inf"), str(exc)
+            result = compare(actual, expected, kind, dtype, naive=naive, scale=scale, what=what)
+            ok, max_abs, max_ratio = result.ok, result.max_abs, result.max_ratio
+            error = None if ok else result.message()
+        except (AssertionError, ValueError) as exc:
+            ok, max_abs, max_ratio, error = False, float("inf"), float("inf"), str(exc)
         if what == "grad" and actual is not None and actual.dtype != dtype:
             ok, error = False, f"gradient dtype {actual.dtype}, expected {dtype}"
         row = worst.setdefault(what, {**head, "what": what, "kind": kind, "max_abs": 0.0,
-                                      "max_rel": 0.0, "rtol": tol.rtol,
-                                      "atol_frac": tol.atol_frac,
-                                      "scale_floor": tol.scale_floor, "ok": True,
-                                      "error": None, "checks": 0})
+                                      "max_ratio": 0.0, "naive_factor": tol.naive_factor,
+                                      "term_factor": tol.term_factor, "floor": tol.floor,
+                                      "ok": True, "error": None, "checks": 0})
         row["max_abs"] = max(row["max_abs"], max_abs)
-        row["max_rel"] = max(row["max_rel"], max_rel)
+        row["max_ratio"] = max(row["max_ratio"], max_ratio)
         row["ok"] = row["ok"] and ok
         row["error"] = row["error"] or error
         row["checks"] += 1
@@ -265,7 +337,7 @@ def _run_one(ak, reference, op, backend, dtype_name, dtype, shape, device, seed)
 
 def format_table(rows, failures_only=False):
     head = (f"{'op':<18} {'backend':<8} {'dtype':<5} {'shape':<20} {'what':<24} "
-            f"{'max_abs':>9} {'max_rel':>9} {'tol (rtol/atol_frac)':>21} {'ok':<4}")
+            f"{'max_abs':>9} {'err/allow':>9} {'tol (naive x/eps x)':>21} {'ok':<4}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if failures_only and r["ok"]:
@@ -274,9 +346,9 @@ def format_table(rows, failures_only=False):
             lines.append(f"{r['op']:<18} {r['backend']:<8} {r['dtype']:<5} {r['shape']:<20} "
                          f"{'call':<24} {'-':>9} {'-':>9} {'-':>21} FAIL  {r['error']}")
             continue
-        tol = f"{r['rtol']:.0e}/{r['atol_frac']:.0e}"
+        tol = f"{r['naive_factor']:g}/{r['term_factor']:g}"
         line = (f"{r['op']:<18} {r['backend']:<8} {r['dtype']:<5} {r['shape']:<20} "
-                f"{r['what']:<24} {r['max_abs']:>9.2e} {r['max_rel']:>9.2e} {tol:>21} "
+                f"{r['what']:<24} {r['max_abs']:>9.2e} {r['max_ratio']:>9.2f} {tol:>21} "
                 f"{'ok' if r['ok'] else 'FAIL':<4}")
         if r.get("error"):
             line += f"  {r['error']}"
@@ -304,10 +376,6 @@ def add_arguments(parser):
                              "the table)")
     parser.add_argument("--failures-only", action="store_true",
                         help="print only the failed rows and the summary")
-
-
-def _split(text):
-    return [item.strip() for item in str(text).split(",") if item.strip()]
 
 
 def run_from_args(args):
