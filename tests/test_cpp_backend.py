@@ -524,7 +524,7 @@ def test_missing_compiler_falls_back_with_one_warning(monkeypatch):
         cb.load_extension()
 
 
-def test_build_failure_carries_compiler_output(monkeypatch):
+def test_build_failure_carries_compiler_output(monkeypatch, tmp_path):
     import torch.utils.cpp_extension as cpp_extension
 
     def failing_load(**kwargs):
@@ -533,6 +533,7 @@ def test_build_failure_carries_compiler_output(monkeypatch):
     monkeypatch.setattr(cb, "_EXTENSION", None)
     monkeypatch.setattr(cb, "_BUILD_ERROR", None)
     monkeypatch.setattr(cpp_extension, "load", failing_load)
+    monkeypatch.setenv(cb.BUILD_DIR_ENV, str(tmp_path))  # no complete build there to load
     for _ in range(2):  # the failure is kept, not retried
         with pytest.raises(RuntimeError, match="error: boom"):
             cb.load_extension()

@@ -9,12 +9,18 @@ loads the cached library in well under a second. Flags are portable (``-O3 -fope
 AVX-512 variants chosen at run time from the CPU's features (``ASTRAI_KERNELS_CPU_ISA`` =
 ``generic`` | ``avx2`` | ``avx512`` caps the choice).
 
+A successful build leaves a ``<name>.complete`` marker holding the library's SHA-256; a
+complete build is then imported directly, without ninja or the lock, so a directory that cannot
+be written (a shared cache, a container image) serves too, and one that holds no complete build
+is reported as such.
+
 Without a C++ compiler or ninja, ``unavailable_reason`` says so and a one-time warning names the
 fallback (the ``torch`` backend); a failed build raises a ``RuntimeError`` carrying the compiler's
 full output from ``load_extension()`` (and the primitives).
 """
 
 import contextlib
+import errno
 import hashlib
 import os
 import shlex
@@ -105,7 +111,11 @@ def build_directory():
 def load_extension(verbose=False):
     """The compiled extension module, building it on first use (once per process, locked).
 
-    Raises ``RuntimeError`` when the toolchain is missing or the build fails; for a failed build
+    A complete build of these sources (its marker matching the library) is imported as is,
+    without ninja and without the lock: a read-only directory (a shared cache, a container
+    image) serves that way, and checkouts at different paths sharing the cache do not rebuild
+    each other's build. Raises ``RuntimeError`` when the toolchain is missing, when a directory
+    that cannot be written holds no complete build, or when the build fails; for a failed build
     the message carries the compiler's full output.
     """
     global _EXTENSION, _BUILD_ERROR
@@ -115,33 +125,130 @@ def load_extension(verbose=False):
         if _EXTENSION is not None:
             return _EXTENSION
         if _BUILD_ERROR is not None:
-            raise RuntimeError(_BUILD_ERROR)
-        reason = _toolchain_reason()
-        if reason is not None:
-            raise RuntimeError(f"the cpp backend cannot be built: {reason}")
-        from torch.utils.cpp_extension import load
-
+            raise type(_BUILD_ERROR)(str(_BUILD_ERROR))
         src = source_dir()
+        if src is None:
+            raise RuntimeError(f"the cpp backend cannot be built: {_toolchain_reason()}")
         build_dir = build_directory()
         name = f"astrai_kernels_cpp_{_build_hash(src)[:12]}"
-        try:
-            build_dir.mkdir(parents=True, exist_ok=True)
-            with _process_lock(build_dir):
-                module = load(
-                    name=name,
-                    sources=[str(src / s) for s in SOURCES if s.endswith(".cpp")],
-                    extra_cflags=list(CFLAGS),
-                    extra_ldflags=list(LDFLAGS),
-                    extra_include_paths=[str(src)],
-                    build_directory=str(build_dir),
-                    verbose=verbose,
-                )
-        except Exception as exc:  # the compiler's output is in the message
-            _BUILD_ERROR = (f"building the cpp backend extension in {build_dir} failed "
-                            f"({type(exc).__name__}):\n{exc}")
-            raise RuntimeError(_BUILD_ERROR) from exc
-        _EXTENSION = module
-        return module
+        failure = (f"it holds no complete build of these sources ({name}{_LIB_SUFFIX} with "
+                   f"its {name}{_COMPLETE_SUFFIX} marker)")
+        library = _complete_library(build_dir, name)
+        if library is not None:
+            try:
+                _EXTENSION = _import_library(name, library)
+                return _EXTENSION
+            except ImportError as exc:
+                failure = f"loading its complete build {library} failed ({exc})"
+        read_only = None if _writable(build_dir) else "is read-only"
+        reason = _toolchain_reason()
+        if read_only is None and reason is None:
+            try:
+                build_dir.mkdir(parents=True, exist_ok=True)
+                lock = _process_lock(build_dir)
+                lock.__enter__()
+            except PermissionError as exc:  # a mount or ACL the permission bits do not show
+                read_only = f"cannot be written ({exc})"
+            except OSError as exc:
+                if exc.errno != errno.EROFS:
+                    raise RuntimeError(f"the cpp backend cannot be used: preparing its build "
+                                       f"directory {build_dir} failed ({exc})") from exc
+                read_only = "is on a read-only file system"
+            else:
+                try:
+                    _EXTENSION = _build(src, build_dir, name, verbose)
+                finally:
+                    lock.__exit__(None, None, None)
+                return _EXTENSION
+        if read_only is None:  # writable but no toolchain: not kept, the toolchain may appear
+            raise RuntimeError(f"the cpp backend cannot be built: {reason}")
+        if reason is not None:
+            failure += f", and it cannot be built anywhere: {reason}"
+        _BUILD_ERROR = RuntimeError(
+            f"the cpp backend cannot be used: build directory {build_dir} {read_only} and "
+            f"{failure}; set {BUILD_DIR_ENV} to a writable directory to build it there")
+        raise type(_BUILD_ERROR)(str(_BUILD_ERROR))
+
+
+class BuildFailed(RuntimeError):
+    """The compiler or linker failed; the message carries their full output."""
+
+
+def _build(src, build_dir, name, verbose):
+    """Build (or find up to date) and import the extension; the caller holds the lock."""
+    global _BUILD_ERROR
+    from torch.utils.cpp_extension import load
+
+    library = _complete_library(build_dir, name)  # another process may have just built it
+    if library is not None:
+        return _import_library(name, library)
+    try:
+        module = load(
+            name=name,
+            sources=[str(src / s) for s in SOURCES if s.endswith(".cpp")],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            extra_include_paths=[str(src)],
+            build_directory=str(build_dir),
+            verbose=verbose,
+        )
+    except Exception as exc:  # the compiler's output is in the message
+        _BUILD_ERROR = BuildFailed(f"building the cpp backend extension in {build_dir} failed "
+                                   f"({type(exc).__name__}):\n{exc}")
+        raise type(_BUILD_ERROR)(str(_BUILD_ERROR)) from exc
+    _mark_complete(Path(module.__file__))
+    return module
+
+
+_LIB_SUFFIX = ".pyd" if sys.platform == "win32" else ".so"  # the names cpp_extension gives
+_COMPLETE_SUFFIX = ".complete"
+
+
+def _writable(build_dir):
+    """Whether ``build_dir`` (or, while it does not exist, its nearest existing parent) can be
+    written by this process, as far as its permissions tell."""
+    path = build_dir
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return os.access(path, os.W_OK)
+
+
+def _mark_complete(library):
+    """Record that ``library`` is a finished build: a marker beside it holding its SHA-256."""
+    marker = library.with_suffix(_COMPLETE_SUFFIX)
+    if _complete_library(library.parent, library.stem) == library:
+        return
+    partial = marker.with_name(f"{marker.name}.{os.getpid()}")
+    try:
+        partial.write_text(hashlib.sha256(library.read_bytes()).hexdigest() + "\n")
+        os.replace(partial, marker)
+    except OSError:  # the build is usable all the same; only a read-only copy needs the marker
+        partial.unlink(missing_ok=True)
+
+
+def _complete_library(build_dir, name):
+    """The library of a finished build of ``name`` in ``build_dir``, or None.
+
+    Finished means a marker written after a successful build holds the library's SHA-256, so
+    a library half-written by a killed build is never loaded.
+    """
+    library = build_dir / f"{name}{_LIB_SUFFIX}"
+    try:
+        recorded = (build_dir / f"{name}{_COMPLETE_SUFFIX}").read_text().strip()
+        actual = hashlib.sha256(library.read_bytes()).hexdigest()
+    except OSError:
+        return None
+    return library if actual == recorded else None
+
+
+def _import_library(name, library):
+    """Import the compiled extension ``library`` as module ``name`` (no build, no lock)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @contextlib.contextmanager
@@ -182,15 +289,15 @@ def unavailable_reason(device):
         return f"the cpp backend serves CPU tensors only (got a {device.type} device)"
     if _EXTENSION is not None:
         return None
-    reason = _toolchain_reason()
-    if reason is None:
-        try:
-            load_extension()
-            return None
-        except RuntimeError as exc:
-            first = str(exc).splitlines()[0]
-            reason = (f"{first}; call astrai_kernels.cpu.cpp_backend.load_extension() to see "
-                      f"the compiler output")
+    try:
+        load_extension()
+        return None
+    except BuildFailed as exc:
+        first = str(exc).splitlines()[0]
+        reason = (f"{first}; call astrai_kernels.cpu.cpp_backend.load_extension() to see "
+                  f"the compiler output")
+    except RuntimeError as exc:
+        reason = str(exc).removeprefix("the cpp backend cannot be built: ")
     _warn_once(reason)
     return reason
 
