@@ -172,8 +172,9 @@ def add_bench_arguments(parser):
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed calls per case after one warm-up (default: %(default)s)")
-    parser.add_argument("--min-repeats", type=int, default=2,
-                        help="at least this many timed calls even when over --case-budget")
+    parser.add_argument("--min-repeats", type=int, default=None,
+                        help="at least this many timed calls even when over --case-budget "
+                             "(default: 2; 1 for the linear ops, whose calls take seconds)")
     parser.add_argument("--case-budget", type=float, default=2.0,
                         help="stop timing a case after about this many seconds of calls, once "
                              "--min-repeats ran (default: %(default)s)")
@@ -216,7 +217,8 @@ def bench_plan(args):
     from .ops._backend import available_backends
 
     for flag, value, low in (("--repeats", args.repeats, 1),
-                             ("--min-repeats", args.min_repeats, 1),
+                             ("--min-repeats",
+                              1 if args.min_repeats is None else args.min_repeats, 1),
                              ("--threads", args.threads, 0),
                              ("--strategy-repeats", args.strategy_repeats, 1)):
         at_least(flag, value, low)
@@ -309,7 +311,9 @@ def bench_plan(args):
         deadline = max(deadline - (time.perf_counter() - _STARTED), 0.0)
     return notes, dict(
         ops=ops, rows=rows, vocabs=vocabs, dtypes=dtypes, methods=methods, device=device,
-        repeats=args.repeats, min_repeats=args.min_repeats, budget_s=args.case_budget,
+        repeats=args.repeats, budget_s=args.case_budget,
+        min_repeats=(dict(bc.DEFAULT_MIN_REPEATS) if args.min_repeats is None
+                     else args.min_repeats),
         threads=args.threads, isolation=args.isolation, timeout=args.case_timeout,
         strategy_backends=strategy_backends, strategy_repeats=args.strategy_repeats,
         json_path=args.json, plot_path=args.plot, progress=not args.no_progress,

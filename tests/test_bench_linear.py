@@ -47,7 +47,7 @@ def test_plan_gives_each_op_family_its_methods():
     methods = list(bc.BASELINES) + ["cpp", "cpp:inplace", "torch"]
     cases = bc.plan_cases(["cross_entropy", "linear_cross_entropy"],
                           {"cross_entropy": [64], "linear_cross_entropy": [32]}, [256], ["fp32"],
-                          methods, "cpu", 1, 1, 1.0, hidden=[16, 24])
+                          methods, "cpu", 1, bc.DEFAULT_MIN_REPEATS, 1.0, hidden=[16, 24])
     logits = {c.method for c in cases if c.op == "cross_entropy"}
     assert logits == {"naive", "compile", "cpp", "cpp:inplace", "torch"}
     linear_cases = [c for c in cases if c.op == "linear_cross_entropy"]
@@ -56,10 +56,16 @@ def test_plan_gives_each_op_family_its_methods():
     assert {c.hidden for c in linear_cases} == {16, 24} and {c.rows for c in linear_cases} == {32}
     assert all(c.hidden == 0 and c.rows == 64 for c in cases if c.op == "cross_entropy")
     assert "H=16" in linear_cases[0].label()
+    assert {c.min_repeats for c in linear_cases} == {1}
+    assert {c.min_repeats for c in cases if c.op == "cross_entropy"} == {2}
+    headline = [c for c in cases if bc.is_headline(c, [64, 256])]
+    assert headline == cases and not bc.is_headline(cases[0], [256, 512])
     with pytest.raises(ValueError, match="not a method of linear_cross_entropy"):
         build_workload(_case("linear_cross_entropy", "compile"))
     with pytest.raises(ValueError, match="not a method of cross_entropy"):
         build_workload(bc.Case("cross_entropy", "gemm", 4, 8))
+    with pytest.raises(ValueError, match="not a method of linear_grpo"):
+        build_workload(_case("linear_grpo", "torch_lce"))
     with pytest.raises(ValueError, match="hidden size"):
         build_workload(bc.Case("linear_cross_entropy", "naive", 4, 8))
 
@@ -132,11 +138,11 @@ def test_workload_gradients_equal_float64(op):
 
 
 def test_grpo_workloads_agree_with_the_seed_step():
-    """The GRPO step of every method has the gradients of the seed's step on materialized
-    logits (naive), which equals the seed's loss on float64 log-probs."""
+    """The GRPO step of every backend has the gradients of the seed's step on materialized
+    logits (naive)."""
     naive = build_workload(_case("linear_grpo", "naive"))
     want = _grads(naive)
-    for method in BASELINE_METHODS[1:] + BACKENDS:
+    for method in BACKENDS:
         got = _grads(build_workload(_case("linear_grpo", method)))
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6,
@@ -208,7 +214,7 @@ def test_cli_runs_every_linear_op_and_method(tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = cli.main(["bench", "--ops", ",".join(bc.LINEAR_OPS), "--rows", str(ROWS), "--hidden",
                    str(HIDDEN), "--vocab", str(VOCAB), "--dtype", "fp32", "--backends",
-                   "cpp,torch", "--repeats", "1", "--min-repeats", "1", "--json", str(out),
+                   "cpp,torch", "--repeats", "1", "--json", str(out),
                    "--no-progress"])
     text = capsys.readouterr().out
     assert rc == 0, text
@@ -217,7 +223,9 @@ def test_cli_runs_every_linear_op_and_method(tmp_path, capsys):
     assert payload["config"]["hidden"] == [HIDDEN]
     results = payload["results"]
     assert {(r["op"], r["method"]) for r in results} == {
-        (op, m) for op in bc.LINEAR_OPS for m in list(bc.LINEAR_BASELINES) + ["cpp", "torch"]}
+        (op, m) for op in bc.LINEAR_OPS for m in list(bc.LINEAR_BASELINES) + ["cpp", "torch"]
+        if op != "linear_grpo" or m not in bc.TORCH_LCE_BASELINES}
+    assert all(r["repeats"] == 1 for r in results)
     for r in results:
         assert "error" not in r, r.get("error")
         assert r["hidden"] == HIDDEN and r["rows"] == ROWS and r["vocab"] == VOCAB

@@ -25,6 +25,7 @@ KERNEL_BACKENDS = ("triton", "cpp", "torch", "reference")
 BASELINES = ("naive", "compile", "gemm", "torch_lce", "torch_lce_chunked")
 LOGITS_BASELINES = ("naive", "compile")
 LINEAR_BASELINES = ("naive", "gemm", "torch_lce", "torch_lce_chunked")
+TORCH_LCE_BASELINES = ("torch_lce", "torch_lce_chunked")  # not for linear_grpo
 METHOD_NOTES = {
     "naive": "the seed's path: log_softmax(logits.float()).gather (token log-probs), "
              "F.cross_entropy(logits.float(), y), the seed's GRPO loss on three "
@@ -55,18 +56,23 @@ LINEAR_WORKSPACE_BOUND = 96 * 2**20
 
 # The CPU defaults of `astrai-kernels bench` (what `make bench` runs), sized so that the whole
 # run ends within 10 minutes on a 2-core machine: the logits ops at N = 4096, token_logprobs
-# with more vocabulary sizes for the plot; the linear ops at the headline N = 2048, H = 1024,
-# V = 32768 and linear_cross_entropy also at V = 8192 for the curve. The linear ops run in fp32
-# only by default on CPU: on a CPU without native bf16 matmul (AVX2) a bf16 GEMM runs 6-70x
-# slower than fp32 (0.4-5 GFLOP/s here), so the bf16 GEMM floor alone at the headline shape
-# takes minutes; pass --dtype bf16 to run it.
+# with more vocabulary sizes for the plot; linear_cross_entropy and linear_grpo at issue 13's
+# headline N = 2048, H = 1024, V = 32768 (linear_cross_entropy also at V = 8192 for the curve),
+# linear_token_logprobs at V = 8192. The linear ops run in fp32 only by default on CPU: on a
+# CPU without native bf16 matmul (AVX2) a bf16 GEMM runs 6-70x slower than fp32 (0.4-5 GFLOP/s
+# here), so the bf16 GEMM floor alone at the headline shape takes minutes; pass --dtype bf16 to
+# run it. A linear case times one call after its warm-up by default (each takes seconds at the
+# headline; --min-repeats overrides). Run order (suite.run_benchmarks): every op's largest V
+# first, then the strategies' steps, then torch.compile at the largest V, then the smaller V;
+# the deadline below skips whatever is left.
 CPU_DEFAULT_ROWS = {"token_logprobs": (4096,), "cross_entropy": (4096,), "grpo": (4096,),
                     "linear_cross_entropy": (2048,), "linear_token_logprobs": (2048,),
                     "linear_grpo": (2048,)}
 CPU_DEFAULT_VOCABS = {"token_logprobs": (4096, 8192, 16384, 32768),
                       "cross_entropy": (8192, 32768), "grpo": (32768,),
-                      "linear_cross_entropy": (8192, 32768), "linear_token_logprobs": (32768,),
+                      "linear_cross_entropy": (8192, 32768), "linear_token_logprobs": (8192,),
                       "linear_grpo": (32768,), "strategies": (32768,)}
+DEFAULT_MIN_REPEATS = {op: 1 if op in LINEAR_OPS else 2 for op in TENSOR_OPS}
 CPU_DEFAULT_DTYPES = {"token_logprobs": ("fp32", "bf16"), "cross_entropy": ("fp32", "bf16"),
                       "grpo": ("fp32", "bf16"), "linear_cross_entropy": ("fp32",),
                       "linear_token_logprobs": ("fp32",), "linear_grpo": ("fp32",)}
@@ -96,6 +102,8 @@ def method_applies(op, method):
     name, inplace = split_method(method)
     if inplace:
         return op in INPLACE_OPS
+    if name in TORCH_LCE_BASELINES:  # torch's op gives a loss or per-token log-probs, no step
+        return op in ("linear_cross_entropy", "linear_token_logprobs")
     if name in BASELINES:
         return name in (LINEAR_BASELINES if op in LINEAR_OPS else LOGITS_BASELINES)
     return True
@@ -158,9 +166,9 @@ class Case:
 
 def plan_cases(ops, rows, vocabs, dtypes, methods, device, repeats, min_repeats, budget_s,
                threads=0, hidden=(DEFAULT_HIDDEN,)):
-    """The cases of ``ops`` in run order: for each op, dtype, rows, hidden size (linear ops),
-    vocabulary, every method that applies to it. ``rows``, ``vocabs`` and ``dtypes`` map
-    op -> sizes (or are one sequence for every op)."""
+    """The cases of ``ops``: for each op, dtype, rows, hidden size (linear ops), vocabulary,
+    every method that applies to it. ``rows``, ``vocabs``, ``dtypes`` and ``min_repeats`` map
+    op -> value (or are one value for every op)."""
     def for_op(values, op):
         return values[op] if isinstance(values, dict) else values
 
@@ -174,6 +182,12 @@ def plan_cases(ops, rows, vocabs, dtypes, methods, device, repeats, min_repeats,
                 for h in hidden_sizes:
                     for vocab in for_op(vocabs, op):
                         cases.extend(Case(op, method, n, vocab, dtype, device, repeats,
-                                          min_repeats, budget_s, threads, hidden=h)
+                                          for_op(min_repeats, op), budget_s, threads, hidden=h)
                                      for method in methods if method_applies(op, method))
     return cases
+
+
+def is_headline(case, vocabs):
+    """Whether ``case`` is at its op's largest vocabulary of the run (run before the others)."""
+    sizes = vocabs[case.op] if isinstance(vocabs, dict) else vocabs
+    return case.vocab == max(sizes)

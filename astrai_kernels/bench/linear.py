@@ -9,11 +9,12 @@ head ``weight [V, H]``, both requiring grad, one forward + backward per call.
 Methods: a backend (``ak.linear_*`` with ``backend=``), ``naive`` (``F.linear`` then the seed's
 fp32 math on the materialized logits), ``torch_lce`` / ``torch_lce_chunked``
 (``torch.nn.functional.linear_cross_entropy`` without / with ``LinearCrossEntropyOptions()``;
-token log-probs are minus its ``reduction="none"`` result), and ``gemm``, the floor: the three
-matmuls any fused forward + backward must do, ``hidden @ weight.T`` (logits),
-``dlogits @ weight`` (hidden's gradient) and ``dlogits.T @ hidden`` (weight's gradient), at the
-case's shapes and dtype into preallocated outputs (``linear_grpo``: plus one forward matmul each
-for the old and the reference model). Its median is the linear ops' ``floor_s``.
+token log-probs are minus its ``reduction="none"`` result; not for the GRPO step), and
+``gemm``, the floor: the three matmuls any fused forward + backward must do,
+``hidden @ weight.T`` (logits), ``dlogits @ weight`` (hidden's gradient) and
+``dlogits.T @ hidden`` (weight's gradient), at the case's shapes and dtype into preallocated
+outputs (``linear_grpo``: plus one forward matmul each for the old and the reference model).
+Its median is the linear ops' ``floor_s``.
 
 Memory: the weight is scaled by ``H**-0.5`` so the logits are O(1) as in a trained model.
 ``grad_bytes`` is what the gradients of hidden and weight take in the case's dtype;
@@ -161,7 +162,7 @@ def build_linear_workload(case):
         (old_h, old_w), (ref_h, ref_w) = frozen
         advantages, mask = grpo_batch(shape, device, gen)
         logp_fn = logprobs_fn(method)
-        if method in ("naive", "torch_lce", "torch_lce_chunked"):
+        if method == "naive":
             def loss_fn(old, ref):
                 return seed_grpo_loss(logp_fn(hidden, weight, target), old, ref, advantages, mask)
         else:

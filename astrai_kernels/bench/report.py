@@ -109,7 +109,7 @@ def machine_info(device="cpu"):
         info["triton"] = version("triton")
     except Exception:
         info["triton"] = None
-    from . import __version__
+    from .. import __version__
 
     info["astrai_kernels"] = __version__
     return info

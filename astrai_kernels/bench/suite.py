@@ -1,7 +1,8 @@
-"""The whole run of ``astrai-kernels bench``: plan the cases, run each in its own process, the
-strategies' steps (``bench/bench_strategies.py``, when present), then the ``torch.compile``
-cases, each only while the deadline allows; the JSON is rewritten after each case, the plot
-drawn at the end.
+"""The whole run of ``astrai-kernels bench``: plan the cases, run each in its own process, in
+this order, each only while the deadline allows: every op's largest vocabulary, the strategies'
+steps (``bench/bench_strategies.py``, when present), ``torch.compile`` at the largest
+vocabulary, then the smaller vocabularies (the curves). The JSON is rewritten after each case,
+the plot drawn at the end.
 
 On a shared machine, timings carry the other processes' load: every result records
 ``loadavg`` (and the machine block ``loadavg_at_start``).
@@ -20,6 +21,7 @@ from .cases import (
     LINEAR_WORKSPACE_BOUND,
     METHOD_NOTES,
     STRATEGY_RESERVE_S,
+    is_headline,
     plan_cases,
     split_method,
     unavailable_baselines,
@@ -182,10 +184,13 @@ def run_benchmarks(ops, rows, vocabs, dtypes, methods, device="cpu", repeats=5,
             if bar:
                 bar.update(case.label() + ("  FAILED" if "error" in result else ""), advance=1)
 
-    # Order: every case but the compile baseline, then the strategies' steps (one block that
-    # cannot be cut short: started only with STRATEGY_RESERVE_S left), then torch.compile.
+    # Order: every op's largest V without torch.compile, the strategies' steps (one block that
+    # cannot be cut short: started only with STRATEGY_RESERVE_S left), torch.compile at the
+    # largest V, then the smaller V (the curves), without and with torch.compile.
+    headline = [c for c in cases if is_headline(c, vocabs)]
+    curves = [c for c in cases if not is_headline(c, vocabs)]
     with CaseRunner(isolation, timeout) as runner:
-        run_tensor_cases(runner, [c for c in cases if c.method != "compile"])
+        run_tensor_cases(runner, [c for c in headline if c.method != "compile"])
         for vocab in strategy_vocabs:
             if late(STRATEGY_RESERVE_S):
                 payload["skipped"].append({"op": "strategies", "vocab": vocab})
@@ -199,7 +204,9 @@ def run_benchmarks(ops, rows, vocabs, dtypes, methods, device="cpu", repeats=5,
             save()
             if bar:
                 bar.update(f"strategies V={vocab}", advance=1)
-        run_tensor_cases(runner, [c for c in cases if c.method == "compile"])
+        run_tensor_cases(runner, [c for c in headline if c.method == "compile"])
+        run_tensor_cases(runner, [c for c in curves if c.method != "compile"])
+        run_tensor_cases(runner, [c for c in curves if c.method == "compile"])
     if bar:
         bar.close()
     if payload["skipped"]:
