@@ -321,6 +321,7 @@ def bench_plan(args):
 
 
 def bench(args, argv=None):
+    from .bench import cases as bc
     from .bench.report import LEGEND, LINEAR_LEGEND, format_table
     from .bench.suite import run_benchmarks
 
@@ -335,8 +336,10 @@ def bench(args, argv=None):
           f"{machine.get('triton')}), {payload['config']['threads']} threads, device {device}")
     print(format_table(payload["results"], cuda=device.startswith("cuda")))
     print()
-    print(LEGEND)
-    if any(r.get("op", "").startswith("linear_") for r in payload["results"]):
+    ops_run = {r.get("op") for r in payload["results"]}
+    if ops_run & set(bc.LOGITS_OPS):
+        print(LEGEND)
+    if ops_run & set(bc.LINEAR_OPS):
         print(LINEAR_LEGEND)
     for note in payload["notes"]:
         print(f"note: {note}")

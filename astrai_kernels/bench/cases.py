@@ -56,9 +56,11 @@ LINEAR_WORKSPACE_BOUND = 96 * 2**20
 
 # The CPU defaults of `astrai-kernels bench` (what `make bench` runs), sized so that the whole
 # run ends within 10 minutes on a 2-core machine: the logits ops at N = 4096, token_logprobs
-# with more vocabulary sizes for the plot; linear_cross_entropy and linear_grpo at issue 13's
-# headline N = 2048, H = 1024, V = 32768 (linear_cross_entropy also at V = 8192 for the curve),
-# linear_token_logprobs at V = 8192. The linear ops run in fp32 only by default on CPU: on a
+# with more vocabulary sizes for the plot; linear_cross_entropy at issue 13's headline
+# N = 2048, H = 1024, V = 32768 and at V = 8192 for the curve; linear_token_logprobs and
+# linear_grpo (B = 8, T = 256) at N = 2048, H = 1024, V = 8192 (the headline GEMMs take ~10 s a
+# call here, and the GRPO step does five of them). The linear ops run in fp32 only by default
+# on CPU: on a
 # CPU without native bf16 matmul (AVX2) a bf16 GEMM runs 6-70x slower than fp32 (0.4-5 GFLOP/s
 # here), so the bf16 GEMM floor alone at the headline shape takes minutes; pass --dtype bf16 to
 # run it. A linear case times one call after its warm-up by default (each takes seconds at the
@@ -71,7 +73,7 @@ CPU_DEFAULT_ROWS = {"token_logprobs": (4096,), "cross_entropy": (4096,), "grpo":
 CPU_DEFAULT_VOCABS = {"token_logprobs": (4096, 8192, 16384, 32768),
                       "cross_entropy": (8192, 32768), "grpo": (32768,),
                       "linear_cross_entropy": (8192, 32768), "linear_token_logprobs": (8192,),
-                      "linear_grpo": (32768,), "strategies": (32768,)}
+                      "linear_grpo": (8192,), "strategies": (32768,)}
 DEFAULT_MIN_REPEATS = {op: 1 if op in LINEAR_OPS else 2 for op in TENSOR_OPS}
 CPU_DEFAULT_DTYPES = {"token_logprobs": ("fp32", "bf16"), "cross_entropy": ("fp32", "bf16"),
                       "grpo": ("fp32", "bf16"), "linear_cross_entropy": ("fp32",),
