@@ -60,13 +60,12 @@ LINEAR_WORKSPACE_BOUND = 96 * 2**20
 # N = 2048, H = 1024, V = 32768 and at V = 8192 for the curve; linear_token_logprobs and
 # linear_grpo (B = 8, T = 256) at N = 2048, H = 1024, V = 8192 (the headline GEMMs take ~10 s a
 # call here, and the GRPO step does five of them). The linear ops run in fp32 only by default
-# on CPU: on a
-# CPU without native bf16 matmul (AVX2) a bf16 GEMM runs 6-70x slower than fp32 (0.4-5 GFLOP/s
-# here), so the bf16 GEMM floor alone at the headline shape takes minutes; pass --dtype bf16 to
-# run it. A linear case times one call after its warm-up by default (each takes seconds at the
-# headline; --min-repeats overrides). Run order (suite.run_benchmarks): every op's largest V
-# first, then the strategies' steps, then torch.compile at the largest V, then the smaller V;
-# the deadline below skips whatever is left.
+# on CPU: on a CPU without native bf16 matmul (AVX2) a bf16 GEMM runs 6-70x slower than fp32
+# (0.4-5 GFLOP/s here), so the bf16 GEMM floor alone at the headline shape takes minutes; pass
+# --dtype bf16 to run it. A linear case times one call after its warm-up by default (each
+# takes seconds at the headline; --min-repeats overrides). Run order (suite.run_benchmarks):
+# every op's largest V first, then the strategies' steps, then torch.compile at the largest V,
+# then the smaller V; the deadline below skips whatever is left.
 CPU_DEFAULT_ROWS = {"token_logprobs": (4096,), "cross_entropy": (4096,), "grpo": (4096,),
                     "linear_cross_entropy": (2048,), "linear_token_logprobs": (2048,),
                     "linear_grpo": (2048,)}
