@@ -1,9 +1,13 @@
 """``astrai-kernels bench | verify | compile-check``.
 
-* ``bench``: every op x method (kernel backends and the naive / ``torch.compile`` baselines),
-  forward+backward median time, peak memory, ratios against the same-run copy floor, the naive
-  path and its ``torch.compile``; a table, a JSON file of every figure and a plot
-  (see :mod:`astrai_kernels.bench_runner` for how each figure is measured).
+* ``bench``: every op x method (kernel backends and baselines), forward+backward median time,
+  peak memory, ratios against the same-run floor (a copy of the logits; for the fused-LM-head
+  ``linear_*`` ops the matmuls they must do) and the baselines (the naive path, its
+  ``torch.compile``, ``torch.nn.functional.linear_cross_entropy``); a table, a JSON file of every
+  figure and a plot (see :mod:`astrai_kernels.bench` for how each figure is measured).
+* Bad arguments (an unknown op or backend, an empty list, a count below 1, an output path that
+  cannot be written, ``--plot`` without matplotlib) give a one-line error and exit status 2
+  before anything runs.
 * ``verify``: every op x available backend x dtype x shape against ``reference.py`` in float64,
   values and gradients, against the tolerance table; exit status 1 on any failure
   (see :mod:`astrai_kernels.testing.verify`).
@@ -14,6 +18,7 @@
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 _STARTED = time.perf_counter()  # the --deadline counts from here (imports and builds included)
@@ -51,40 +56,125 @@ def _default_device():
 
 
 # ---------------------------------------------------------------------------------------------
+# argument checks shared by bench and verify: one-line errors before any work
+
+
+class UsageError(ValueError):
+    """A bad command line; ``main`` prints it as one line and exits with status 2."""
+
+
+def check_output_path(flag, path):
+    """A UsageError unless ``path`` can be written (its folder is created if missing)."""
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        raise UsageError(f"{flag} {path}: is a directory")
+    parent = os.path.dirname(target)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".astrai-kernels-write-check-"):
+            pass
+        if os.path.exists(target):
+            with open(target, "a"):
+                pass
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
+
+
+def check_device(text):
+    """``text`` as a device string of type cpu or cuda, else a UsageError."""
+    import torch
+
+    try:
+        kind = torch.device(text).type
+    except (RuntimeError, ValueError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda (e.g. cuda:0), got {text!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {text} but CUDA is not available")
+    return text
+
+
+def nonempty(flag, items, choices=None):
+    """``items`` if it names at least one thing, each in ``choices`` if given."""
+    if not items:
+        raise UsageError(f"{flag} names nothing" + (f"; choose from {', '.join(choices)}"
+                                                    if choices else ""))
+    for item in items:
+        if choices is not None and item not in choices:
+            raise UsageError(f"{flag}: unknown {item!r}; choose from {', '.join(choices)}")
+    return items
+
+
+def at_least(flag, value, low):
+    if value < low:
+        raise UsageError(f"{flag} must be at least {low}, got {value}")
+    return value
+
+
+def check_verify_args(args):
+    """The verify arguments that ``testing.verify`` would otherwise fail on with a traceback
+    (or run nothing for)."""
+    from .ops._backend import BACKENDS
+    from .testing import verify as verify_module
+
+    nonempty("--ops", _split(args.ops), verify_module.OPS)
+    nonempty("--dtypes", _split(args.dtypes))
+    if args.backends is not None:
+        nonempty("--backends", _split(args.backends), BACKENDS)
+    if args.device is not None:
+        check_device(args.device)
+    if args.json not in (None, "-"):
+        check_output_path("--json", args.json)
+
+
+# ---------------------------------------------------------------------------------------------
 # bench
 
 
 def add_bench_arguments(parser):
-    from . import bench_runner as br
+    from .bench import cases as bc
 
-    parser.add_argument("--ops", default=",".join(br.OPS),
-                        help="comma-separated, from %s (default: all)" % ", ".join(br.OPS))
+    def defaults(table):
+        return "; ".join(f"{op} {','.join(map(str, v))}" for op, v in table.items())
+
+    parser.add_argument("--ops", default=",".join(bc.OPS),
+                        help="comma-separated, from %s (default: all)" % ", ".join(bc.OPS))
     parser.add_argument("--rows", default=None,
-                        help=f"token rows N, comma-separated (default {br.CPU_DEFAULT_ROWS} on "
-                             f"CPU, {br.GPU_DEFAULT_ROWS} on CUDA); GRPO uses B={br.GRPO_BATCH}, "
-                             f"T=N/B")
+                        help=f"token rows N, comma-separated (default on CPU: "
+                             f"{defaults(bc.CPU_DEFAULT_ROWS)}; on CUDA {bc.GPU_DEFAULT_ROWS}); "
+                             f"GRPO uses B={bc.GRPO_BATCH}, T=N/B")
     parser.add_argument("--vocab", default=None,
                         help="vocabulary sizes V, comma-separated, k = 1024 (default on CPU: "
-                             + "; ".join(f"{op} {','.join(map(str, v))}"
-                                         for op, v in br.CPU_DEFAULT_VOCABS.items())
-                             + f"; on CUDA {','.join(map(str, br.GPU_DEFAULT_VOCABS))})")
-    parser.add_argument("--dtype", "--dtypes", dest="dtype", default="fp32,bf16",
-                        help="fp32, bf16, fp16, comma-separated (default: %(default)s)")
+                             f"{defaults(bc.CPU_DEFAULT_VOCABS)}; on CUDA "
+                             f"{','.join(map(str, bc.GPU_DEFAULT_VOCABS))})")
+    parser.add_argument("--hidden", default=str(bc.DEFAULT_HIDDEN),
+                        help="hidden sizes H of the linear ops, comma-separated "
+                             "(default: %(default)s)")
+    parser.add_argument("--dtype", "--dtypes", dest="dtype", default=None,
+                        help="fp32, bf16, fp16, comma-separated (default on CPU: "
+                             f"{defaults(bc.CPU_DEFAULT_DTYPES)}: the linear ops' bf16 GEMMs "
+                             "are 6-70x slower than fp32 on a CPU without bf16 matmul "
+                             "instructions; on CUDA "
+                             f"{','.join(bc.GPU_DEFAULT_DTYPES)})")
     parser.add_argument("--backends", default=None,
                         help="kernel backends to time (default: the available ones except "
                              "reference, and the first of them again as NAME:inplace; never "
                              "triton on CPU, where it only runs interpreted); "
                              "NAME:inplace times NAME with inplace_backward=True (token_logprobs "
                              "and cross_entropy only)")
-    parser.add_argument("--baselines", default=",".join(br.BASELINES),
-                        help="naive, compile or none (default: %(default)s)")
+    parser.add_argument("--baselines", default=",".join(bc.BASELINES),
+                        help="comma-separated, or none (default: %(default)s; each runs for "
+                             f"its op family: {', '.join(bc.LOGITS_BASELINES)} for the logits "
+                             f"ops, {', '.join(bc.LINEAR_BASELINES)} for the linear ops)")
     parser.add_argument("--no-compile", action="store_true",
                         help="skip the torch.compile baseline (slow to compile)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed calls per case after one warm-up (default: %(default)s)")
-    parser.add_argument("--min-repeats", type=int, default=2,
-                        help="at least this many timed calls even when over --case-budget")
+    parser.add_argument("--min-repeats", type=int, default=None,
+                        help="at least this many timed calls even when over --case-budget "
+                             "(default: 2; 1 for the linear ops, whose calls take seconds)")
     parser.add_argument("--case-budget", type=float, default=2.0,
                         help="stop timing a case after about this many seconds of calls, once "
                              "--min-repeats ran (default: %(default)s)")
@@ -99,7 +189,7 @@ def add_bench_arguments(parser):
                         help="start no case after this many seconds (counted from the start of "
                              "the command); the rest are listed as "
                              "skipped (table, JSON and plot still written). Default on CPU "
-                             f"{br.CPU_DEFAULT_DEADLINE_S:.0f} (so the default run ends within "
+                             f"{bc.CPU_DEFAULT_DEADLINE_S:.0f} (so the default run ends within "
                              "10 minutes), none on CUDA; 'inf' for none")
     parser.add_argument("--strategy-backends", default=None,
                         help="backends for the strategies' steps (default: the first of "
@@ -107,117 +197,156 @@ def add_bench_arguments(parser):
     parser.add_argument("--strategy-repeats", type=int, default=2,
                         help="timed steps per strategy case (default: %(default)s)")
     parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
-    parser.add_argument("--plot", metavar="PATH", help="write the plot (PNG) here")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="write the plot (PNG) here (needs matplotlib: the 'plot' extra)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
-def bench(args, argv=None):
-    import torch
+def _per_op(text, parse, flag, default_table, cuda_default, cuda):
+    """One list for every op from ``text``, else the per-op CPU table or the CUDA default."""
+    if text is not None:
+        return nonempty(flag, parse(text))
+    return cuda_default if cuda else dict(default_table)
 
-    from . import bench_runner as br
+
+def bench_plan(args):
+    """The checked bench arguments as ``run_benchmarks`` keywords (a UsageError when bad);
+    nothing is run."""
+    from .bench import cases as bc
+    from .bench.plot import have_matplotlib
     from .ops._backend import available_backends
 
-    device = args.device or _default_device()
-    cuda = torch.device(device).type == "cuda"
-    if cuda and not torch.cuda.is_available():
-        print("bench: --device cuda but CUDA is not available", file=sys.stderr)
-        return 2
-    ops = _split(args.ops)
-    for op in ops:
-        if op not in br.OPS:
-            print(f"bench: unknown op {op!r}; choose from {', '.join(br.OPS)}", file=sys.stderr)
-            return 2
+    for flag, value, low in (("--repeats", args.repeats, 1),
+                             ("--min-repeats",
+                              1 if args.min_repeats is None else args.min_repeats, 1),
+                             ("--threads", args.threads, 0),
+                             ("--strategy-repeats", args.strategy_repeats, 1)):
+        at_least(flag, value, low)
+    for flag, value in (("--case-budget", args.case_budget),
+                        ("--case-timeout", args.case_timeout)):
+        if not value > 0:
+            raise UsageError(f"{flag} must be positive, got {value}")
+    if args.deadline is not None and not args.deadline >= 0:
+        raise UsageError(f"--deadline must be a number of seconds >= 0 (or inf), "
+                         f"got {args.deadline}")
+    device = check_device(args.device) if args.device else _default_device()
+    cuda = device.startswith("cuda")
+    ops = nonempty("--ops", _split(args.ops), bc.OPS)
     try:
-        dtypes = [br.normalize_dtype(d) for d in _split(args.dtype)]
-        rows_list = _sizes(args.rows) if args.rows else [
-            br.GPU_DEFAULT_ROWS if cuda else br.CPU_DEFAULT_ROWS]
-        vocab_list = _sizes(args.vocab) if args.vocab else None
+        dtypes = _per_op(args.dtype, lambda t: [bc.normalize_dtype(d) for d in _split(t)],
+                         "--dtype", bc.CPU_DEFAULT_DTYPES, list(bc.GPU_DEFAULT_DTYPES), cuda)
+        rows = _per_op(args.rows, _sizes, "--rows", bc.CPU_DEFAULT_ROWS,
+                       [bc.GPU_DEFAULT_ROWS], cuda)
+        vocabs = _per_op(args.vocab, _sizes, "--vocab", bc.CPU_DEFAULT_VOCABS,
+                         list(bc.GPU_DEFAULT_VOCABS), cuda)
+        hidden = nonempty("--hidden", _sizes(args.hidden))
     except (ValueError, argparse.ArgumentTypeError) as exc:
-        print(f"bench: {exc}", file=sys.stderr)
-        return 2
-    if "grpo" in ops:
-        bad = [n for n in rows_list if n % br.GRPO_BATCH]
-        if bad:
-            print(f"bench: grpo needs rows divisible by B={br.GRPO_BATCH}, got {bad}",
-                  file=sys.stderr)
-            return 2
-    if vocab_list:
-        vocabs = {op: vocab_list for op in br.OPS}
-    elif cuda:
-        vocabs = {op: br.GPU_DEFAULT_VOCABS for op in br.OPS}
-        vocabs["strategies"] = (32768,)
-    else:
-        vocabs = dict(br.CPU_DEFAULT_VOCABS)
+        raise UsageError(str(exc)) from None
+    if not isinstance(vocabs, dict):
+        vocabs = {op: vocabs for op in bc.OPS}
+        if cuda and args.vocab is None:
+            vocabs["strategies"] = (32768,)
+    for op in bc.GRPO_OPS:
+        bad = [n for n in (rows[op] if isinstance(rows, dict) else rows) if n % bc.GRPO_BATCH]
+        if op in ops and bad:
+            raise UsageError(f"{op} needs rows divisible by B={bc.GRPO_BATCH}, got {bad}")
+
+    if args.plot and not have_matplotlib():
+        raise UsageError(f"--plot {args.plot}: matplotlib is not installed "
+                         "(pip install matplotlib, or the package's 'plot' extra)")
+    for flag in ("json", "plot"):
+        if getattr(args, flag):
+            check_output_path(f"--{flag}", getattr(args, flag))
 
     available = [b for b in available_backends(device) if b != "reference"]
     if not cuda:
         available = [b for b in available if b != "triton"]
+    notes = []
     if args.backends is None:
         # and the preferred backend once more with inplace_backward=True (no fresh gradient)
-        backends = available + [available[0] + br.INPLACE_SUFFIX] if available else []
+        backends = available + [available[0] + bc.INPLACE_SUFFIX] if available else []
     else:
         backends = [b for b in _split(args.backends) if b != "none"]
         for name in backends:
             try:
-                base, _ = br.split_method(name)
+                base, _ = bc.split_method(name)
             except ValueError:
                 base = None
-            if base not in br.KERNEL_BACKENDS:
-                print(f"bench: unknown backend {name!r}; choose from "
-                      f"{', '.join(br.KERNEL_BACKENDS)} (a backend may carry "
-                      f"{br.INPLACE_SUFFIX!r}: inplace_backward=True)", file=sys.stderr)
-                return 2
-        skipped = [b for b in backends if br.split_method(b)[0] != "reference"
-                   and br.split_method(b)[0] not in available]
+            if base not in bc.KERNEL_BACKENDS:
+                raise UsageError(f"unknown backend {name!r}; choose from "
+                                 f"{', '.join(bc.KERNEL_BACKENDS)} (a backend may carry "
+                                 f"{bc.INPLACE_SUFFIX!r}: inplace_backward=True)")
+        skipped = [b for b in backends if bc.split_method(b)[0] != "reference"
+                   and bc.split_method(b)[0] not in available]
         if skipped:
             why = ("the triton backend runs on CPU only interpreted (TRITON_INTERPRET=1), far "
                    "too slow to time" if skipped == ["triton"] and not cuda else
                    f"available on {device}: {', '.join(available) or 'none'}")
-            print(f"bench: skipping backend(s) {', '.join(skipped)}: {why}", file=sys.stderr)
+            notes.append(f"skipping backend(s) {', '.join(skipped)}: {why}")
             backends = [b for b in backends if b not in skipped]
     baselines = [b for b in _split(args.baselines) if b != "none"]
     for name in baselines:
-        if name not in br.BASELINES:
-            print(f"bench: unknown baseline {name!r}; choose from {', '.join(br.BASELINES)}",
-                  file=sys.stderr)
-            return 2
+        if name not in bc.BASELINES:
+            raise UsageError(f"unknown baseline {name!r}; choose from "
+                             f"{', '.join(bc.BASELINES)}")
     if args.no_compile:
         baselines = [b for b in baselines if b != "compile"]
-    methods = baselines + backends
-    if not methods:
-        print("bench: nothing to run (no backend and no baseline)", file=sys.stderr)
-        return 2
+    # only the methods that apply to one of the selected ops
+    methods = [m for m in baselines + backends
+               if any(bc.method_applies(op, m) for op in ops if op in bc.TENSOR_OPS)]
+    if not methods and "strategies" not in ops:
+        raise UsageError("nothing to run (no backend and no baseline for these ops)")
     if args.strategy_backends is not None:
         strategy_backends = _split(args.strategy_backends)
     else:
-        plain = [b for b in backends if not br.split_method(b)[1]]
+        plain = [b for b in backends if not bc.split_method(b)[1]]
         strategy_backends = plain[:1] or ["auto"]
 
     deadline = args.deadline
     if deadline is None and not cuda:
-        deadline = br.CPU_DEFAULT_DEADLINE_S
+        deadline = bc.CPU_DEFAULT_DEADLINE_S
     if deadline is not None and deadline == float("inf"):
         deadline = None
     if deadline is not None:
         deadline = max(deadline - (time.perf_counter() - _STARTED), 0.0)
-    payload = br.run_benchmarks(
-        ops, rows_list, vocabs, dtypes, methods, device=device, repeats=args.repeats,
-        min_repeats=args.min_repeats, budget_s=args.case_budget, threads=args.threads,
-        isolation=args.isolation, timeout=args.case_timeout, strategy_backends=strategy_backends,
-        strategy_repeats=args.strategy_repeats, json_path=args.json, plot_path=args.plot,
-        progress=not args.no_progress, argv=argv, deadline_s=deadline)
+    return notes, dict(
+        ops=ops, rows=rows, vocabs=vocabs, dtypes=dtypes, methods=methods, device=device,
+        repeats=args.repeats, budget_s=args.case_budget,
+        min_repeats=(dict(bc.DEFAULT_MIN_REPEATS) if args.min_repeats is None
+                     else args.min_repeats),
+        threads=args.threads, isolation=args.isolation, timeout=args.case_timeout,
+        strategy_backends=strategy_backends, strategy_repeats=args.strategy_repeats,
+        json_path=args.json, plot_path=args.plot, progress=not args.no_progress,
+        deadline_s=deadline, hidden=hidden)
+
+
+def bench(args, argv=None):
+    from .bench import cases as bc
+    from .bench.report import LEGEND, LINEAR_LEGEND, format_table
+    from .bench.suite import run_benchmarks
+
+    notes, plan = bench_plan(args)
+    for note in notes:
+        print(f"bench: {note}", file=sys.stderr)
+    payload = run_benchmarks(argv=argv, **plan)
     machine = payload["machine"]
+    device = plan["device"]
     print(f"astrai-kernels bench on {machine.get('gpu') or machine.get('cpu')} "
           f"({machine.get('cores')} cores, torch {machine.get('torch')}, triton "
           f"{machine.get('triton')}), {payload['config']['threads']} threads, device {device}")
-    print(br.format_table(payload["results"], cuda=cuda))
+    print(format_table(payload["results"], cuda=device.startswith("cuda")))
     print()
-    print(br.LEGEND)
+    ops_run = {r.get("op") for r in payload["results"]}
+    if ops_run & set(bc.LOGITS_OPS):
+        print(LEGEND)
+    if ops_run & set(bc.LINEAR_OPS):
+        print(LINEAR_LEGEND)
     for note in payload["notes"]:
         print(f"note: {note}")
     for item in payload["skipped"]:
+        hidden = f" H={item['hidden']}" if item.get("hidden") else ""
         print(f"skipped: {item.get('op')} {item.get('method', '')} {item.get('dtype', '')} "
-              f"N={item.get('rows', '-')} V={item.get('vocab')}")
+              f"N={item.get('rows', '-')}{hidden} V={item.get('vocab')}")
     failed = [r for r in payload["results"] if "error" in r]
     if args.json:
         print(f"JSON: {args.json}")
@@ -260,14 +389,21 @@ def main(argv=None):
         return compile_check_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "bench":
-        return bench(args, argv)
-    if args.command == "verify":
-        from .testing import verify as verify_module
+    if args.command not in ("bench", "verify"):
+        parser.print_help()
+        return 2
+    from .bench.report import OutputError
 
-        return verify_module.run_from_args(args)
-    parser.print_help()
-    return 2
+    try:
+        if args.command == "bench":
+            return bench(args, argv)
+        check_verify_args(args)
+    except (UsageError, OutputError) as exc:
+        print(f"{args.command}: {exc}", file=sys.stderr)
+        return 2
+    from .testing import verify as verify_module
+
+    return verify_module.run_from_args(args)
 
 
 if __name__ == "__main__":

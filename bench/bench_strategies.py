@@ -17,48 +17,33 @@ the old/reference models where the strategy has them), ``backward()`` and an SGD
 * ``seconds``: the fastest of ``repeats`` timed steps (``time.perf_counter``), with one torch
   thread by default (``threads``): on a small shared machine more threads mostly add noise.
 * ``peak_bytes``: the resident-set high-water mark during the step above the resident set just
-  before it. Linux's ``/proc/self/clear_refs`` (writing ``5``) resets the high-water mark
-  ``VmHWM`` to the current RSS before each step; the child runs with
-  ``MALLOC_MMAP_THRESHOLD_=65536`` so every large tensor is its own ``mmap`` and freeing it
-  returns the pages at once, which makes RSS follow the live tensors (glibc would otherwise keep
-  freed heap pages, and a reused page never raises RSS again). Where ``clear_refs`` is not
-  writable, the first step is measured instead (``ru_maxrss`` after it minus the RSS before it,
-  no warm-up) and ``peak_method`` says so. Tensors live before the step (weights, the batch)
-  are not counted; the parameter gradients created by the step are.
+  before it, read as ``astrai-kernels bench`` reads it (``astrai_kernels.bench.peak``: ``VmHWM``
+  reset through ``/proc/self/clear_refs``, the child run with ``MALLOC_MMAP_THRESHOLD_=65536``
+  so RSS follows the live tensors). Where ``clear_refs`` is not writable, the first step is
+  measured instead (``ru_maxrss``, no warm-up) and ``peak_method`` says so. Tensors live before
+  the step (weights, the batch) are not counted; the parameter gradients created by the step
+  are.
 * ``logits_bytes``: the size of the policy's logits (``rows x V x 4``), the natural unit.
 """
 
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: this checkout's package
+    sys.path.insert(0, ROOT)
+
+from astrai_kernels.bench.peak import PeakRss, child_env  # noqa: E402
+
 STRATEGIES = ("seq", "sft", "dpo", "grpo")
 METHODS = ("fused", "reference")
 
 
 # ------------------------------------------------------------------ inside the child process
-
-
-def _status_kib(field):
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak():
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _make_case(strategy_name, method, vocab, d_model, n_layers, backend, seed=0):
@@ -136,21 +121,16 @@ def run_case(strategy_name, method, vocab=32768, d_model=64, n_layers=2, backend
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    can_reset = _reset_peak()
-    if can_reset:
+    meter = PeakRss()
+    if meter.resettable:
         step()  # warm-up: loads/builds kernels, first-touch allocations
     seconds, peak = float("inf"), 0
-    for _ in range(repeats if can_reset else 1):
-        _reset_peak()
-        before = _status_kib("VmRSS")
+    for _ in range(repeats if meter.resettable else 1):
+        meter.start()
         start = time.perf_counter()
         step()
         seconds = min(seconds, time.perf_counter() - start)
-        if can_reset:
-            high = _status_kib("VmHWM")
-        else:
-            high = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        peak = max(peak, (high - before) * 1024)
+        peak = max(peak, meter.extra())
     return {
         "strategy": strategy_name,
         "method": method,
@@ -158,7 +138,7 @@ def run_case(strategy_name, method, vocab=32768, d_model=64, n_layers=2, backend
         "seconds": seconds,
         "peak_bytes": peak,
         "logits_bytes": rows * vocab * 4,
-        "peak_method": "VmHWM reset by clear_refs" if can_reset else "ru_maxrss, first step",
+        "peak_method": meter.method,
         "threads": torch.get_num_threads(),
     }
 
@@ -173,9 +153,7 @@ def run_strategy_steps(vocab=32768, strategies=STRATEGIES, methods=METHODS, back
     ``methods`` may also hold ``"fused_inplace"`` (``inplace_backward=True``: the gradient is
     written into the logits' buffer), run for ``seq`` and ``sft`` only.
     """
-    env = dict(os.environ)
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = child_env(ROOT)
     results = []
     for strategy_name in strategies:
         for method in methods:

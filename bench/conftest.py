@@ -8,7 +8,9 @@ Options (or the environment variables in brackets, handy with ``make bench-pytes
   --bench-backends B,..   kernel backends, NAME:inplace for inplace_backward=True (default: the
                           available ones except reference, triton only on CUDA, and the first
                           again as NAME:inplace) [ASTRAI_BENCH_BACKENDS]
-  --bench-ops OP,..       token_logprobs, cross_entropy, grpo (default all) [ASTRAI_BENCH_OPS]
+  --bench-ops OP,..       token_logprobs, cross_entropy, grpo (default), linear_cross_entropy,
+                          linear_token_logprobs, linear_grpo [ASTRAI_BENCH_OPS]
+  --bench-hidden H        the linear ops' hidden size (default 1024) [ASTRAI_BENCH_HIDDEN]
   --bench-no-compile      skip the torch.compile baseline [ASTRAI_BENCH_NO_COMPILE=1]
   --bench-no-memory       skip the per-case peak-memory subprocess [ASTRAI_BENCH_NO_MEMORY=1]
   --bench-rounds K        timed rounds per case after one warm-up (default 3)
@@ -17,8 +19,8 @@ Options (or the environment variables in brackets, handy with ``make bench-pytes
 
 Each case's ``extra_info`` (kept in ``--benchmark-json`` and ``--benchmark-save``) holds the same
 figures as the CLI's JSON: the same-run copy time and floor, the ratios against the copy floor
-and against the naive and compiled baselines of the same session, and the peak extra memory
-measured in a process of its own (``astrai_kernels.bench_runner``).
+(linear ops: against the GEMM floor case) and against the baselines of the same session, and
+the peak extra memory measured in a process of its own (``astrai_kernels.bench``).
 """
 
 import os
@@ -37,6 +39,7 @@ OPTIONS = {
     "dtypes": ("ASTRAI_BENCH_DTYPES", "fp32,bf16", "dtypes, comma-separated"),
     "backends": ("ASTRAI_BENCH_BACKENDS", "", "kernel backends (default: the available ones)"),
     "ops": ("ASTRAI_BENCH_OPS", "token_logprobs,cross_entropy,grpo", "ops, comma-separated"),
+    "hidden": ("ASTRAI_BENCH_HIDDEN", "1024", "hidden size H of the linear ops"),
     "rounds": ("ASTRAI_BENCH_ROUNDS", "3", "timed rounds per case"),
     "device": ("ASTRAI_BENCH_DEVICE", "", "cpu or cuda"),
 }
@@ -60,7 +63,7 @@ def bench_settings(config):
     """The suite's settings from the options and environment."""
     import torch
 
-    from astrai_kernels import bench_runner as br
+    from astrai_kernels.bench import cases as bc
     from astrai_kernels.cli import _split, parse_size
     from astrai_kernels.ops._backend import available_backends
 
@@ -81,14 +84,17 @@ def bench_settings(config):
         if not cuda:
             backends = [b for b in backends if b != "triton"]  # never time the interpreter
         if backends:  # the preferred backend also with inplace_backward=True
-            backends.append(backends[0] + br.INPLACE_SUFFIX)
-    baselines = ["naive"] + ([] if flag("no-compile") else ["compile"])
+            backends.append(backends[0] + bc.INPLACE_SUFFIX)
+    missing = bc.unavailable_baselines()
+    baselines = [b for b in bc.BASELINES
+                 if not (b == "compile" and flag("no-compile")) and b not in missing]
     return {
         "device": device,
         "rows": parse_size(value("rows")),
         "vocabs": [parse_size(v) for v in _split(value("vocab"))],
-        "dtypes": [br.normalize_dtype(d) for d in _split(value("dtypes"))],
-        "ops": [op for op in _split(value("ops")) if op in br.TENSOR_OPS],
+        "hidden": parse_size(value("hidden")),
+        "dtypes": [bc.normalize_dtype(d) for d in _split(value("dtypes"))],
+        "ops": [op for op in _split(value("ops")) if op in bc.TENSOR_OPS],
         "methods": baselines + backends,
         "rounds": int(value("rounds")),
         "memory": not flag("no-memory"),
@@ -100,12 +106,11 @@ def pytest_generate_tests(metafunc):
         return
     settings = bench_settings(metafunc.config)
     if "bench_case" in metafunc.fixturenames:
-        from astrai_kernels import bench_runner as br
+        from astrai_kernels.bench import cases as bc
 
         cases = [(op, method, dtype, vocab) for op in settings["ops"]
                  for dtype in settings["dtypes"] for vocab in settings["vocabs"]
-                 for method in settings["methods"]
-                 if op in br.INPLACE_OPS or not br.split_method(method)[1]]
+                 for method in settings["methods"] if bc.method_applies(op, method)]
         ids = [f"{op}-{method}-{dtype}-N{settings['rows']}-V{vocab}"
                for op, method, dtype, vocab in cases]
         metafunc.parametrize("bench_case", cases, ids=ids)
@@ -128,7 +133,7 @@ def medians():
 
 @pytest.fixture(scope="session")
 def case_runner():
-    from astrai_kernels.bench_runner import CaseRunner
+    from astrai_kernels.bench.runner import CaseRunner
 
     with CaseRunner("forkserver", timeout=600) as runner:
         yield runner

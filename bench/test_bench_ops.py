@@ -1,10 +1,11 @@
-"""pytest-benchmark cases: each op's forward+backward for every backend, the naive path, its
-``torch.compile``, and the same-run ``copy_`` of the logits (the 2 S floor).
+"""pytest-benchmark cases: each op's forward+backward for every backend and baseline, and the
+same-run ``copy_`` of the logits (the 2 S floor of the logits ops; the linear ops' floor is their
+``gemm`` case).
 
 Run ``make bench-pytest`` (``pytest bench --benchmark-only``); compare runs with
 pytest-benchmark's own tools (``--benchmark-save``, ``--benchmark-compare``,
 ``pytest-benchmark compare``). Sizes and methods: see ``bench/conftest.py``. The case
-definitions (inputs, the naive and fused calls) are ``astrai_kernels.bench_runner``'s, the same
+definitions (inputs, the naive and fused calls) are ``astrai_kernels.bench``'s, the same
 as ``astrai-kernels bench``; this file only times them with pytest-benchmark, in this process,
 and adds the peak memory measured in a process of its own per case.
 """
@@ -13,7 +14,9 @@ import os
 
 import torch
 
-from astrai_kernels import bench_runner as br
+from astrai_kernels.bench import cases as bc
+from astrai_kernels.bench.measure import measure_copy
+from astrai_kernels.bench.workloads import build_workload
 
 
 def _sync(device):
@@ -28,7 +31,7 @@ def test_copy_floor(benchmark, copy_case, settings):
     """``dst.copy_(logits)`` (``clone`` on CUDA) of one logits tensor: 2 S bytes moved."""
     dtype, vocab = copy_case
     device, rows = settings["device"], settings["rows"]
-    src = torch.randn(rows, vocab, device=device).to(br._torch_dtype(dtype))
+    src = torch.randn(rows, vocab, device=device).to(bc.torch_dtype(dtype))
     sync = _sync(device)
     if str(device).startswith("cuda"):
         def run():
@@ -49,9 +52,11 @@ def test_op(benchmark, bench_case, settings, medians, case_runner):
     """One op x method: forward+backward (GRPO: one step), peak memory in its own process."""
     op, method, dtype, vocab = bench_case
     rows, device = settings["rows"], settings["device"]
-    case = br.Case(op, method, rows, vocab, dtype, device, repeats=1, min_repeats=1)
+    hidden = settings["hidden"] if op in bc.LINEAR_OPS else 0
+    case = bc.Case(op, method, rows, vocab, dtype, device, repeats=1, min_repeats=1,
+                   hidden=hidden)
     extra = {"op": op, "method": method, "rows": rows, "vocab": vocab, "dtype": dtype,
-             "device": device}
+             "device": device, "hidden": hidden}
     if settings["memory"]:
         measured = case_runner.run(case, with_copy=False)
         if "error" in measured:
@@ -62,7 +67,7 @@ def test_op(benchmark, bench_case, settings, medians, case_runner):
                       / measured["logits_bytes"],
                       "peak_method": measured["peak_method"]})
     torch.set_num_threads(os.cpu_count() or 1)
-    workload = br.build_workload(case)
+    workload = build_workload(case)
     sync = _sync(device)
 
     def run():
@@ -76,15 +81,17 @@ def test_op(benchmark, bench_case, settings, medians, case_runner):
                        iterations=1)
     workload.reset()
     median = benchmark.stats.stats.median
-    copy = br.measure_copy(workload.logits, 5, str(device).startswith("cuda"))
-    floor_s = copy["copy_s"] * workload.floor_bytes / (2 * workload.logits_bytes)
     same = medians.setdefault((op, dtype, rows, vocab), {})
     same[method] = median
-    extra.update({"logits_bytes": workload.logits_bytes, "floor_bytes": workload.floor_bytes,
-                  "copy_s": copy["copy_s"], "copy_kind": copy["copy_kind"], "floor_s": floor_s,
-                  "ratio_vs_copy": median / floor_s,
-                  "effective_bandwidth_GBps": workload.floor_bytes / median / 1e9})
-    for base in br.BASELINES:
+    extra.update({"logits_bytes": workload.logits_bytes, **workload.info})
+    if workload.copy_source is not None:  # logits ops: the same-run copy floor
+        copy = measure_copy(workload.copy_source, 5, str(device).startswith("cuda"))
+        floor_s = copy["copy_s"] * workload.floor_bytes / (2 * workload.logits_bytes)
+        extra.update({"floor_bytes": workload.floor_bytes, "copy_s": copy["copy_s"],
+                      "copy_kind": copy["copy_kind"], "floor_s": floor_s,
+                      "ratio_vs_copy": median / floor_s,
+                      "effective_bandwidth_GBps": workload.floor_bytes / median / 1e9})
+    for base in bc.BASELINES:
         if base in same:
             extra[f"ratio_vs_{base}"] = median / same[base]
     benchmark.extra_info.update(extra)

@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from astrai_kernels import bench_runner as br
 from astrai_kernels import cli
+from astrai_kernels.bench import cases as bc
+from astrai_kernels.bench import plot as bench_plot
+from astrai_kernels.bench import suite
+from astrai_kernels.bench.runner import CaseRunner
 from astrai_kernels.testing import Comparison, verify
 
 from cases import subprocess_env
@@ -57,7 +60,7 @@ def test_bench_tiny_json_and_plot(tmp_path):
         assert r["rows"] == 64 and r["vocab"] == 128 and r["dtype"] == "fp32"
         assert r["median_s"] > 0 and r["copy_s"] > 0 and 1 <= r["repeats"] <= 2
         assert r["logits_bytes"] == 64 * 128 * 4
-        assert r["floor_bytes"] == br.FLOOR_FACTOR[r["op"]] * r["logits_bytes"]
+        assert r["floor_bytes"] == bc.FLOOR_FACTOR[r["op"]] * r["logits_bytes"]
         assert r["ratio_vs_copy"] == pytest.approx(r["median_s"] / r["floor_s"])
         assert r["ratio_vs_compile"] is None  # --no-compile
         assert isinstance(r["peak_extra_bytes"], int)
@@ -68,12 +71,12 @@ def test_bench_tiny_json_and_plot(tmp_path):
             assert r["backend"] == "torch"
             assert r["inplace_backward"] is (r["method"] == "torch:inplace")
     grpo = [r for r in results if r["op"] == "grpo"]
-    assert all(r["grpo_shape"] == [br.GRPO_BATCH, 64 // br.GRPO_BATCH] for r in grpo)
+    assert all(r["grpo_shape"] == [bc.GRPO_BATCH, 64 // bc.GRPO_BATCH] for r in grpo)
     assert png.stat().st_size > 10_000
 
 
 def test_bench_deadline_skips_and_strategies_unavailable(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(br, "load_strategy_bench", lambda: (None, "not here (test)"))
+    monkeypatch.setattr(suite, "load_strategy_bench", lambda: (None, "not here (test)"))
     out = tmp_path / "bench.json"
     rc = cli.main(["bench", "--rows", "64", "--vocab", "128", "--backends", "none",
                    "--baselines", "naive", "--ops", "token_logprobs,strategies", "--dtype", "bf16",
@@ -93,8 +96,8 @@ def test_bench_deadline_skips_and_strategies_unavailable(tmp_path, monkeypatch, 
 def test_peak_memory_sees_the_naive_buffers():
     """The naive fp32 path holds three [N, V] fp32 buffers at its peak (log-softmax output, its
     gradient, the logits' gradient); the measured extra peak must show them."""
-    case = br.Case("token_logprobs", "naive", 512, 4096, "fp32", repeats=1, min_repeats=1)
-    with br.CaseRunner("forkserver", timeout=120) as runner:
+    case = bc.Case("token_logprobs", "naive", 512, 4096, "fp32", repeats=1, min_repeats=1)
+    with CaseRunner("forkserver", timeout=120) as runner:
         result = runner.run(case)
     assert "error" not in result, result.get("error")
     logits_bytes = 512 * 4096 * 4
@@ -104,20 +107,93 @@ def test_peak_memory_sees_the_naive_buffers():
 
 
 def test_strategy_bench_is_found():
-    fn, why = br.load_strategy_bench()
+    fn, why = suite.load_strategy_bench()
     if (ROOT / "bench" / "bench_strategies.py").exists():
         assert callable(fn), why
     else:
         assert fn is None and "not found" in why
 
 
-@pytest.mark.parametrize("argv", [["bench", "--ops", "nope"], ["bench", "--dtype", "fp8"],
-                                  ["bench", "--ops", "grpo", "--rows", "63"],
-                                  ["bench", "--backends", "nope"],
-                                  ["verify", "--ops", "nope"], ["verify", "--dtypes", "fp8"],
-                                  ["verify", "--shapes", "2x3"]])
-def test_bad_arguments_exit_2(argv):
+@pytest.mark.parametrize("argv", [
+    ["bench", "--ops", "nope"], ["bench", "--dtype", "fp8"],
+    ["bench", "--ops", "grpo", "--rows", "63"], ["bench", "--ops", "linear_grpo", "--rows", "12"],
+    ["bench", "--backends", "nope"], ["bench", "--baselines", "nope"],
+    ["bench", "--ops", ""], ["bench", "--ops", " , "], ["bench", "--dtype", ""],
+    ["bench", "--vocab", ""], ["bench", "--hidden", "0"], ["bench", "--deadline", "-5"],
+    ["bench", "--deadline", "nan"], ["bench", "--repeats", "0"], ["bench", "--repeats", "-3"],
+    ["bench", "--min-repeats", "0"], ["bench", "--case-budget", "0"],
+    ["bench", "--case-timeout", "-1"], ["bench", "--threads", "-1"],
+    ["bench", "--strategy-repeats", "0"], ["bench", "--device", "tpu"],
+    ["bench", "--device", "meta"],
+    ["verify", "--ops", "nope"], ["verify", "--ops", ""], ["verify", "--dtypes", "fp8"],
+    ["verify", "--dtypes", ""], ["verify", "--shapes", "2x3"],
+    ["verify", "--backends", "nonsense"], ["verify", "--backends", "torch,nonsense"],
+    ["verify", "--device", "tpu"]])
+def test_bad_arguments_exit_2(argv, monkeypatch, capsys):
+    """Each is a one-line error on stderr and status 2, before anything runs."""
+    def no_run(*args, **kwargs):
+        raise AssertionError("ran despite bad arguments")
+
+    monkeypatch.setattr(suite, "run_benchmarks", no_run)
+    monkeypatch.setattr(verify, "run", no_run)
     assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(argv[0] + ":"), err
+
+
+def _unwritable_paths(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    return {"a directory": str(tmp_path), "below a file": str(a_file / "out.json"),
+            "in /sys": "/sys/astrai-kernels-test.json"}
+
+
+@pytest.mark.parametrize("what", ["a directory", "below a file", "in /sys"])
+@pytest.mark.parametrize("command,flag", [("bench", "--json"), ("bench", "--plot"),
+                                          ("verify", "--json")])
+def test_unwritable_output_is_a_one_line_error(tmp_path, monkeypatch, capsys, command, flag,
+                                                what):
+    def no_run(*args, **kwargs):
+        raise AssertionError("ran despite an unwritable output path")
+
+    monkeypatch.setattr(suite, "run_benchmarks", no_run)
+    monkeypatch.setattr(verify, "run", no_run)
+    monkeypatch.setattr(bench_plot, "have_matplotlib", lambda: True)
+    path = _unwritable_paths(tmp_path)[what]
+    assert cli.main([command, flag, path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"{command}: {flag} {path}"), err
+
+
+def test_plot_without_matplotlib_fails(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_plot, "have_matplotlib", lambda: False)
+    monkeypatch.setattr(suite, "run_benchmarks", lambda **kw: pytest.fail("ran without a plot"))
+    assert cli.main(["bench", "--plot", str(tmp_path / "b.png")]) == 2
+    assert "matplotlib is not installed" in capsys.readouterr().err
+
+
+def test_json_write_failure_during_the_run_is_one_line(tmp_path, monkeypatch, capsys):
+    """A JSON path that stops being writable mid-run: status 2 and one line, no traceback."""
+    from astrai_kernels.bench.report import write_json
+
+    # the checked path turns into a directory after the checks: the real write fails
+    monkeypatch.setattr(suite, "write_json", lambda path, payload: write_json(
+        str(tmp_path), payload))
+    rc = cli.main(["bench", "--rows", "16", "--vocab", "32", "--backends", "none",
+                   "--baselines", "naive", "--ops", "cross_entropy", "--dtype", "fp32",
+                   "--repeats", "1", "--min-repeats", "1", "--json", str(tmp_path / "b.json"),
+                   "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.splitlines()[-1].startswith("bench: cannot write"), err
+
+
+def test_bad_arguments_subprocess_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "astrai_kernels.cli", "bench", "--repeats", "0"],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "bench: --repeats must be at least 1, got 0"
 
 
 def test_verify_tiny_json(tmp_path, capsys):
