@@ -85,7 +85,8 @@ def grpo_fwd_kernel(
                 m, log2_s, _, _ = row_stats(row_ptr, V, stride_v, scale, 1.0, 0.0, BLOCK_V, False,
                                             False, False)
             x_target = tl.load(row_ptr + target * stride_v).to(tl.float32)
-            logp = ((x_target - m) * scale - log2_s) * LN2  # relative to the row max
+            # relative to the row max, in natural units (log2 e * (x - m) / T may overflow)
+            logp = (x_target - m) * inv_t - log2_s * LN2
             advantage = tl.load(advantages_ptr + row)
             if HAS_OLD:
                 old = tl.load(old_ptr + row)

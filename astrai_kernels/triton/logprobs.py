@@ -44,8 +44,9 @@ def logprobs_fwd_kernel(
                 m, log2_s, h2, _ = row_stats(row_ptr, V, stride_v, scale, 1.0, 0.0, BLOCK_V,
                                              False, WITH_ENTROPY, False)
             x_target = tl.load(row_ptr + target * stride_v).to(tl.float32)
-            # relative to the row max: exact however large the logits are
-            tl.store(logp_ptr + row, ((x_target - m) * scale - log2_s) * LN2)
+            # relative to the row max: exact however large the logits are; in natural units
+            # (log2 e * (x - m) / T could overflow where (x - m) / T does not)
+            tl.store(logp_ptr + row, (x_target - m) * inv_t - log2_s * LN2)
             # natural units, with m / T formed as the backward forms z / T; +inf on a row
             # holding +inf (as torch.logsumexp)
             tl.store(lse_ptr + row, tl.where(m == POS_INF, m, m * inv_t + log2_s * LN2))
