@@ -9,8 +9,8 @@
   fine; ignored rows stay 0 with a zero gradient whatever they hold.
 * bfloat16 logits near its largest finite value (``3.3e38``) do not overflow the kernels' float32.
 
-The triton backend runs under Triton's interpreter on CPU (tests/conftest.py); ``triton-tile16`` forces
-16-wide vocabulary tiles (the multi-tile code path).
+The triton backend runs under Triton's interpreter on CPU (tests/conftest.py);
+``triton-tile16`` forces 16-wide vocabulary tiles (the multi-tile code path).
 """
 
 import math
