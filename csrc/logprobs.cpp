@@ -56,7 +56,10 @@ ASTRAI_INLINE void backward_rows(const LogprobsBwdArgs& a, int64_t n0, int64_t n
     const RawLoad<T, C> load{row, sv};
     const float x_y = load(y);
     float ref = 0.0f, log_sum = a.lse[n];
-    if (!(std::fabs(log_sum) <= kDirectLseLimit)) {
+    if (V == 1) {  // p = 1 exactly (NaN for a non-finite logit); a contracted x * inv_t - lse
+      ref = x_y;   // would leave it 1 - 1e-7
+      log_sum = 0.0f;
+    } else if (!(std::fabs(log_sum) <= kDirectLseLimit)) {
       OnlineLse st;
       online_lse_row<false, false>(V, load, st, x_y, a.inv_t);
       ref = st.shift;
