@@ -172,9 +172,10 @@ struct F16T {
 
 // exp(x) for float32: Cody-Waite reduction x = n*ln2 + r, |r| <= ln2/2, and the Cephes
 // degree-6 polynomial; max error about 1 ulp on [-87.3, 88.3]. x < -87.3365 (log FLT_MIN,
-// including -inf) gives exactly 0 (no subnormal results); NaN gives NaN. Domain: x <= 88.3; the
-// kernels only call it with x <= 0 (a logit minus its row max or its lse; the row whose max is
-// +inf is handled by the caller), so the branch-free body has no upper clamp.
+// including -inf) gives exactly 0 (no subnormal results); NaN gives NaN. Domain: x <= 88.3 (the
+// branch-free body has no upper clamp): the kernels call it with a value relative to a shift at
+// most 64 below the running max (the online reduction), or with a log-prob clamped at <= 0
+// (log_prob_exp).
 ASTRAI_INLINE float fast_exp(float x) {
   // No input clamp: below `lo` the scale's exponent bits wrap (unsigned arithmetic, defined) and
   // the final select replaces the result by 0; NaN flows through every step.
@@ -194,6 +195,10 @@ ASTRAI_INLINE float fast_exp(float x) {
   const float res = p * scale;
   return select(lo > x, 0.0f, res);
 }
+
+// p = exp(d) for a log-prob d: clamped at d <= 0 first (NaN kept), so a rounding that leaves
+// d slightly positive, e.g. a contracted `x * inv_t - lse`, cannot leave fast_exp's domain.
+ASTRAI_INLINE float log_prob_exp(float d) { return fast_exp(d > 0.0f ? 0.0f : d); }
 
 // tanh(x) (Cephes tanhf): an odd polynomial for |x| <= 0.625, (1 - e) / (1 + e) with
 // e = exp(-2|x|) above; about 2 ulp. tanh(+-inf) = +-1, NaN gives NaN.
@@ -267,31 +272,41 @@ struct BadRow {
 
 constexpr int kBlock = 2048;  // elements per block of the online reduction (8 KB of float32)
 
-// Running state over the values s_j seen so far, relative to `shift` (a value of the row never
-// above the running max, so the largest term exp(max - shift) >= 1 is never lost; 0 while the
-// max is infinite, as torch.logsumexp does):
-//   sum  = sum_j exp(s_j - shift)
-//   wsum = sum_j exp(s_j - shift) * (s_j - shift)   (for the entropy; terms with exp = 0 are 0)
-//   zsum = sum_j s_j                                 (for label smoothing)
+// Running state over the values v_j of a row seen so far, in the row's own units (the raw
+// logits; the softmax is over s_j = v_j * scale, scale = 1 / T > 0), relative to `shift` (a value
+// of the row never above the running max, so the largest term exp((max - shift) * scale) >= 1 is
+// never lost; 0 while the max is infinite, as torch.logsumexp does):
+//   sum  = sum_j exp(d_j),  d_j = (v_j - shift) * scale
+//   wsum = sum_j exp(d_j) * d_j                      (for the entropy; terms with exp = 0 are 0)
+//   zsum = sum_j (v_j - zref)                        (for label smoothing; zref is a row value)
+// When the row is done, shift is its max (finite rows), and every result is formed from
+// (v_y - shift) * scale and log(sum): log p_y = (v_y - shift) * scale - log(sum) keeps its
+// precision however large the logits are (v_y * scale - lse would lose ulp(lse)).
 struct OnlineLse {
   float max = -kInf;
   float shift = 0.0f;
   float sum = 0.0f;
   float wsum = 0.0f;
   float zsum = 0.0f;
+  float zref = 0.0f;
 
-  // A row holding +inf has lse = +inf (as torch.logsumexp) and an undefined (NaN) entropy.
-  ASTRAI_INLINE float lse() const { return max == kInf ? kInf : std::log(sum) + shift; }
-  // lse - sum_j p_j s_j  =  log(sum) - wsum / sum
-  ASTRAI_INLINE float entropy() const {
-    return max == kInf ? std::numeric_limits<float>::quiet_NaN() : std::log(sum) - wsum / sum;
+  // log sum_j exp((v_j - shift) * scale); NaN when the row holds +inf (its softmax is undefined,
+  // as in float64 torch) or NaN.
+  ASTRAI_INLINE float log_sum() const {
+    return max == kInf ? std::numeric_limits<float>::quiet_NaN() : std::log(sum);
   }
+  // logsumexp of the row (+inf when it holds +inf, as torch.logsumexp).
+  ASTRAI_INLINE float lse(float scale) const {
+    return max == kInf ? kInf : shift * scale + std::log(sum);
+  }
+  // lse - sum_j p_j s_j  =  log(sum) - wsum / sum
+  ASTRAI_INLINE float entropy() const { return log_sum() - wsum / sum; }
 
   // Re-express sum and wsum relative to a larger shift.
   template <bool ENT>
-  ASTRAI_INLINE void rebase(float new_shift) {
+  ASTRAI_INLINE void rebase(float new_shift, float scale) {
     if (sum > 0.0f) {
-      const float delta = shift - new_shift;
+      const float delta = (shift - new_shift) * scale;
       const float alpha = std::exp(delta);
       if (ENT) wsum = (wsum + delta * sum) * alpha;
       sum *= alpha;
@@ -310,11 +325,11 @@ struct BlockSums {
 constexpr int kLanes = 32;
 
 // One streaming pass over elements [b0, b0 + len): their max, and their exp-sums relative to
-// `shift` (valid while max - shift stays well below 88, see online_lse_row).
-// With KEEP, also stores exp(s_j - shift) to e_out[j - b0].
+// `shift` (valid while (max - shift) * scale stays well below 88, see online_lse_row).
+// With KEEP, also stores exp((v_j - shift) * scale) to e_out[j - b0].
 template <bool ENT, bool ZSUM, bool KEEP, class Load>
 ASTRAI_INLINE BlockSums accumulate_block(const Load& load, int64_t b0, int len, float shift,
-                                         float* e_out) {
+                                         float scale, float zref, float* e_out) {
   float vmax[kLanes], vs[kLanes], vw[kLanes], vz[kLanes];
   for (int l = 0; l < kLanes; ++l) {
     vmax[l] = -kInf;
@@ -325,23 +340,23 @@ ASTRAI_INLINE BlockSums accumulate_block(const Load& load, int64_t b0, int len, 
     for (int l = 0; l < kLanes; ++l) {
       const float v = load(b0 + j + l);
       vmax[l] = vmax[l] < v ? v : vmax[l];
-      const float d = v - shift;
+      const float d = (v - shift) * scale;
       const float e = fast_exp(d);
       if (KEEP) e_out[j + l] = e;
       vs[l] += e;
       if (ENT) vw[l] += select(e > 0.0f, e * d, 0.0f);
-      if (ZSUM) vz[l] += v;
+      if (ZSUM) vz[l] += v - zref;
     }
   }
   for (int l = 0; j < len; ++j, ++l) {
     const float v = load(b0 + j);
     vmax[l] = vmax[l] < v ? v : vmax[l];
-    const float d = v - shift;
+    const float d = (v - shift) * scale;
     const float e = fast_exp(d);
     if (KEEP) e_out[j] = e;
     vs[l] += e;
     if (ENT) vw[l] += select(e > 0.0f, e * d, 0.0f);
-    if (ZSUM) vz[l] += v;
+    if (ZSUM) vz[l] += v - zref;
   }
   BlockSums b;
   for (int l = 0; l < kLanes; ++l) {
@@ -373,21 +388,23 @@ ASTRAI_INLINE float block_max(const Load& load, int64_t b0, int len) {
   return m;
 }
 
-// Feed all V values of a row to `st`; `load(j)` returns s_j as float (it may read strided memory
-// or apply a softcap). `hint` is one of the row's values (the target's): the exps are taken
-// relative to it from the first element on, so each block is read once, computing its max and
-// its exp-sum in the same loop while the memory streams; the shift moves up to a block's max
-// after the block, and a block whose max exceeds the shift by more than 64 (its exps could
-// overflow) is summed again. A non-finite hint falls back to a max pass before each block.
+// Feed all V values of a row to `st`; `load(j)` returns v_j as float (it may read strided memory
+// or apply a softcap), the softmax is over v_j * scale. `hint` is one of the row's values (the
+// target's): the exps are taken relative to it from the first element on, so each block is read
+// once, computing its max and its exp-sum in the same loop while the memory streams; the shift
+// moves up to a block's max after the block, and a block whose max exceeds the shift by more
+// than 64 / scale (its exps could overflow) is summed again. A non-finite hint falls back to a
+// max pass before each block.
 //
 // With KEEP (`exps`: V floats, `shifts`: one float per block), the exps are kept:
-// exps[j] = exp(s_j - shifts[j / kBlock]), so a gradient pass needs no second exp:
-// p_j = exps[j] * exp(shifts[j / kBlock] - lse).
+// exps[j] = exp((v_j - shifts[j / kBlock]) * scale), so a gradient pass needs no second exp:
+// p_j = exps[j] * exp((shifts[j / kBlock] - shift) * scale - log_sum).
 template <bool ENT, bool ZSUM, bool KEEP = false, class Load>
 ASTRAI_INLINE void online_lse_row(int64_t V, const Load& load, OnlineLse& st, float hint,
-                                  float* exps = nullptr, float* shifts = nullptr) {
+                                  float scale, float* exps = nullptr, float* shifts = nullptr) {
   const bool hinted = std::isfinite(hint);
   st.shift = hinted ? hint : 0.0f;
+  st.zref = st.shift;
   for (int64_t b0 = 0, blk = 0; b0 < V; b0 += kBlock, ++blk) {
     const int len = static_cast<int>(std::min<int64_t>(kBlock, V - b0));
     float* e_out = KEEP ? exps + b0 : nullptr;
@@ -395,10 +412,11 @@ ASTRAI_INLINE void online_lse_row(int64_t V, const Load& load, OnlineLse& st, fl
       const float m = block_max(load, b0, len);
       if (m > st.max) {
         st.max = m;
-        st.rebase<ENT>(std::isinf(m) ? 0.0f : m);
+        st.rebase<ENT>(std::isinf(m) ? 0.0f : m, scale);
       }
     }
-    BlockSums b = accumulate_block<ENT, ZSUM, KEEP, Load>(load, b0, len, st.shift, e_out);
+    BlockSums b =
+        accumulate_block<ENT, ZSUM, KEEP, Load>(load, b0, len, st.shift, scale, st.zref, e_out);
     if (ZSUM) st.zsum += b.zsum;
     if (!hinted || b.max == kInf) {
       if (b.max == kInf) st.max = kInf;  // the row's lse is +inf; its sums no longer matter
@@ -407,16 +425,17 @@ ASTRAI_INLINE void online_lse_row(int64_t V, const Load& load, OnlineLse& st, fl
       if (ENT) st.wsum += b.wsum;
       continue;
     }
-    if (b.max > st.shift + 64.0f) {  // exps relative to the old shift may have overflowed
-      st.rebase<ENT>(b.max);
+    if ((b.max - st.shift) * scale > 64.0f) {  // exps relative to the old shift may overflow
+      st.rebase<ENT>(b.max, scale);
       const float bz = b.zsum;
-      b = accumulate_block<ENT, false, KEEP, Load>(load, b0, len, st.shift, e_out);
+      b = accumulate_block<ENT, false, KEEP, Load>(load, b0, len, st.shift, scale, st.zref,
+                                                   e_out);
       b.zsum = bz;
     }
     if (KEEP) shifts[blk] = st.shift;
     st.sum += b.sum;
     if (ENT) st.wsum += b.wsum;
-    if (b.max > st.shift) st.rebase<ENT>(b.max);
+    if (b.max > st.shift) st.rebase<ENT>(b.max, scale);
     if (b.max > st.max) st.max = b.max;
   }
 }
@@ -455,13 +474,12 @@ inline RowScratch row_scratch(int64_t V) {
   return {buf.data, buf.data + padded};
 }
 
-// Loaders: s_j of a row of element type T (contiguous when C).
+// Loaders: v_j of a row of element type T (contiguous when C).
 template <class T, bool C>
-struct ScaledLoad {  // s_j = x_j * inv_t
+struct RawLoad {  // v_j = x_j (the softmax scale 1 / T is applied relative to the shift)
   const typename T::storage* row;
   int64_t sv;
-  float inv_t;
-  ASTRAI_INLINE float operator()(int64_t j) const { return T::load(row[C ? j : j * sv]) * inv_t; }
+  ASTRAI_INLINE float operator()(int64_t j) const { return T::load(row[C ? j : j * sv]); }
 };
 
 template <class T, bool C, bool SOFTCAP>
@@ -482,29 +500,39 @@ ASTRAI_INLINE void zero_row(typename T::storage* g, int64_t sg, int64_t V) {
   for (int64_t j = 0; j < V; ++j) g[C ? j : j * sg] = zero;
 }
 
-// grad_j = coef * (d_jy - p_j) / T  [ - g_H / T * p_j * (s_j - lse + H) ],  p_j = exp(s_j - lse).
-// Shared by logprobs_backward and grpo_forward. Reads each element before writing it, so
-// `grad` may be the logits themselves; the target element is written last from `s_y`.
+// grad_j = coef * (d_jy - p_j) / T  [ - g_H / T * p_j * (log p_j + H) ],
+// log p_j = (x_j - ref) * inv_t - log_sum: ref the row max and log_sum = log sum_j exp((x_j -
+// ref) * inv_t), or ref = 0 and log_sum = lse (log p_j = s_j - lse). Shared by
+// logprobs_backward and grpo_forward. Reads each element before writing it, so `grad` may be
+// the logits themselves; the target element is written last from `x_y`.
 template <class T, bool C, bool ENT>
 ASTRAI_INLINE void write_logprob_grad(const typename T::storage* x, int64_t sv,
                                       typename T::storage* g, int64_t sg, int64_t V, int64_t y,
-                                      float s_y, float inv_t, float lse, float coef,
+                                      float x_y, float ref, float inv_t, float log_sum, float coef,
                                       float g_entropy, float entropy) {
   const float gh = g_entropy * inv_t;
   const float neg_coef = -coef * inv_t;
 #pragma omp simd
   for (int64_t j = 0; j < V; ++j) {
-    const float d = T::load(x[C ? j : j * sv]) * inv_t - lse;
-    const float p = fast_exp(d);
+    const float d = (T::load(x[C ? j : j * sv]) - ref) * inv_t - log_sum;
+    const float p = log_prob_exp(d);
     float v = p * neg_coef;
     if (ENT) v -= gh * select(p > 0.0f, p * (d + entropy), 0.0f);
     g[C ? j : j * sg] = T::store(v);
   }
-  const float d = s_y - lse;
-  const float p = fast_exp(d);
+  const float d = (x_y - ref) * inv_t - log_sum;
+  const float p = log_prob_exp(d);
   float v = (-p * coef + coef) * inv_t;
   if (ENT) v -= gh * select(p > 0.0f, p * (d + entropy), 0.0f);
   g[C ? y : y * sg] = T::store(v);
+}
+
+// exp((block_shift - shift) * scale - log_sum): the factor turning the exps kept for a block
+// into probabilities (block_shift <= shift, so the exponent is <= 0).
+ASTRAI_INLINE float kept_to_prob(float block_shift, const OnlineLse& st, float scale,
+                                 float log_sum) {
+  const float d = (block_shift - st.shift) * scale - log_sum;
+  return std::exp(d > 0.0f ? 0.0f : d);
 }
 
 // The same gradient (without the entropy term) from the exps kept by online_lse_row: no exp
@@ -512,16 +540,17 @@ ASTRAI_INLINE void write_logprob_grad(const typename T::storage* x, int64_t sv,
 template <class T, bool C>
 ASTRAI_INLINE void write_logprob_grad_from_exps(typename T::storage* g, int64_t sg, int64_t V,
                                                 int64_t y, const RowScratch& keep,
-                                                float inv_t, float lse, float coef) {
+                                                const OnlineLse& st, float inv_t, float log_sum,
+                                                float coef) {
   const float neg_coef = -coef * inv_t;
   const float* e = keep.exps;
   for (int64_t b0 = 0, blk = 0; b0 < V; b0 += kBlock, ++blk) {
     const int64_t b1 = std::min<int64_t>(V, b0 + kBlock);
-    const float factor = std::exp(keep.shifts[blk] - lse) * neg_coef;
+    const float factor = kept_to_prob(keep.shifts[blk], st, inv_t, log_sum) * neg_coef;
 #pragma omp simd
     for (int64_t j = b0; j < b1; ++j) g[C ? j : j * sg] = T::store(e[j] * factor);
   }
-  const float p = e[y] * std::exp(keep.shifts[y / kBlock] - lse);
+  const float p = e[y] * kept_to_prob(keep.shifts[y / kBlock], st, inv_t, log_sum);
   g[C ? y : y * sg] = T::store((-p * coef + coef) * inv_t);
 }
 

@@ -2,6 +2,8 @@
 //   z = c * tanh(x / c) (softcap c, 0 = off), lse = logsumexp(z), p = softmax(z)
 //   loss   = (1 - eps) * (lse - z_y) + eps * (lse - mean_j z_j) + z_loss * lse^2
 //   grad_j = scale * ((1 + 2 z_loss lse) p_j - (1 - eps) d_jy - eps / V) [* (1 - (z_j / c)^2)]
+// with lse - z_y = log_sum - (z_y - m) and p_j = exp((z_j - m) - log_sum), m the row max and
+// log_sum = log sum_j exp(z_j - m): exact however large the logits are.
 #include "common.h"
 
 namespace astrai {
@@ -31,13 +33,17 @@ ASTRAI_INLINE void cross_entropy_rows(const CrossEntropyArgs& a, int64_t n0, int
     // With a gradient to write, keep the exps of the first pass for the second.
     const RowScratch keep = with_grad ? row_scratch(V) : RowScratch{nullptr, nullptr};
     if (keep.exps) {
-      online_lse_row<false, SMOOTH, true>(V, load, st, z_y, keep.exps, keep.shifts);
+      online_lse_row<false, SMOOTH, true>(V, load, st, z_y, 1.0f, keep.exps, keep.shifts);
     } else {
-      online_lse_row<false, SMOOTH>(V, load, st, z_y);
+      online_lse_row<false, SMOOTH>(V, load, st, z_y, 1.0f);
     }
-    const float lse = st.lse();
-    float loss = a.one_minus_eps * (lse - z_y) + a.z_loss * lse * lse;
-    if (SMOOTH) loss = loss + eps * (lse - st.zsum / static_cast<float>(V));
+    const float log_sum = st.log_sum();
+    const float lse = st.lse(1.0f);
+    float loss = a.one_minus_eps * (log_sum - (z_y - st.shift)) + a.z_loss * lse * lse;
+    if (SMOOTH) {  // mean_j z_j - m = mean_j (z_j - zref) + (zref - m)
+      const float mean_rel = st.zsum / static_cast<float>(V) + (st.zref - st.shift);
+      loss = loss + eps * (log_sum - mean_rel);
+    }
     a.loss[n] = loss;
     a.lse[n] = lse;
     if (!with_grad) continue;
@@ -50,7 +56,7 @@ ASTRAI_INLINE void cross_entropy_rows(const CrossEntropyArgs& a, int64_t n0, int
     if (keep.exps) {
       for (int64_t b0 = 0, blk = 0; b0 < V; b0 += kBlock, ++blk) {
         const int64_t b1 = std::min<int64_t>(V, b0 + kBlock);
-        const float to_p = std::exp(keep.shifts[blk] - lse);  // p_j = exps[j] * to_p
+        const float to_p = kept_to_prob(keep.shifts[blk], st, 1.0f, log_sum);  // p_j = e_j to_p
         const float* e = keep.exps;
 #pragma omp simd
         for (int64_t j = b0; j < b1; ++j) {
@@ -62,19 +68,19 @@ ASTRAI_INLINE void cross_entropy_rows(const CrossEntropyArgs& a, int64_t n0, int
           g[C ? j : j * sg] = T::store(v);
         }
       }
-      p_y = keep.exps[y] * std::exp(keep.shifts[y / kBlock] - lse);
+      p_y = keep.exps[y] * kept_to_prob(keep.shifts[y / kBlock], st, 1.0f, log_sum);
     } else {
 #pragma omp simd
       for (int64_t j = 0; j < V; ++j) {
         const float z = load(j);
-        float v = (fast_exp(z - lse) * k - eps_v) * scale;
+        float v = (log_prob_exp((z - st.shift) - log_sum) * k - eps_v) * scale;
         if (SOFTCAP) {
           const float u = z * inv_cap;
           v *= 1.0f - u * u;
         }
         g[C ? j : j * sg] = T::store(v);
       }
-      p_y = fast_exp(z_y - lse);
+      p_y = log_prob_exp((z_y - st.shift) - log_sum);
     }
     // The target element, with the -(1 - eps) folded in float32, written last (in-place safe).
     float v = (p_y * k - eps_v + a.eps_minus_one) * scale;

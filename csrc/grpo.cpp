@@ -58,17 +58,17 @@ ASTRAI_INLINE void grpo_rows(const GrpoArgs& a, int64_t n0, int64_t n1) {
       continue;
     }
     const S* row = a.x.row<S>(n);
-    const ScaledLoad<T, C> load{row, sv, a.inv_t};
-    const float s_y = load(y);
+    const RawLoad<T, C> load{row, sv};
+    const float x_y = load(y);
     OnlineLse st;
     const RowScratch keep = with_grad ? row_scratch(V) : RowScratch{nullptr, nullptr};
     if (keep.exps) {
-      online_lse_row<false, false, true>(V, load, st, s_y, keep.exps, keep.shifts);
+      online_lse_row<false, false, true>(V, load, st, x_y, a.inv_t, keep.exps, keep.shifts);
     } else {
-      online_lse_row<false, false>(V, load, st, s_y);
+      online_lse_row<false, false>(V, load, st, x_y, a.inv_t);
     }
-    const float lse = st.lse();
-    const float logp = s_y - lse;
+    const float log_sum = st.log_sum();
+    const float logp = (x_y - st.shift) * a.inv_t - log_sum;  // relative to the row max
     const TokenTerms t = token_terms(logp, a.old_logprobs ? a.old_logprobs + n : nullptr,
                                      a.ref_logprobs ? a.ref_logprobs + n : nullptr,
                                      a.advantages[n], a.ratio_lo, a.ratio_hi, a.delta,
@@ -77,11 +77,11 @@ ASTRAI_INLINE void grpo_rows(const GrpoArgs& a, int64_t n0, int64_t n1) {
     a.loss[n] = t.loss;
     if (!with_grad) continue;
     if (keep.exps) {
-      write_logprob_grad_from_exps<T, C>(a.grad.row<S>(n), sg, V, y, keep, a.inv_t, lse,
+      write_logprob_grad_from_exps<T, C>(a.grad.row<S>(n), sg, V, y, keep, st, a.inv_t, log_sum,
                                          t.dloss * w);
     } else {
-      write_logprob_grad<T, C, false>(row, sv, a.grad.row<S>(n), sg, V, y, s_y, a.inv_t, lse,
-                                      t.dloss * w, 0.0f, 0.0f);
+      write_logprob_grad<T, C, false>(row, sv, a.grad.row<S>(n), sg, V, y, x_y, st.shift,
+                                      a.inv_t, log_sum, t.dloss * w, 0.0f, 0.0f);
     }
   }
 }

@@ -1,10 +1,18 @@
 // logprobs_forward / logprobs_backward of ops/_backend.py: s = z / T, p = softmax(s),
 //   forward:  logp = s_y - lse, entropy = lse - sum_j p_j s_j, lse (ignored rows: all 0)
 //   backward: grad_j = (1/T) * (g_lp * (d_jy - p_j) - g_H * p_j * (s_j - lse + H))
+// with m the row max, logp = (z_y - m) / T - log sum_j exp((z_j - m) / T): exact however large
+// the logits are.
 #include "common.h"
 
 namespace astrai {
 namespace {
+
+// The backward forms log p_j = s_j - lse from the saved lse while |lse| <= this: its rounding
+// (half an ulp, <= 2^-19 here) then changes p by at most that relative amount. Beyond, and for
+// a non-finite lse, it recomputes the row's max and log-sum, so the error does not grow with
+// the logits.
+constexpr float kDirectLseLimit = 64.0f;
 
 template <class T, bool C, bool ENT>
 ASTRAI_INLINE void forward_rows(const LogprobsFwdArgs& a, int64_t n0, int64_t n1) {
@@ -21,13 +29,12 @@ ASTRAI_INLINE void forward_rows(const LogprobsFwdArgs& a, int64_t n0, int64_t n1
       continue;
     }
     const S* row = a.x.row<S>(n);
-    const ScaledLoad<T, C> load{row, sv, a.inv_t};
-    const float s_y = load(y);
+    const RawLoad<T, C> load{row, sv};
+    const float x_y = load(y);
     OnlineLse st;
-    online_lse_row<ENT, false>(V, load, st, s_y);
-    const float lse = st.lse();
-    a.logp[n] = s_y - lse;
-    a.lse[n] = lse;
+    online_lse_row<ENT, false>(V, load, st, x_y, a.inv_t);
+    a.logp[n] = (x_y - st.shift) * a.inv_t - st.log_sum();
+    a.lse[n] = st.lse(a.inv_t);
     if (ENT) a.entropy[n] = st.entropy();
   }
 }
@@ -46,9 +53,21 @@ ASTRAI_INLINE void backward_rows(const LogprobsBwdArgs& a, int64_t n0, int64_t n
       continue;
     }
     const S* row = a.x.row<S>(n);
-    const float s_y = T::load(row[C ? y : y * sv]) * a.inv_t;
-    write_logprob_grad<T, C, ENT>(row, sv, g, sg, V, y, s_y, a.inv_t, a.lse[n], a.grad_logp[n],
-                                  ENT ? a.grad_entropy[n] : 0.0f, ENT ? a.entropy[n] : 0.0f);
+    const RawLoad<T, C> load{row, sv};
+    const float x_y = load(y);
+    float ref = 0.0f, log_sum = a.lse[n];
+    if (V == 1) {  // p = 1 exactly (NaN for a non-finite logit); a contracted x * inv_t - lse
+      ref = x_y;   // would leave it 1 - 1e-7
+      log_sum = 0.0f;
+    } else if (!(std::fabs(log_sum) <= kDirectLseLimit)) {
+      OnlineLse st;
+      online_lse_row<false, false>(V, load, st, x_y, a.inv_t);
+      ref = st.shift;
+      log_sum = st.log_sum();
+    }
+    write_logprob_grad<T, C, ENT>(row, sv, g, sg, V, y, x_y, ref, a.inv_t, log_sum,
+                                  a.grad_logp[n], ENT ? a.grad_entropy[n] : 0.0f,
+                                  ENT ? a.entropy[n] : 0.0f);
   }
 }
 

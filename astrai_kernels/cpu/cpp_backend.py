@@ -87,7 +87,8 @@ def _build_hash(src):
         digest.update(name.encode())
         digest.update((src / name).read_bytes())
     for part in (*CFLAGS, "|", *LDFLAGS, "|", str(_compiler()), os.environ.get("CXX", ""),
-                 torch.__version__, sys.implementation.cache_tag, sys.platform):
+                 torch.__version__, sys.implementation.cache_tag, sys.platform,
+                 str(src.resolve())):  # two checkouts never share (and rebuild) one directory
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:16]

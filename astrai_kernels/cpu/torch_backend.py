@@ -62,6 +62,24 @@ def _scaled(block, scale, buf):
     return buf if scale == 1.0 else buf.div_(scale)
 
 
+def _tempered(block, temperature, buf):
+    """``(s, offset)`` with ``s + offset = float32(block) / T`` per row (``offset`` None: 0).
+
+    At ``T = 1``, ``s`` is the block itself (or its float32 copy). Otherwise ``s = (x - max) / T``
+    and ``offset = max / T``: dividing relative to the row max keeps the differences the softmax
+    sees exact however large ``x`` is (``x / T`` alone rounds to ``ulp(x / T)``). A row holding
+    +inf or NaN, or only -inf, becomes NaN, as its softmax is in float64 torch.
+    """
+    if temperature == 1.0:
+        return _scaled(block, 1.0, buf), None
+    row_max = block.amax(-1, keepdim=True).float()
+    if block.dtype == torch.float32:
+        s = torch.sub(block, row_max, out=buf)
+    else:
+        s = buf.copy_(block).sub_(row_max)  # upcast first, as in _scaled
+    return s.div_(temperature), row_max.squeeze(1).div_(temperature)
+
+
 def _log_softmax_rows(s, out, y):
     """``(ls, ls_y, s_y)`` of a float32 block: ``ls = log_softmax(s)`` written into ``out``
     (which may be ``s`` itself: ``s_y`` is read first).
@@ -74,21 +92,26 @@ def _log_softmax_rows(s, out, y):
     return ls, ls.gather(1, y).squeeze(1), s_y
 
 
-def _row_lse(s_y, ls_y, ls, source, scale):
-    """``lse = s_y - ls_y`` (exact up to rounding). Rows where that is not finite (target logit
-    -inf, non-finite rows) take ``max(s) - max(ls)`` instead, with ``max(s)`` read as
-    ``max(source) / scale`` (``s = float32(source) / scale``; rounding is monotone, so that is
-    exactly the row max of ``s``, even when ``s`` itself was overwritten by ``ls``)."""
+def _row_lse(s_y, ls_y, ls, source, scale, offset=None):
+    """``lse = s_y - ls_y (+ offset)`` (exact up to rounding; ``offset`` that of
+    :func:`_tempered`). Rows where that is not finite (target logit -inf, non-finite rows) take
+    ``max(s) - max(ls)`` instead, with ``max(s)`` read as ``offset`` (the max of a tempered
+    block is 0) or ``max(source) / scale`` (``s = float32(source) / scale``; rounding is
+    monotone, so that is exactly the row max of ``s``, even when ``s`` itself was overwritten
+    by ``ls``)."""
     lse = s_y - ls_y
+    if offset is not None:
+        lse = lse + offset
     finite = torch.isfinite(lse)
     if not bool(finite.all()):
-        lse = torch.where(finite, lse, source.amax(-1).float() / scale - ls.amax(-1))
+        top = offset if offset is not None else source.amax(-1).float() / scale
+        lse = torch.where(finite, lse, top - ls.amax(-1))
     return lse
 
 
 def _softmax_rows(s, out, y):
-    """``(p, logp_y, lse)`` of a float32 block: ``p = softmax(s)`` written into ``out`` (which
-    may be ``s`` itself).
+    """``(p, logp_y, lse, row_max, log_sum)`` of a float32 block: ``p = softmax(s)`` written into
+    ``out`` (which may be ``s`` itself).
 
     ``logp_y = (s_y - max) - log_sum`` and ``lse = max + log_sum``, relative to the row max as
     the log-softmax kernel does; ``log_sum = -log(max_j p_j)``, since ``p`` at the argmax is
@@ -98,7 +121,7 @@ def _softmax_rows(s, out, y):
     shifted_y = s.gather(1, y).squeeze(1) - row_max
     p = torch.softmax(s, -1, out=out)
     log_sum = torch.log(p.amax(-1)).neg_()
-    return p, shifted_y - log_sum, row_max + log_sum
+    return p, shifted_y - log_sum, row_max + log_sum, row_max, log_sum
 
 
 def _grad_dst(grad_block, p):
@@ -137,10 +160,10 @@ def logprobs_forward(logits, target, temperature, ignore_index, with_entropy):
     safe_y = _safe_target(target, valid)
     for n0, n1, block, bufs in _row_blocks(logits, 2 if with_entropy else 1):
         y = safe_y[n0:n1]
-        s = _scaled(block, temperature, bufs[0])
+        s, offset = _tempered(block, temperature, bufs[0])
         ls, ls_y, s_y = _log_softmax_rows(s, bufs[-1], y)
         logp[n0:n1] = ls_y
-        lse[n0:n1] = _row_lse(s_y, ls_y, ls, block, temperature)
+        lse[n0:n1] = _row_lse(s_y, ls_y, ls, block, temperature, offset)
         if with_entropy:
             # H = -sum_j p_j log p_j; terms with p_j = 0 (s_j = -inf) are 0, not 0 * -inf.
             p = torch.softmax(s, -1, out=bufs[0])
@@ -168,7 +191,7 @@ def logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, tem
         a = c.neg()
     for n0, n1, block, bufs in _row_blocks(logits, 2 if with_entropy else 1):
         y = safe_y[n0:n1]
-        s = _scaled(block, temperature, bufs[0])
+        s = _tempered(block, temperature, bufs[0])[0]  # the softmax is shift-invariant
         if with_entropy:
             ls = torch.log_softmax(s, -1, out=bufs[1]).clamp_(min=LOG_P_FLOOR)
             p = torch.softmax(s, -1, out=bufs[0])
@@ -216,15 +239,20 @@ def cross_entropy_forward(logits, target, ignore_index, label_smoothing, z_loss,
             z, t = _softcapped(block, softcap, bufs)
         else:
             z = _scaled(block, 1.0, bufs[0])
-        mean_z = z.mean(-1) if eps else None
+        # eps * (lse - mean_j z_j) = eps * (log_sum - (mean_j z_j - max)), taken relative to the
+        # row max so it does not lose ulp(lse) on large logits: -eps * mean_j log p_j from the
+        # log-softmax, or with the mean in float64 (read before p overwrites z)
+        mean_z = z.mean(-1, dtype=torch.float64) if eps and grad is not None else None
         if grad is None:
             ls, logp_y, z_y = _log_softmax_rows(z, bufs[-1], y)
             row_lse = _row_lse(z_y, logp_y, ls, z if softcap else block, 1.0)
+            smooth = ls.mean(-1).neg_() if eps else None
         else:
-            p, logp_y, row_lse = _softmax_rows(z, bufs[0], y)
+            p, logp_y, row_lse, row_max, log_sum = _softmax_rows(z, bufs[0], y)
+            smooth = log_sum - (mean_z - row_max).float() if eps else None
         row_loss = (1.0 - eps) * -logp_y + z_loss * row_lse * row_lse
         if eps:
-            row_loss = row_loss + eps * (row_lse - mean_z)
+            row_loss = row_loss + eps * smooth
         loss[n0:n1] = row_loss
         lse[n0:n1] = row_lse
         if grad is None:
@@ -293,11 +321,11 @@ def grpo_forward(logits, target, temperature, advantages, old_logprobs, ref_logp
     loss = torch.zeros_like(logp) if grad is not None else None
     for n0, n1, block, (buf,) in _row_blocks(logits, 1):
         y = safe_y[n0:n1]
-        s = _scaled(block, temperature, buf)
+        s = _tempered(block, temperature, buf)[0]  # log-probs are shift-invariant
         if grad is None:  # log-probs only here; the token terms are computed once below
             logp[n0:n1] = _log_softmax_rows(s, buf, y)[1]
             continue
-        p, row_logp, _ = _softmax_rows(s, buf, y)
+        p, row_logp = _softmax_rows(s, buf, y)[:2]
         row_valid = valid[n0:n1]
         row_logp = torch.where(row_valid, row_logp, 0.0)
         old = None if old_logprobs is None else old_logprobs[n0:n1]

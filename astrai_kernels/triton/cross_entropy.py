@@ -12,6 +12,7 @@ import triton.language as tl
 from .helpers import (
     LN2,
     LOG2E,
+    POS_INF,
     capped_logits,
     grad_tile,
     load_tile,
@@ -39,23 +40,24 @@ def cross_entropy_fwd_kernel(
         target = tl.load(target_ptr + row).to(tl.int64)
         if target != ignore_index:
             row_ptr = logits_ptr + row_offset(row, inner, stride0, stride1)
+            x_target = tl.load(row_ptr + target * stride_v)
+            z_target = capped_logits(x_target, True, softcap, HAS_SOFTCAP)
+            # the label-smoothing sum is taken relative to a finite value of the row
+            z_ref = tl.where(tl.abs(z_target) < POS_INF, z_target, 0.0)
             if ONE_TILE:
                 x, cols, mask = load_tile(row_ptr, 0, V, stride_v, BLOCK_V)
                 z = capped_logits(x, mask, softcap, HAS_SOFTCAP)
-                m, log2_s, _, zsum = tile_stats(z, mask, LOG2E, False, HAS_SMOOTHING)
+                m, log2_s, _, zsum = tile_stats(z, mask, LOG2E, z_ref, False, HAS_SMOOTHING)
             else:
-                m, log2_s, _, zsum = row_stats(row_ptr, V, stride_v, LOG2E, softcap, BLOCK_V,
-                                               HAS_SOFTCAP, False, HAS_SMOOTHING)
-            m2 = m * LOG2E
-            lse2 = m2 + log2_s
-            lse = m + log2_s * LN2
-            x_target = tl.load(row_ptr + target * stride_v)
-            z_target = capped_logits(x_target, True, softcap, HAS_SOFTCAP)
-            # lse - z_y taken relative to the row max (base 2): exact for a confident row
-            loss = (1.0 - label_smoothing) * (log2_s - (z_target * LOG2E - m2)) * LN2
+                m, log2_s, _, zsum = row_stats(row_ptr, V, stride_v, LOG2E, softcap, z_ref,
+                                               BLOCK_V, HAS_SOFTCAP, False, HAS_SMOOTHING)
+            log_sum = log2_s * LN2
+            lse = tl.where(m == POS_INF, m, m + log_sum)  # as torch.logsumexp on a +inf row
+            # lse - z_y = log_sum - (z_y - m): relative to the row max, exact however large z is
+            loss = (1.0 - label_smoothing) * (log_sum - (z_target - m))
             loss += z_loss * lse * lse
-            if HAS_SMOOTHING:
-                loss += label_smoothing * (log2_s - ((zsum / V) * LOG2E - m2)) * LN2
+            if HAS_SMOOTHING:  # mean_j z_j - m = mean_j (z_j - z_ref) + (z_ref - m)
+                loss += label_smoothing * (log_sum - (zsum / V + (z_ref - m)))
             tl.store(loss_ptr + row, loss)
             tl.store(lse_ptr + row, lse)
             if HAS_GRAD:
@@ -66,13 +68,13 @@ def cross_entropy_fwd_kernel(
                 c_const = label_smoothing / V
                 grad_row_ptr = grad_ptr + row_offset(row, inner, g_stride0, g_stride1)
                 if ONE_TILE:
-                    g = grad_tile(z, cols, target, lse2, LOG2E, c_target, c_p, 0.0, c_const, gs,
-                                  softcap, False, HAS_SOFTCAP, False)
+                    g = grad_tile(z, cols, target, m, log2_s, LOG2E, c_target, c_p, 0.0, c_const,
+                                  gs, softcap, False, HAS_SOFTCAP, False)
                     store_tile(grad_row_ptr, cols, mask, g_stride_v, g)
                 else:
-                    write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, lse2,
-                                   LOG2E, c_target, c_p, 0.0, c_const, gs, softcap, BLOCK_V,
-                                   False, HAS_SOFTCAP, False)
+                    write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, m,
+                                   log2_s, LOG2E, c_target, c_p, 0.0, c_const, gs, softcap,
+                                   BLOCK_V, False, HAS_SOFTCAP, False)
         else:
             tl.store(loss_ptr + row, 0.0)
             tl.store(lse_ptr + row, 0.0)

@@ -80,14 +80,13 @@ def grpo_fwd_kernel(
             if ONE_TILE:
                 x, cols, mask = load_tile(row_ptr, 0, V, stride_v, BLOCK_V)
                 z = x.to(tl.float32)
-                m, log2_s, _, _ = tile_stats(z, mask, scale, False, False)
+                m, log2_s, _, _ = tile_stats(z, mask, scale, 0.0, False, False)
             else:
-                m, log2_s, _, _ = row_stats(row_ptr, V, stride_v, scale, 1.0, BLOCK_V, False,
+                m, log2_s, _, _ = row_stats(row_ptr, V, stride_v, scale, 1.0, 0.0, BLOCK_V, False,
                                             False, False)
             x_target = tl.load(row_ptr + target * stride_v).to(tl.float32)
-            m2 = m * scale
-            logp = ((x_target * scale - m2) - log2_s) * LN2
-            lse2 = m2 + log2_s
+            # relative to the row max, in natural units (log2 e * (x - m) / T may overflow)
+            logp = (x_target - m) * inv_t - log2_s * LN2
             advantage = tl.load(advantages_ptr + row)
             if HAS_OLD:
                 old = tl.load(old_ptr + row)
@@ -105,13 +104,13 @@ def grpo_fwd_kernel(
                 coef = dloss * weight
                 grad_row_ptr = grad_ptr + row_offset(row, inner, g_stride0, g_stride1)
                 if ONE_TILE:
-                    g = grad_tile(z, cols, target, lse2, scale, coef, -coef, 0.0, 0.0, inv_t,
+                    g = grad_tile(z, cols, target, m, log2_s, scale, coef, -coef, 0.0, 0.0, inv_t,
                                   1.0, False, False, False)
                     store_tile(grad_row_ptr, cols, mask, g_stride_v, g)
                 else:
-                    write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, lse2,
-                                   scale, coef, -coef, 0.0, 0.0, inv_t, 1.0, BLOCK_V, False,
-                                   False, False)
+                    write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, m,
+                                   log2_s, scale, coef, -coef, 0.0, 0.0, inv_t, 1.0, BLOCK_V,
+                                   False, False, False)
         else:
             tl.store(logp_ptr + row, 0.0)
             tl.store(loss_ptr + row, 0.0)

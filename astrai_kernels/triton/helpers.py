@@ -6,9 +6,14 @@ scaled logits are kept in base 2 (``x2 = s * log2(e)``), so each element costs o
 hardware instruction) and no extra multiply; per-row results are converted back to natural units.
 
 The pass-1 reduction is online over vocabulary tiles: one tile max (a block reduction) per tile,
-while the sums (of ``exp2(x2 - m)``, and for the entropy of ``exp2(x2 - m) * (x2 - m)``) are kept
-per lane and rescaled by the scalar ``alpha = exp2(m_old - m_new)``: one ``exp2`` per element and a
-single block reduction of the sums per row.
+while the sums (of ``exp2(r)``, and for the entropy of ``exp2(r) * r``, ``r = (z - m) * scale``)
+are kept per lane and rescaled by the scalar ``alpha = exp2((m_old - m_new) * scale)``: one
+``exp2`` per element and a single block reduction of the sums per row.
+
+Every log-prob and loss is formed from ``(z - m) * scale`` and ``log2_s = log2 sum exp2((z - m) *
+scale)``, ``m`` the row max of the unscaled logits: the error does not grow with the logits'
+magnitude (``z * scale - lse`` would lose ``ulp(lse)``), ``z * scale`` cannot overflow for finite
+logits, and a contracted ``(z - m) * scale - log2_s`` (an FMA) is still ``<= 0``.
 """
 
 import os
@@ -25,6 +30,10 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 LOG_RATIO_CLAMP = tl.constexpr(20.0)
 NEG_INF = tl.constexpr(float("-inf"))
+POS_INF = tl.constexpr(float("inf"))
+# logprobs' backward forms log p = z / T - lse from the saved lse while |lse| <= this (its
+# rounding then moves p by <= 2^-19 relative); beyond, it recomputes the row's max and log-sum.
+DIRECT_LSE_LIMIT = tl.constexpr(64.0)
 
 
 @triton.jit
@@ -101,20 +110,20 @@ def capped_logits(x, mask, cap, HAS_SOFTCAP: tl.constexpr):
 def online_update(z, scale, m, s_vec, t_vec, WITH_T: tl.constexpr):
     """Fold a tile of logits ``z`` (fp32, ``-inf`` on masked lanes) into the running state.
 
-    State: the running max ``m`` of ``z`` itself (scalar, ``-inf`` before any finite value; kept
-    unscaled so a caller can form ``m / T`` exactly as it forms ``z / T``), per-lane sums
-    ``s_vec = sum exp2(x2 - m2)`` and, with ``WITH_T``, ``t_vec = sum exp2(x2 - m2) * (x2 - m2)``
-    (relative to the max, so the entropy does not cancel against a large ``lse``), where
-    ``x2 = z * scale`` and ``m2 = m * scale`` (``scale > 0``: the max element has ``x2 == m2``).
+    State: the running max ``m`` of ``z`` itself (scalar, ``-inf`` before any finite value;
+    unscaled), per-lane sums ``s_vec = sum exp2(r)`` and, with ``WITH_T``,
+    ``t_vec = sum exp2(r) * r`` (relative to the max, so the entropy does not cancel against a
+    large ``lse``), where ``r = (z - m) * scale`` (``scale > 0``; ``r <= 0``, and no ``z * scale``
+    that could overflow).
     """
     m_new = tl.maximum(m, tl.max(z, 0))
-    m2_old = m * scale
-    m2 = tl.where(m_new == NEG_INF, 0.0, m_new * scale)
-    alpha = tl.exp2(m2_old - m2)
-    rel = z * scale - m2
+    m_ref = tl.where(m_new == NEG_INF, 0.0, m_new)
+    shift = (m - m_ref) * scale  # -inf before the first finite value: alpha = 0
+    alpha = tl.exp2(shift)
+    rel = (z - m_ref) * scale
     e = tl.exp2(rel)
     if WITH_T:
-        shift = tl.where(m == NEG_INF, 0.0, m2_old - m2)
+        shift = tl.where(m == NEG_INF, 0.0, shift)
         t_vec = alpha * (t_vec + s_vec * shift) + e * tl.where(e > 0.0, rel, 0.0)
     s_vec = s_vec * alpha + e
     return m_new, s_vec, t_vec
@@ -123,12 +132,14 @@ def online_update(z, scale, m, s_vec, t_vec, WITH_T: tl.constexpr):
 @triton.jit
 def finalize(m, s_vec, t_vec, WITH_T: tl.constexpr):
     """``(m, log2_s, h2)`` of a row: its max logit (0 when there is none), ``log2_s = log2 sum
-    exp2(x2 - m2)`` and, with ``WITH_T``, its base-2 entropy. Then ``lse2 = m * scale + log2_s``
-    and a log-prob is ``(x2_y - m2) - log2_s``: exactly 0 for a V = 1 row, and without the
-    cancellation of ``x2_y - lse2`` for a confident one."""
+    exp2((z - m) * scale)`` and, with ``WITH_T``, its base-2 entropy. A log-prob is then
+    ``(z_y - m) * scale - log2_s``: exactly 0 for a V = 1 row, and without the cancellation of
+    ``z_y * scale - lse2`` for a confident or large one. A row holding +inf or NaN gets a NaN
+    ``log2_s`` (its softmax is undefined, as in float64 torch); an all ``-inf`` row gets
+    ``log2_s = -inf`` and NaN log-probs."""
     m_safe = tl.where(m == NEG_INF, 0.0, m)
     s = tl.sum(s_vec, 0)
-    log2_s = tl.log2(s)
+    log2_s = tl.where(m == POS_INF, float("nan"), tl.log2(s))
     if WITH_T:
         h2 = log2_s - tl.sum(t_vec, 0) / s
     else:
@@ -137,13 +148,14 @@ def finalize(m, s_vec, t_vec, WITH_T: tl.constexpr):
 
 
 @triton.jit
-def row_stats(row_ptr, V, stride_v, scale, cap, BLOCK_V: tl.constexpr,
+def row_stats(row_ptr, V, stride_v, scale, cap, z_ref, BLOCK_V: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, WITH_T: tl.constexpr, WITH_SUM: tl.constexpr):
     """Pass 1 over a row in tiles: ``(m, log2_s, h2, zsum)`` (see :func:`finalize`).
 
-    ``z`` are the (optionally soft-capped) logits, ``zsum = sum_j z_j`` with ``WITH_SUM`` (label
-    smoothing). The next tile is loaded before the current one is reduced, so a load is always in
-    flight.
+    ``z`` are the (optionally soft-capped) logits, ``zsum = sum_j (z_j - z_ref)`` with
+    ``WITH_SUM`` (label smoothing; ``z_ref`` one of the row's values, so the sum does not round
+    away differences of large logits). The next tile is loaded before the current one is
+    reduced, so a load is always in flight.
     """
     m = tl.max(tl.full([BLOCK_V], NEG_INF, tl.float32), 0)
     s_vec = tl.zeros([BLOCK_V], dtype=tl.float32)
@@ -157,7 +169,7 @@ def row_stats(row_ptr, V, stride_v, scale, cap, BLOCK_V: tl.constexpr,
         z = capped_logits(x, tile_mask, cap, HAS_SOFTCAP)
         m, s_vec, t_vec = online_update(z, scale, m, s_vec, t_vec, WITH_T)
         if WITH_SUM:
-            z_vec += tl.where(tile_mask, z, 0.0)
+            z_vec += tl.where(tile_mask, z - z_ref, 0.0)
     m, log2_s, h2 = finalize(m, s_vec, t_vec, WITH_T)
     if WITH_SUM:
         zsum = tl.sum(z_vec, 0)
@@ -167,33 +179,35 @@ def row_stats(row_ptr, V, stride_v, scale, cap, BLOCK_V: tl.constexpr,
 
 
 @triton.jit
-def tile_stats(z, mask, scale, WITH_T: tl.constexpr, WITH_SUM: tl.constexpr):
+def tile_stats(z, mask, scale, z_ref, WITH_T: tl.constexpr, WITH_SUM: tl.constexpr):
     """Pass 1 for a row that fits one tile already in registers (``z`` fp32, ``-inf`` masked)."""
     m = tl.max(tl.full(z.shape, NEG_INF, tl.float32), 0)
     zeros = tl.zeros(z.shape, dtype=tl.float32)
     m, s_vec, t_vec = online_update(z, scale, m, zeros, zeros, WITH_T)
     m, log2_s, h2 = finalize(m, s_vec, t_vec, WITH_T)
     if WITH_SUM:
-        zsum = tl.sum(tl.where(mask, z, 0.0), 0)
+        zsum = tl.sum(tl.where(mask, z - z_ref, 0.0), 0)
     else:
         zsum = log2_s * 0.0
     return m, log2_s, h2, zsum
 
 
 @triton.jit
-def grad_tile(z, cols, target, lse, scale, c_target, c_p, c_u, c_const, c_scale, cap,
+def grad_tile(z, cols, target, ref, log_sum, scale, c_target, c_p, c_u, c_const, c_scale, cap,
               WITH_U: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NATURAL: tl.constexpr):
     """The fp32 gradient of one tile, from the row's logits ``z`` (fp32, ``-inf`` masked)::
 
         g = (p * (c_p + c_u * u) - c_const + [j == target] * c_target) * c_scale
 
-    times ``1 - (z / cap)**2`` with softcap on. ``u = log p``: ``z * scale - lse`` with
-    ``NATURAL`` (``scale = 1/T``, ``lse`` natural), else ``log2 p = z * scale - lse`` in base 2
-    (``scale = log2(e)/T``, ``lse`` base 2). ``c_p = -coef, c_target = coef`` gives
+    times ``1 - (z / cap)**2`` with softcap on. ``u = log p = (z - ref) * scale - log_sum``
+    (``ref`` the row max, or 0 with ``log_sum = lse``), clamped at ``<= 0`` (a rounding or a
+    contracted FMA cannot make ``p > 1``; NaN is kept): natural with ``NATURAL`` (``scale =
+    1/T``), else base 2 (``scale = log2(e)/T``). ``c_p = -coef, c_target = coef`` gives
     ``coef * (onehot - p)``. The target's term is folded in fp32 before the cast, in the torch
     backend's order (so a V = 1 row's gradient is exactly 0).
     """
-    u = z * scale - lse
+    u = (z - ref) * scale - log_sum
+    u = tl.where(u > 0.0, 0.0, u)
     if NATURAL:
         p = tl.exp2(u * LOG2E)
     else:
@@ -209,7 +223,7 @@ def grad_tile(z, cols, target, lse, scale, c_target, c_p, c_u, c_const, c_scale,
 
 
 @triton.jit
-def write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, lse, scale,
+def write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, ref, log_sum, scale,
                    c_target, c_p, c_u, c_const, c_scale, cap, BLOCK_V: tl.constexpr,
                    WITH_U: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NATURAL: tl.constexpr):
     """Pass 2 of a row in tiles: recompute ``p`` and write :func:`grad_tile` once per element.
@@ -230,8 +244,8 @@ def write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, lse, 
         x_next, cols_next, mask_next = load_tile(row_ptr, tl.maximum(k, 0) * BLOCK_V,
                                                  tl.where(k >= 0, V, 0), stride_v, BLOCK_V)
         z = capped_logits(x, mask, cap, HAS_SOFTCAP)
-        g = grad_tile(z, cols, target, lse, scale, c_target, c_p, c_u, c_const, c_scale, cap,
-                      WITH_U, HAS_SOFTCAP, NATURAL)
+        g = grad_tile(z, cols, target, ref, log_sum, scale, c_target, c_p, c_u, c_const, c_scale,
+                      cap, WITH_U, HAS_SOFTCAP, NATURAL)
         store_tile(grad_row_ptr, cols, mask, g_stride_v, g)
 
 

@@ -8,8 +8,10 @@ import triton
 import triton.language as tl
 
 from .helpers import (
+    DIRECT_LSE_LIMIT,
     LN2,
     LOG2E,
+    POS_INF,
     load_tile,
     row_offset,
     row_stats,
@@ -36,15 +38,18 @@ def logprobs_fwd_kernel(
             row_ptr = logits_ptr + row_offset(row, inner, stride0, stride1)
             if ONE_TILE:
                 x, cols, mask = load_tile(row_ptr, 0, V, stride_v, BLOCK_V)
-                m, log2_s, h2, _ = tile_stats(x.to(tl.float32), mask, scale, WITH_ENTROPY,
+                m, log2_s, h2, _ = tile_stats(x.to(tl.float32), mask, scale, 0.0, WITH_ENTROPY,
                                               False)
             else:
-                m, log2_s, h2, _ = row_stats(row_ptr, V, stride_v, scale, 1.0, BLOCK_V, False,
-                                             WITH_ENTROPY, False)
+                m, log2_s, h2, _ = row_stats(row_ptr, V, stride_v, scale, 1.0, 0.0, BLOCK_V,
+                                             False, WITH_ENTROPY, False)
             x_target = tl.load(row_ptr + target * stride_v).to(tl.float32)
-            tl.store(logp_ptr + row, ((x_target * scale - m * scale) - log2_s) * LN2)
-            # natural units, with m / T formed as the backward forms z / T
-            tl.store(lse_ptr + row, m * inv_t + log2_s * LN2)
+            # relative to the row max: exact however large the logits are; in natural units
+            # (log2 e * (x - m) / T could overflow where (x - m) / T does not)
+            tl.store(logp_ptr + row, (x_target - m) * inv_t - log2_s * LN2)
+            # natural units, with m / T formed as the backward forms z / T; +inf on a row
+            # holding +inf (as torch.logsumexp)
+            tl.store(lse_ptr + row, tl.where(m == POS_INF, m, m * inv_t + log2_s * LN2))
             if WITH_ENTROPY:
                 tl.store(entropy_ptr + row, h2 * LN2)
         else:
@@ -83,10 +88,18 @@ def logprobs_bwd_kernel(
             else:
                 c_p = -g_lp
                 c_u = g_lp * 0.0
-            # p = exp2((z / T - lse) * log2 e): z / T and lse formed as in the forward, so a
-            # V = 1 row gets p == 1 exactly
-            write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, lse, inv_t,
-                           g_lp, c_p, c_u, 0.0, inv_t, 1.0, BLOCK_V, WITH_ENTROPY, False,
+            # log p = z / T - lse: z / T and lse formed as in the forward, so a V = 1 row gets
+            # p == 1 exactly. A large or non-finite lse has lost the precision p needs: then
+            # log p = (z - m) / T - log_sum from the row's recomputed max and log-sum.
+            ref = lse * 0.0
+            log_sum = lse
+            if not (tl.abs(lse) <= DIRECT_LSE_LIMIT):
+                m, log2_s, _, _ = row_stats(row_ptr, V, stride_v, inv_t * LOG2E, 1.0, 0.0,
+                                            BLOCK_V, False, False, False)
+                ref = m
+                log_sum = log2_s * LN2
+            write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, ref, log_sum,
+                           inv_t, g_lp, c_p, c_u, 0.0, inv_t, 1.0, BLOCK_V, WITH_ENTROPY, False,
                            True)
         else:
             zero_row(grad_row_ptr, V, g_stride_v, BLOCK_V)
