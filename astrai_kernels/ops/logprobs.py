@@ -1,6 +1,6 @@
 """Token log-probs ``logp = z_y / T - logsumexp(z / T)`` (and entropy) without an [N, V] copy.
 
-Contract (DESIGN.md): ``token_logprobs(logits [..., V], target [...])`` -> float32 ``[...]``,
+Contract (docs/architecture.md, "Ops"): ``token_logprobs(logits [..., V], target [...])`` -> float32 ``[...]``,
 or ``(logprobs, entropy)``; rows whose target is ``ignore_index`` give 0 and zero gradient.
 The forward keeps one float32 ``lse`` (and entropy) per row; the backward recomputes
 ``p`` tile by tile and writes the gradient once, into the logits' buffer when
