@@ -1,7 +1,7 @@
 """Masked cross-entropy with the gradient produced in the forward pass.
 
-Contract (docs/architecture.md, "Ops"): equals ``F.cross_entropy(z.float(), y, ignore_index, reduction,
-label_smoothing)`` over the flattened rows, ``z = softcap * tanh(logits / softcap)`` when
+Contract (docs/architecture.md, "Ops"): equals ``F.cross_entropy(z.float(), y, ignore_index,
+reduction, label_smoothing)`` over the flattened rows, ``z = softcap * tanh(logits / softcap)`` when
 ``softcap`` is set, plus ``z_loss * lse**2`` per counted row. With ``reduction`` ``mean`` or
 ``sum`` and logits requiring grad, the forward reads the logits once and writes the gradient
 once; backward only rescales it. ``inplace_backward=True`` writes that gradient over the

@@ -1,7 +1,8 @@
 """Token log-probs ``logp = z_y / T - logsumexp(z / T)`` (and entropy) without an [N, V] copy.
 
-Contract (docs/architecture.md, "Ops"): ``token_logprobs(logits [..., V], target [...])`` -> float32 ``[...]``,
-or ``(logprobs, entropy)``; rows whose target is ``ignore_index`` give 0 and zero gradient.
+Contract (docs/architecture.md, "Ops"): ``token_logprobs(logits [..., V], target [...])`` ->
+float32 ``[...]``, or ``(logprobs, entropy)``; rows whose target is ``ignore_index`` give 0
+and zero gradient.
 The forward keeps one float32 ``lse`` (and entropy) per row; the backward recomputes
 ``p`` tile by tile and writes the gradient once, into the logits' buffer when
 ``inplace_backward=True`` (which destroys the logits: use it when nothing else needs them).
