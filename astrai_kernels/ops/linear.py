@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ._backend import backend_module, resolve_backend
-from ._common import FLOAT_DTYPES, flat_target
+from ._common import FLOAT_DTYPES, flat_target, graph_is_retained, scale_grad_inplace
 from .cross_entropy import cross_entropy
 from .grpo import grpo_loss
 from .logprobs import token_logprobs
@@ -273,14 +273,23 @@ def _(hidden, weight, bias, target, temperature, advantages, old_logprobs, ref_l
             *_fake_gradients(hidden, weight, needs_hidden, needs_weight, needs_bias))
 
 
-def _scaled(grad, grad_output):
-    """``grad * grad_output`` as a new tensor (the saved one stays valid for another backward)."""
+def _scaled(grad, grad_output, in_place):
+    """``grad * grad_output``: in place when this node cannot run again, else a new tensor."""
     grad = _or_none(grad)
-    return None if grad is None else grad * grad_output.to(grad.dtype)
+    if grad is None:
+        return None
+    if not in_place:
+        return grad * grad_output.to(grad.dtype)
+    scale_grad_inplace(grad, grad_output)
+    return grad
 
 
 class _AttachHeadGrads(torch.autograd.Function):
-    """Give ``value`` the forward-computed gradients w.r.t. ``hidden``, ``weight``, ``bias``."""
+    """Give ``value`` the forward-computed gradients w.r.t. ``hidden``, ``weight``, ``bias``.
+
+    As ``AttachGrad`` does for logits: a single backward rescales them in place (no copy); a
+    retained graph (or a compiled one) gets new tensors, so it can be walked again.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, value, grad_hidden, grad_weight, grad_bias):
@@ -289,9 +298,9 @@ class _AttachHeadGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        return (_scaled(grad_hidden, grad_output), _scaled(grad_weight, grad_output),
-                _scaled(grad_bias, grad_output), None, None, None, None)
+        in_place = not (torch.compiler.is_compiling() or graph_is_retained())
+        grads = (_scaled(g, grad_output, in_place) for g in ctx.saved_tensors)
+        return (*grads, None, None, None, None)
 
 
 @dataclass(frozen=True)
