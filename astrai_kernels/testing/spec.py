@@ -47,7 +47,7 @@ def logprobs(logits, target, temperature, ignore_index, with_entropy, grad_logp=
         with torch.no_grad():
             s = x / temperature
             p = torch.softmax(s, dim=-1)
-            terms = g_lp.abs().unsqueeze(-1) * (_onehot(target, valid, p) + p)
+            terms = g_lp.abs().unsqueeze(-1) * (_onehot(target, valid, p) + _prob_terms(s))
         if with_entropy:
             g_h = grad_entropy.cpu().to(precision).expand(logp.shape)
             total = total + (entropy * g_h).sum()
@@ -59,6 +59,13 @@ def logprobs(logits, target, temperature, ignore_index, with_entropy, grad_logp=
         out["grad"] = _grad(x, logits)
         out["grad_terms"] = (terms * valid.unsqueeze(-1) / temperature).reshape(logits.shape)
     return _detached(out)
+
+
+def _prob_terms(s):
+    """``p_j (1 + |log p_j|)``: ``p_j = exp(s_j - lse)`` formed from an exponent of size
+    ``|log p_j|``, whose float32 rounding moves ``p_j`` by about ``eps |log p_j|`` relative."""
+    log_p = torch.log_softmax(s, dim=-1)
+    return (log_p.exp() * (1 + log_p.abs())).nan_to_num(0.0, 0.0, 0.0)
 
 
 def _detached(out):
@@ -88,7 +95,7 @@ def cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, softcap
         # terms of g * ((1 + 2 z_loss lse) p_j - (1 - eps) d_jy - eps / V) * (1 - (z_j / c)^2)
         with torch.no_grad():
             p = torch.softmax(z, dim=-1)
-            terms = ((1 + 2 * z_loss * lse.abs()).unsqueeze(-1) * p
+            terms = ((1 + 2 * z_loss * lse.abs()).unsqueeze(-1) * _prob_terms(z)
                      + (1 - label_smoothing) * _onehot(target, valid, p)
                      + label_smoothing / z.shape[-1])
             if softcap:  # the factor 1 - (z / c)^2 is itself formed by two terms
@@ -134,7 +141,8 @@ def grpo(logits, target, temperature, advantages, old_logprobs, ref_logprobs, to
                 kl_terms = beta * (1 + torch.exp((ref - lp).clamp(-20, 20)))
                 coefficient_terms = coefficient_terms + kl_terms * (size + ref.abs())
             coefficient_terms = (coefficient_terms * weight).abs() + coefficient.abs()
-            terms = coefficient_terms.unsqueeze(-1) * (_onehot(target, active, p) + p)
+            terms = coefficient_terms.unsqueeze(-1) * (_onehot(target, active, p)
+                                                       + _prob_terms(x / temperature))
         out["grad_terms"] = (terms / temperature).reshape(logits.shape)
     return _detached(out)
 

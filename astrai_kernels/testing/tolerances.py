@@ -148,18 +148,21 @@ def assert_close_elementwise(actual, expected, naive=None, scale=None, dtype=Non
 
 def softmax_grad_scale(logits, target, row_scale=1.0, temperature=1.0, label_smoothing=0.0,
                        ignore_index=-100):
-    """``|g| / T * (p_j + eps / V + [j == y])``: the terms forming each entry of a softmax
-    gradient ``g * (p - (1 - eps) * onehot - eps / V) / T``, for ``scale=`` where there is no
-    naive path. ``logits [..., V]``, ``row_scale`` broadcastable to ``target``."""
+    """``|g| / T * (p_j (1 + |log p_j|) + eps / V + [j == y])``: the terms forming each entry
+    of a softmax gradient ``g * (p - (1 - eps) * onehot - eps / V) / T``, for ``scale=``
+    where there is no naive path. ``logits [..., V]``, ``row_scale`` broadcastable to ``target``."""
     z = _as64(logits)
-    p = torch.softmax(z / temperature, dim=-1)
+    log_p = torch.log_softmax(z / temperature, dim=-1)
+    p = log_p.exp()
     vocab = z.shape[-1]
     target = torch.as_tensor(target).to("cpu")
     valid = target != ignore_index
     onehot = torch.zeros_like(p)
     onehot.scatter_(-1, torch.where(valid, target, 0).long().unsqueeze(-1), 1.0)
     g = (_as64(row_scale).expand(target.shape) * valid).abs().unsqueeze(-1)
-    return g / temperature * (p + label_smoothing / vocab + onehot)
+    # p_j comes from an exponent of size |log p_j|: its rounding moves p_j by ~eps |log p_j|
+    prob_terms = (p * (1 + log_p.abs())).nan_to_num(0.0, 0.0, 0.0)
+    return g / temperature * (prob_terms + label_smoothing / vocab + onehot)
 
 
 def result_dtype(kind, dtype):
