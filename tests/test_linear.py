@@ -50,7 +50,8 @@ def _term_scales(exact_in, grad_logits):
     return ((dz @ weight.abs()).reshape(hidden.shape), dz.t() @ rows, dz.sum(0))
 
 
-def _compare(fused_fn, logits_fn, tensors, dtype, upstream_seed=3, output_terms=None):
+def _compare(fused_fn, logits_fn, tensors, dtype, upstream_seed=3, output_terms=None,
+             grad_logits_terms=None):
     """Run ``fused_fn(h, w, b)`` and ``logits_fn(logits)`` (float64 exact and same-dtype naive)
     and compare the output and every gradient entry by entry (the shared tolerance model:
     within a small multiple of the naive path's error on that entry, or of the float64 size of
@@ -71,6 +72,8 @@ def _compare(fused_fn, logits_fn, tensors, dtype, upstream_seed=3, output_terms=
     got = _grads(out, fused_in, upstream)
     *want, grad_logits = _grads(exact, exact_in + [exact_logits], upstream.double())
     naive_grads = _grads(naive, naive_in, upstream)
+    if grad_logits_terms is not None:  # the logits' gradient itself cancels: use its terms
+        grad_logits = grad_logits_terms(exact_logits.detach(), upstream.double())
     scales = _term_scales(exact_in, grad_logits)
     for name, g, w, n, t, scale in zip(("hidden", "weight", "bias"), got, want, naive_grads,
                                        tensors, scales):
@@ -129,7 +132,12 @@ def test_linear_token_logprobs_with_entropy(backend, dtype):
         exact = spec.logprobs(logits, target, 0.7, -100, True)
         return torch.stack([exact["logp"].abs() + exact["lse"].abs(), exact["entropy_terms"]])
 
-    _compare(fused, logits_fn, tensors[:3], dtype, output_terms=output_terms)
+    def grad_logits_terms(logits, upstream):
+        return spec.logprobs(logits, target, 0.7, -100, True, grad_logp=upstream[0],
+                             grad_entropy=upstream[1])["grad_terms"]
+
+    _compare(fused, logits_fn, tensors[:3], dtype, output_terms=output_terms,
+             grad_logits_terms=grad_logits_terms)
 
 
 @pytest.mark.parametrize("average", [False, True])

@@ -16,7 +16,7 @@ from astrai_kernels.strategies import grpo as strategy_grpo
 from astrai_kernels.strategies import logprobs as strategy_logprobs
 from astrai_kernels.strategies import masks as strategy_masks
 from astrai_kernels.strategies import sft as strategy_sft
-from astrai_kernels.testing import ToyRolloutRunner, assert_close
+from astrai_kernels.testing import ToyRolloutRunner, assert_close, spec
 
 from cases import KERNEL_BACKENDS
 
@@ -142,7 +142,13 @@ def test_naive_grpo_step_matches_the_spec():
                                       beta=0.05, loss_type="bnpo")
     expected.backward()
     assert_close(loss, expected, "value", torch.float32)
-    assert_close(x.grad, xd.grad, "grad", torch.float32)
+    # The seed computes in float32: judge its gradient by the sizes of the terms forming it.
+    token_weight = mask / mask.sum()
+    per_token = advantages.double().unsqueeze(1).expand(batch, length)
+    terms = spec.grpo(policy, target.reshape(-1), 1.0, per_token.reshape(-1), old.reshape(-1),
+                      ref.reshape(-1), token_weight.reshape(-1), 0.2, 0.2, 0.0,
+                      0.05)["grad_terms"]
+    assert_close(x.grad, xd.grad, "grad", torch.float32, scale=terms)
 
 
 def test_naive_grpo_loss_metrics_and_on_policy():
