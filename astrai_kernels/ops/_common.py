@@ -290,6 +290,15 @@ def graph_is_retained():
     return True if keep_graph is None else bool(keep_graph())
 
 
+def scale_saved_grad(grad, grad_output):
+    """``grad * grad_output`` for a gradient saved by a forward: in place when the node cannot
+    run again, a new tensor when the graph is retained or compiled (``grad`` must survive)."""
+    if torch.compiler.is_compiling() or graph_is_retained():
+        return grad * grad_output.to(grad.dtype)
+    scale_grad_inplace(grad, grad_output)
+    return grad
+
+
 class AttachGrad(torch.autograd.Function):
     """Give ``value`` (computed without autograd) the gradient ``grad`` w.r.t. ``logits``.
 
@@ -309,7 +318,4 @@ class AttachGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         (grad,) = ctx.saved_tensors
-        if torch.compiler.is_compiling() or graph_is_retained():
-            return grad * grad_output.to(grad.dtype), None, None
-        scale_grad_inplace(grad, grad_output)
-        return grad, None, None
+        return scale_saved_grad(grad, grad_output), None, None

@@ -32,11 +32,11 @@ from typing import Dict, Literal, Optional, Tuple, Union, overload
 import torch
 from torch import Tensor
 
+from . import cross_entropy as ce_op
+from . import grpo as grpo_op
+from . import logprobs as lp_op
 from ._backend import backend_module, resolve_backend
-from ._common import FLOAT_DTYPES, flat_target, graph_is_retained, scale_grad_inplace
-from .cross_entropy import cross_entropy
-from .grpo import grpo_loss
-from .logprobs import token_logprobs
+from ._common import FLOAT_DTYPES, flat_target, scale_saved_grad
 
 CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}
 WEIGHT_COPY_SHARE = 4  # with a float32 copy of the weight, a chunk gets a quarter of the budget
@@ -280,17 +280,6 @@ def _(hidden, weight, bias, target, temperature, advantages, old_logprobs, ref_l
             *_fake_gradients(hidden, weight, needs_hidden, needs_weight, needs_bias))
 
 
-def _scaled(grad, grad_output, in_place):
-    """``grad * grad_output``: in place when this node cannot run again, else a new tensor."""
-    grad = _or_none(grad)
-    if grad is None:
-        return None
-    if not in_place:
-        return grad * grad_output.to(grad.dtype)
-    scale_grad_inplace(grad, grad_output)
-    return grad
-
-
 class _AttachHeadGrads(torch.autograd.Function):
     """Give ``value`` the forward-computed gradients w.r.t. ``hidden``, ``weight``, ``bias``.
 
@@ -305,8 +294,8 @@ class _AttachHeadGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        in_place = not (torch.compiler.is_compiling() or graph_is_retained())
-        grads = (_scaled(g, grad_output, in_place) for g in ctx.saved_tensors)
+        grads = (None if _or_none(g) is None else scale_saved_grad(g, grad_output)
+                 for g in ctx.saved_tensors)
         return (*grads, None, None, None, None)
 
 
@@ -366,18 +355,12 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, target, lse, entropy = ctx.saved_tensors
         temperature, ignore_index, with_entropy, head_args = ctx.args
-        grad_logp = _dense(grad_logp, lse)
-        grad_entropy = _dense(grad_entropy, lse) if with_entropy else lse.new_empty(0)
+        grad_logp = lp_op._dense(grad_logp, lse)
+        grad_entropy = lp_op._dense(grad_entropy, lse) if with_entropy else lse.new_empty(0)
         grads = _linear_logprobs_backward(
             hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, temperature,
             ignore_index, *ctx.needs_input_grad[:3], head_args.chunk_size, head_args.backend)
         return (*(_or_none(g) for g in grads), None, None, None, None, None)
-
-
-def _dense(grad, like):
-    if grad is None:
-        return torch.zeros_like(like)
-    return grad.reshape(-1).float().contiguous()
 
 
 def _check_head(hidden, weight, bias, chunk_size):
@@ -435,12 +418,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     hidden_rows = _check_head(hidden, weight, bias, chunk_size)
     backend = resolve_backend(backend, hidden.device)
     if backend == "reference":
-        return cross_entropy(torch.nn.functional.linear(hidden, weight, bias), target,
-                             ignore_index=ignore_index, reduction=reduction,
-                             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                             normalizer=normalizer, backend="reference")
+        return ce_op.cross_entropy(torch.nn.functional.linear(hidden, weight, bias), target,
+                                   ignore_index=ignore_index, reduction=reduction,
+                                   label_smoothing=label_smoothing, z_loss=z_loss,
+                                   softcap=softcap, normalizer=normalizer, backend="reference")
     # The logits op's own checks and scale rules, run on a zero-byte stand-in for the logits.
-    from . import cross_entropy as ce_op
     params, normalizer_t = ce_op.checked_params(
         _logits_like(hidden, weight), target, ignore_index, reduction, label_smoothing, z_loss,
         softcap, normalizer, False, backend)
@@ -496,10 +478,9 @@ def linear_token_logprobs(hidden, weight, target, *, bias=None, temperature=1.0,
     hidden_rows = _check_head(hidden, weight, bias, chunk_size)
     backend = resolve_backend(backend, hidden.device)
     if backend == "reference":
-        return token_logprobs(torch.nn.functional.linear(hidden, weight, bias), target,
-                              temperature=temperature, ignore_index=ignore_index,
-                              return_entropy=return_entropy, backend="reference")
-    from . import logprobs as lp_op
+        return lp_op.token_logprobs(torch.nn.functional.linear(hidden, weight, bias), target,
+                                    temperature=temperature, ignore_index=ignore_index,
+                                    return_entropy=return_entropy, backend="reference")
     params = lp_op.checked_params(_logits_like(hidden, weight), target, temperature,
                                   ignore_index, return_entropy, False, backend)
     target_flat = flat_target(target)
@@ -523,7 +504,6 @@ def linear_sequence_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, mas
     _check_head(hidden, weight, bias, chunk_size)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
-    from . import logprobs as lp_op
     keep = lp_op.checked_sequence_mask(_logits_like(hidden, weight), target, mask, average)
     masked_target = torch.where(keep, target, torch.full_like(target, -100))
     logp = linear_token_logprobs(hidden, weight, masked_target, bias=bias,
@@ -560,9 +540,8 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
                    normalizer=normalizer)
     backend = resolve_backend(backend, hidden.device)
     if backend == "reference":
-        return grpo_loss(torch.nn.functional.linear(hidden, weight, bias), target, advantages,
-                         backend="reference", **options)
-    from . import grpo as grpo_op
+        logits = torch.nn.functional.linear(hidden, weight, bias)
+        return grpo_op.grpo_loss(logits, target, advantages, backend="reference", **options)
     plan = grpo_op.plan(_logits_like(hidden, weight), target, advantages, backend=backend,
                         **options)
     if plan.params.importance_sampling == "sequence":
