@@ -66,12 +66,17 @@ def _is_symbolic(value):
 def check_real(value, name):
     """``value`` as a Python float (a traced ``SymFloat`` as is) if it is a real number.
 
-    Any ``numbers.Real`` is accepted (Python and NumPy ints and floats), never a bool. Under
-    ``torch.compile`` a float argument of the compiled function arrives as a ``SymFloat``
-    (``torch._dynamo.config.specialize_float`` is False); the checks only compare it, which
-    traces (``fullgraph=True`` works). The ``torch.library`` ops take their float arguments as
-    Python floats, so dynamo guards on the value there: in torch 2.13 each new value of such an
-    argument recompiles (pass a fixed value, or expect one graph per value).
+    Any ``numbers.Real`` is accepted (Python and NumPy ints and floats), never a bool.
+
+    Under ``torch.compile`` a float argument of the compiled function is traced as a symbolic
+    float (``torch._dynamo.config.specialize_float`` is False; Dynamo's automatic dynamic
+    makes it symbolic once a second value is seen, ``dynamic=True`` from the start). This is
+    the one place its value is validated there: the range checks below are comparisons, which
+    Dynamo turns into guards on the value's range (not on the value), so a new valid value
+    reuses the graph, and one that fails them is traced again and raises the same error (with
+    ``fullgraph=True`` Dynamo wraps it in its own error, which quotes the message). The
+    message then leaves out the value, which a traced f-string cannot format; the custom ops
+    take these floats as tensors (``ops/_library.py``), so no value is baked into the graph.
     """
     if _is_symbolic(value):
         return value
@@ -80,23 +85,36 @@ def check_real(value, name):
     return float(value)
 
 
+def _shown(value):
+    """``value`` for an error message; under ``torch.compile`` a placeholder (see
+    :func:`check_real`)."""
+    return "a value traced by torch.compile" if torch.compiler.is_compiling() else value
+
+
+def _float32_max():
+    # a literal for Dynamo: a module-level float would be traced as one more symbolic input
+    return torch.finfo(torch.float32).max
+
+
 def check_positive(value, name):
     """A finite number > 0 whose float32 reciprocal is finite too (``1/T``, ``1/softcap``)."""
     value = check_real(value, name)
-    if not (0 < value <= FLOAT32_MAX):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    if not (1.0 / value <= FLOAT32_MAX):
-        raise ValueError(f"{name}={value} is too small: 1/{name} overflows float32 "
-                         f"(the least allowed value is {1.0 / FLOAT32_MAX:.3g})")
+    limit = _float32_max()
+    if not (0 < value <= limit):
+        raise ValueError(f"{name} must be a finite number > 0, got {_shown(value)}")
+    if not (1.0 / value <= limit):
+        raise ValueError(f"{name} is too small, got {_shown(value)}: 1/{name} overflows "
+                         f"float32 (the least allowed value is {1.0 / FLOAT32_MAX:.3g})")
     return value
 
 
 def check_in_range(value, name, low, high):
     """A finite number in ``[low, high]`` (``high`` may be inf: then up to float32's max)."""
     value = check_real(value, name)
-    if not (low <= value <= high and -FLOAT32_MAX <= value <= FLOAT32_MAX):
+    limit = _float32_max()
+    if not (low <= value <= high and -limit <= value <= limit):
         bound = "a finite number" if high == math.inf else "a number"
-        raise ValueError(f"{name} must be {bound} in [{low}, {high}], got {value}")
+        raise ValueError(f"{name} must be {bound} in [{low}, {high}], got {_shown(value)}")
     return value
 
 

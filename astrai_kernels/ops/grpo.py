@@ -11,7 +11,6 @@ Masked tokens are selected away (``torch.where``), never multiplied by 0: their 
 logits, advantages and old/reference log-probs may hold anything, inf and NaN included.
 """
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 
@@ -60,13 +59,6 @@ class _Inputs:
     old: Optional[Tensor]
     ref: Optional[Tensor]
     normalizer: Optional[Tensor]
-
-
-def _check_finite_in_range(value, name: str, low: float, high: float) -> float:
-    value = check_in_range(value, name, low, high)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
 
 
 def _check_logprobs_input(tensor: Optional[Tensor], name: str, shape, device) -> Optional[Tensor]:
@@ -143,7 +135,8 @@ def _check(logits, target, advantages, mask, old_logprobs, ref_logprobs, beta, c
         advantages = advantages.unsqueeze(1).expand(shape)
     old = _check_logprobs_input(old_logprobs, "old_logprobs", shape, device)
     ref = _check_logprobs_input(ref_logprobs, "ref_logprobs", shape, device)
-    beta = _check_finite_in_range(beta, "beta", 0.0, float("inf"))
+    # check_in_range refuses inf and NaN (a traced beta cannot go through math.isfinite)
+    beta = check_in_range(beta, "beta", 0.0, float("inf"))
     if beta > 0 and ref is None:
         raise ValueError("beta > 0 needs ref_logprobs (the reference policy's token log-probs)")
     clip_eps_low = check_in_range(clip_eps_low, "clip_eps_low", 0.0, 1.0)

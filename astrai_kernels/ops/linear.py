@@ -37,6 +37,7 @@ from . import grpo as grpo_op
 from . import logprobs as lp_op
 from ._backend import backend_module, resolve_backend
 from ._common import FLOAT_DTYPES, flat_target, scale_saved_grad
+from ._library import traceable_op
 
 CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}
 WEIGHT_COPY_SHARE = 4  # with a float32 copy of the weight, a chunk gets a quarter of the budget
@@ -158,7 +159,7 @@ def _row_floats(n_rows, device):
     return torch.empty(n_rows, dtype=torch.float32, device=device)
 
 
-@torch.library.custom_op("astrai_kernels::linear_cross_entropy", mutates_args=())
+@traceable_op("linear_cross_entropy", floats=("label_smoothing", "z_loss", "softcap"))
 def _linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                           ignore_index: int, label_smoothing: float, z_loss: float,
                           softcap: float, grad_scale: Optional[Tensor], needs_hidden: bool,
@@ -189,7 +190,7 @@ def _(hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, softc
             *_fake_gradients(hidden, weight, *needs))
 
 
-@torch.library.custom_op("astrai_kernels::linear_logprobs_forward", mutates_args=())
+@traceable_op("linear_logprobs_forward", floats=("temperature",))
 def _linear_logprobs_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                              target: Tensor, temperature: float, ignore_index: int,
                              with_entropy: bool, chunk_size: Optional[int], backend: str
@@ -217,7 +218,7 @@ def _(hidden, weight, bias, target, temperature, ignore_index, with_entropy, chu
             _row_floats(n_rows, hidden.device))
 
 
-@torch.library.custom_op("astrai_kernels::linear_logprobs_backward", mutates_args=())
+@traceable_op("linear_logprobs_backward", floats=("temperature",))
 def _linear_logprobs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                               target: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor,
                               grad_entropy: Tensor, temperature: float, ignore_index: int,
@@ -243,7 +244,8 @@ def _(hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, tempe
     return _fake_gradients(hidden, weight, needs_hidden, needs_weight, needs_bias)
 
 
-@torch.library.custom_op("astrai_kernels::linear_grpo_forward", mutates_args=())
+@traceable_op("linear_grpo_forward",
+               floats=("temperature", "clip_low", "clip_high", "delta", "beta"))
 def _linear_grpo_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                          temperature: float, advantages: Tensor, old_logprobs: Optional[Tensor],
                          ref_logprobs: Optional[Tensor], token_weight: Tensor, clip_low: float,
