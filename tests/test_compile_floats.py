@@ -2,20 +2,20 @@
 
 Every float hyperparameter of the ops (temperature, softcap, z-loss, label smoothing, the GRPO
 clip range, delta and beta) may be an argument of the compiled function: the result and the
-gradients equal eager ones, and a new value reuses the compiled graph. Dynamo compiles the
-first call with its floats as constants and, when a float changes, once more with it symbolic
-(automatic dynamic); ``dynamic=True`` makes it symbolic from the start. So with the default,
-four distinct values compile twice; with ``dynamic=True``, once. Before the float arguments
-reached the custom ops as tensors, each value compiled again.
+gradients equal eager ones, and a new value reuses the compiled graph (checked with
+``error_on_recompile``). Dynamo compiles the first call with its floats as constants and, when a
+float changes, once more with it symbolic (automatic dynamic); ``dynamic=True`` makes it
+symbolic from the start. Before the float arguments reached the custom ops as tensors, each
+value compiled again. Switching a term on or off (``beta`` 0 or not, ``softcap=None``) may
+compile again: the Python code branches on it.
 
-The compile counter runs AOTAutograd (``aot_eager``), which traces the custom ops and their
+The tests compile with AOTAutograd (``aot_eager``), which traces the custom ops and their
 backward as Inductor would; one case runs Inductor itself. The triton backend's ``triton_op``
 twins need CUDA to be compiled and take their floats as constants (``ops/_library.py``).
 """
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
 
 import astrai_kernels as ak
 
@@ -54,49 +54,39 @@ def _linear_grpo(hidden, weight, data, backend, temperature, clip_low, clip_high
     return loss
 
 
-# Each case: a loss of (differentiable tensor, data, backend, *floats) and four float tuples.
-CASES = {
-    "token_logprobs": (
-        lambda x, d, b, t: ak.token_logprobs(x, d["target"], temperature=t, backend=b).sum(),
-        [(0.7,), (1.3,), (2.1,), (0.45,)]),
-    "token_logprobs_entropy": (
-        lambda x, d, b, t: sum(part.sum() for part in ak.token_logprobs(
-            x, d["target"], temperature=t, return_entropy=True, backend=b)),
-        [(0.7,), (1.3,), (2.1,), (0.45,)]),
-    "cross_entropy": (
-        lambda x, d, b, softcap, z_loss, smoothing: ak.cross_entropy(
-            x, d["target"], softcap=softcap, z_loss=z_loss, label_smoothing=smoothing,
-            backend=b),
-        [(30.0, 1e-3, 0.1), (2.0, 1e-2, 0.0), (5.0, 0.0, 0.3), (1.5, 0.1, 0.05)]),
-    "cross_entropy_none": (
-        lambda x, d, b, softcap, z_loss: ak.cross_entropy(
-            x, d["target"], softcap=softcap, z_loss=z_loss, reduction="none", backend=b).sum(),
-        [(30.0, 1e-3), (2.0, 1e-2), (5.0, 0.0), (1.5, 0.1)]),
-    "grpo_loss": (
-        lambda x, d, b, *floats: _grpo(x, d, b, *floats),
-        [(1.0, 0.2, 0.28, 1.5, 0.04), (0.7, 0.1, 0.3, 2.0, 0.0), (1.3, 0.3, 0.2, 1.2, 0.1),
-         (0.9, 0.05, 0.05, 3.0, 0.2)]),
-}
-LINEAR_CASES = {
-    "linear_token_logprobs": (
-        lambda h, w, d, b, t: ak.linear_token_logprobs(h, w, d["target"], temperature=t,
-                                                       chunk_size=3, backend=b).sum(),
-        [(0.7,), (1.3,), (2.1,), (0.45,)]),
-    "linear_cross_entropy": (
-        lambda h, w, d, b, softcap, z_loss, smoothing: ak.linear_cross_entropy(
-            h, w, d["target"], softcap=softcap, z_loss=z_loss, label_smoothing=smoothing,
-            chunk_size=3, backend=b),
-        [(30.0, 1e-3, 0.1), (2.0, 1e-2, 0.0), (5.0, 0.0, 0.3), (1.5, 0.1, 0.05)]),
-    "linear_cross_entropy_none": (
-        lambda h, w, d, b, softcap, z_loss: ak.linear_cross_entropy(
-            h, w, d["target"], softcap=softcap, z_loss=z_loss, reduction="none", chunk_size=3,
-            backend=b).sum(),
-        [(30.0, 1e-3), (2.0, 1e-2), (5.0, 0.0), (1.5, 0.1)]),
-    "linear_grpo_loss": (
-        lambda h, w, d, b, *floats: _linear_grpo(h, w, d, b, *floats),
-        [(1.0, 0.2, 0.28, 1.5, 0.04), (0.7, 0.1, 0.3, 2.0, 0.0), (1.3, 0.3, 0.2, 1.2, 0.1),
-         (0.9, 0.05, 0.05, 3.0, 0.2)]),
-}
+# (temperature, softcap, z_loss, label_smoothing, clip_low, clip_high, delta, beta): four
+# distinct values of each, every term on in all of them
+FLOAT_SETS = [(0.7, 30.0, 1e-3, 0.1, 0.2, 0.28, 1.5, 0.04),
+              (1.3, 2.0, 1e-2, 0.3, 0.1, 0.3, 2.0, 0.01),
+              (2.1, 5.0, 0.1, 0.05, 0.3, 0.2, 1.2, 0.1),
+              (0.45, 1.5, 0.2, 0.2, 0.05, 0.05, 3.0, 0.2)]
+
+
+def logits_losses(x, data, backend, temperature, softcap, z_loss, smoothing, *grpo_floats):
+    """Every logits op, each float hyperparameter an argument."""
+    target = data["target"]
+    logp, entropy = ak.token_logprobs(x, target, temperature=temperature, return_entropy=True,
+                                      backend=backend)
+    mean = ak.cross_entropy(x, target, softcap=softcap, z_loss=z_loss,
+                            label_smoothing=smoothing, backend=backend)
+    rows = ak.cross_entropy(x, target, softcap=softcap, z_loss=z_loss, reduction="none",
+                            backend=backend)
+    grpo = _grpo(x, data, backend, temperature, *grpo_floats)
+    return logp.sum() + 0.5 * entropy.sum() + mean + 0.1 * rows.sum() + grpo
+
+
+def linear_losses(hidden, weight, data, backend, temperature, softcap, z_loss, smoothing,
+                  *grpo_floats):
+    """Every fused-head op, each float hyperparameter an argument."""
+    target = data["target"]
+    logp = ak.linear_token_logprobs(hidden, weight, target, temperature=temperature,
+                                    chunk_size=3, backend=backend)
+    mean = ak.linear_cross_entropy(hidden, weight, target, softcap=softcap, z_loss=z_loss,
+                                   label_smoothing=smoothing, chunk_size=3, backend=backend)
+    rows = ak.linear_cross_entropy(hidden, weight, target, softcap=softcap, z_loss=z_loss,
+                                   reduction="none", chunk_size=3, backend=backend)
+    grpo = _linear_grpo(hidden, weight, data, backend, temperature, *grpo_floats)
+    return logp.sum() + mean + 0.1 * rows.sum() + grpo
 
 
 def _loss_and_grads(fn, tensors, *args):
@@ -106,43 +96,47 @@ def _loss_and_grads(fn, tensors, *args):
     return loss.detach(), [leaf.grad for leaf in leaves]
 
 
-def _compiles(fn, tensors, extra, float_sets, dynamic, backend="aot_eager"):
-    """How many graphs ``torch.compile(fn)`` builds over ``float_sets``; every call's loss and
-    gradients are checked against the eager call's."""
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend(backend)
-    compiled = torch.compile(fn, fullgraph=True, backend=counter, dynamic=dynamic)
+def _check_calls(compiled, fn, tensors, extra, float_sets):
     for floats in float_sets:
         loss, grads = _loss_and_grads(compiled, tensors, *extra, *floats)
         expected, expected_grads = _loss_and_grads(fn, tensors, *extra, *floats)
         torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
         for grad, expected_grad in zip(grads, expected_grads):
             torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6)
-    return counter.frame_count
+
+
+def _compile_without_recompiles(fn, tensors, extra, float_sets, dynamic, backend="aot_eager",
+                                fullgraph=True):
+    """Compile ``fn``, call it with every float set, and fail on any recompile after the
+    compiles Dynamo's policy allows (one with ``dynamic=True``, two by default: the first
+    call's graph has its floats as constants). Each call's loss and gradients must equal the
+    eager call's."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=fullgraph, backend=backend, dynamic=dynamic)
+    allowed = 1 if dynamic else 2
+    _check_calls(compiled, fn, tensors, extra, float_sets[:allowed])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _check_calls(compiled, fn, tensors, extra, float_sets[allowed:])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_logits_ops_compile_once_for_every_float_value(case, backend):
-    fn, float_sets = CASES[case]
+def test_logits_ops_compile_once_for_every_float_value(backend):
     data = _batch()
-    assert _compiles(fn, [data["logits"]], (data, backend), float_sets[:3], dynamic=True) == 1
+    _compile_without_recompiles(logits_losses, [data["logits"]], (data, backend),
+                                FLOAT_SETS[:3], dynamic=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", sorted(LINEAR_CASES))
-def test_linear_ops_compile_once_for_every_float_value(case, backend):
-    fn, float_sets = LINEAR_CASES[case]
+def test_linear_ops_compile_once_for_every_float_value(backend):
     data = _batch()
-    tensors = [data["hidden"], data["weight"]]
-    assert _compiles(fn, tensors, (data, backend), float_sets[:3], dynamic=True) == 1
+    _compile_without_recompiles(linear_losses, [data["hidden"], data["weight"]],
+                                (data, backend), FLOAT_SETS[:3], dynamic=True)
 
 
-@pytest.mark.parametrize("case", ["cross_entropy", "grpo_loss"])
-def test_default_compile_specializes_the_first_value_only(case):
-    fn, float_sets = CASES[case]
+def test_default_compile_specializes_the_first_value_only():
     data = _batch()
-    assert _compiles(fn, [data["logits"]], (data, "torch"), float_sets, dynamic=None) == 2
+    _compile_without_recompiles(logits_losses, [data["logits"]], (data, "torch"), FLOAT_SETS,
+                                dynamic=None)
 
 
 def test_inductor_with_float_arguments():
@@ -153,37 +147,28 @@ def test_inductor_with_float_arguments():
 
     data = _batch()
     float_sets = [(0.7, 30.0), (1.3, 2.0), (2.1, 5.0)]
-    assert _compiles(fn, [data["logits"]], (data, "torch"), float_sets, dynamic=True,
-                     backend="inductor") == 1
+    _compile_without_recompiles(fn, [data["logits"]], (data, "torch"), float_sets,
+                                dynamic=True, backend="inductor")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("fullgraph", [True, False])
+@pytest.mark.parametrize("backend, fullgraph", [("cpp", True), ("torch", False)])
 def test_inplace_backward_with_float_arguments(backend, fullgraph):
     """``inplace_backward=True`` under compile: no graph break with ``fullgraph``, no internal
     Dynamo error without it; the result equals eager (which writes in place)."""
     data = _batch()
 
-    def fn(x, x2, temperature, z_loss):
+    def fn(x, x2, x3, temperature, z_loss):
         ce = ak.cross_entropy(x[:, :-1], data["target"][:, 1:], z_loss=z_loss,
                               inplace_backward=True, backend=backend)
         rows = ak.cross_entropy(x2, data["target"], reduction="none", inplace_backward=True,
                                 backend=backend)
-        logp = ak.token_logprobs(x2[:, 1:], data["target"][:, 1:], temperature=temperature,
+        logp = ak.token_logprobs(x3[:, 1:], data["target"][:, 1:], temperature=temperature,
                                  inplace_backward=True, backend=backend)
         return ce + rows.sum() + logp.sum()
 
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(fn, fullgraph=fullgraph, backend=counter, dynamic=True)
-    for temperature, z_loss in ((0.7, 1e-3), (1.3, 0.0), (2.0, 1e-2)):
-        tensors = [data["logits"], 2 * data["logits"]]
-        loss, grads = _loss_and_grads(compiled, tensors, temperature, z_loss)
-        expected, expected_grads = _loss_and_grads(fn, tensors, temperature, z_loss)
-        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
-        for grad, expected_grad in zip(grads, expected_grads):
-            torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6)
-    assert counter.frame_count == 1
+    tensors = [data["logits"], 2 * data["logits"], data["logits"] - 1]
+    _compile_without_recompiles(fn, tensors, (), [(0.7, 1e-3), (1.3, 0.0), (2.0, 1e-2)],
+                                dynamic=True, fullgraph=fullgraph)
 
 
 @pytest.mark.parametrize("fullgraph", [True, False])
