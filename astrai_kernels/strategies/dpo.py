@@ -120,6 +120,14 @@ class DPOStrategy(BaseStrategy):
         inputs = ids[:, :-1]
         input_mask, position_ids = model_inputs(
             None if key_mask is None else key_mask[:, :-1], inputs)
+        head = self.model_head(model)
+        if head is not None:
+            outputs = head.hidden(type(self).__name__, input_ids=inputs, input_mask=input_mask,
+                                  position_ids=position_ids)
+            logprobs = ak.linear_sequence_logprobs(
+                outputs["hidden_states"], head.weight, ids[:, 1:], loss_mask[:, 1:],
+                bias=head.bias, average=self.reduction == "mean", backend=self.loss_backend)
+            return logprobs, outputs.get("aux_loss")
         outputs = model_outputs(model, type(self).__name__, input_ids=inputs,
                                 input_mask=input_mask, position_ids=position_ids)
         logits, target, mask = outputs["logits"], ids[:, 1:], loss_mask[:, 1:]

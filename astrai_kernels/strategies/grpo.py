@@ -21,7 +21,7 @@ from .base import (
     require_keys,
 )
 from .executor import Executor, broadcast_state_dict, unwrap_module
-from .logprobs import token_logprobs
+from .logprobs import IGNORE_INDEX, token_logprobs
 from .masks import left_align, model_inputs
 from .rollout import RolloutResult
 
@@ -171,7 +171,11 @@ class GRPOStrategy(BaseStrategy):
         inputs = full_sequences[:, :-1]
         input_mask, position_ids = model_inputs(key_mask[:, :-1], inputs)
 
-        def forward(model):
+        def forward(model, head=None):
+            """The model's logits outputs, or with a fused ``head`` its hidden states."""
+            if head is not None:
+                return head.hidden(type(self).__name__, input_ids=inputs, input_mask=input_mask,
+                                   position_ids=position_ids)
             return model_outputs(model, type(self).__name__, input_ids=inputs,
                                  input_mask=input_mask, position_ids=position_ids)
 
@@ -191,15 +195,24 @@ class GRPOStrategy(BaseStrategy):
 
     def _fused_loss(self, forward, prompt_len, responses, masks, rewards):
         """``ak.grpo_loss`` on the response slice of the policy logits (a view: no copy, and
-        nothing is computed for the prompt positions). The no-grad old and reference forwards
-        run first, so their logits are freed before the policy's exist."""
+        nothing is computed for the prompt positions), or ``ak.linear_grpo_loss`` on the response
+        slice of the hidden states when the model has a fused head (no logits at all). The
+        no-grad old and reference forwards run first, so their logits are freed before the
+        policy's exist."""
         backend = self.loss_backend
         mask = masks.float()
         old_logprobs = ref_logprobs = None
 
         def response_logprobs(model):
-            logits = forward(model)["logits"][:, prompt_len - 1:]
-            return token_logprobs(logits, responses, mask, backend, self.temperature)
+            head = self.model_head(model)
+            if head is None:
+                logits = forward(model)["logits"][:, prompt_len - 1:]
+                return token_logprobs(logits, responses, mask, backend, self.temperature)
+            hidden = forward(model, head)["hidden_states"][:, prompt_len - 1:]
+            return ak.linear_token_logprobs(
+                hidden, head.weight, responses.masked_fill(mask == 0, IGNORE_INDEX),
+                bias=head.bias, temperature=self.temperature, ignore_index=IGNORE_INDEX,
+                backend=backend)
 
         with torch.no_grad():
             if self.old_model is not None and self.old_model is not self.model:
@@ -208,17 +221,23 @@ class GRPOStrategy(BaseStrategy):
                 ref_logprobs = response_logprobs(self.ref_model)
             advantages = ak.group_advantages(rewards.float(), scale=self.advantage_scale,
                                              eps=self.advantage_eps)
-        policy_out = forward(self.model)
-        # logits[:, t] predicts token t + 1, so the response (tokens prompt_len..S-1) is
-        # predicted by positions prompt_len-1 .. S-2.
-        response_logits = policy_out["logits"][:, prompt_len - 1:]
-        loss, op_metrics = ak.grpo_loss(
-            response_logits, responses, advantages.reshape(-1),
+        options = dict(
             mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
             beta=float(self.kl_coef), clip_eps_low=self.clip_eps,
             clip_eps_high=self.clip_eps_high, delta=self.delta, loss_type=self.loss_type,
             importance_sampling=self.importance_sampling, temperature=self.temperature,
             max_completion_length=self.max_completion_length, backend=backend)
+        head = self.model_head(self.model)
+        policy_out = forward(self.model, head)
+        # Position t predicts token t + 1, so the response (tokens prompt_len..S-1) is
+        # predicted by positions prompt_len-1 .. S-2.
+        if head is None:
+            loss, op_metrics = ak.grpo_loss(policy_out["logits"][:, prompt_len - 1:], responses,
+                                            advantages.reshape(-1), **options)
+        else:
+            loss, op_metrics = ak.linear_grpo_loss(
+                policy_out["hidden_states"][:, prompt_len - 1:], head.weight, responses,
+                advantages.reshape(-1), bias=head.bias, **options)
         metrics = dict(op_metrics)
         kl_loss = self.kl_coef * metrics["kl"]
         if self.loss_type == "bnpo" or not self.kl_coef:
