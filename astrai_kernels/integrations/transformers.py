@@ -1,8 +1,8 @@
 """Hugging Face transformers causal LMs on the fused LM head (the optional extra ``transformers``).
 
-``patch(model, **loss_options)`` replaces one model instance's ``forward``: while the model is
-training and ``labels`` are given, it runs the decoder (``getattr(model, model.base_model_prefix)``),
-takes the final hidden states and ``model.get_output_embeddings()``, and computes the loss with
+``patch(model, **loss_options)`` replaces one model instance's ``forward``: while the model
+is training and ``labels`` are given, it runs the decoder (``model.<base_model_prefix>``), takes
+the final hidden states and ``model.get_output_embeddings()``, and computes the loss with
 ``ak.linear_cross_entropy`` as transformers' ``ForCausalLMLoss`` does (labels shifted by one,
 ``ignore_index=-100``, ``num_items_in_batch`` as the normalizer, ``shift_labels``,
 ``logits_to_keep``), without ever forming the ``[N, V]`` logits: the output has ``logits=None``.
@@ -212,7 +212,7 @@ def _fused_loss(model: nn.Module, head: FusedHead, hidden: Tensor, target: Tenso
                                    softcap=head.softcap, normalizer=normalizer, **options)
 
 
-def _make_forward(original_function, options: Dict[str, Any]):
+def _make_forward(original_function):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                 labels=None, logits_to_keep=0, **kwargs):
         state = self.__dict__[_STATE_ATTR]
@@ -286,7 +286,7 @@ def patch(model: nn.Module, **loss_options: Any) -> nn.Module:
     state = {"original": model.forward, "options": dict(loss_options),
              "instance_forward": model.__dict__.get("forward")}
     model.__dict__[_STATE_ATTR] = state
-    model.forward = _make_forward(original_function, state["options"]).__get__(model)
+    model.forward = _make_forward(original_function).__get__(model)
     return model
 
 
