@@ -107,7 +107,7 @@ def _class_plan(model_class: type, head_name: str) -> Union[_ClassPlan, str]:
         return f"its forward does not call its output embedding as {head_call}...)"
     softcap, scales = False, []
     for match in re.finditer(r"^\s*logits\s*=\s*(.+?)\s*$", source, flags=re.MULTILINE):
-        rhs = match.group(1)
+        rhs = match.group(1).split("#", 1)[0].rstrip()
         if rhs.endswith(","):
             continue  # a keyword argument (``CausalLMOutputWithPast(logits=logits, ...)``)
         if head_call in rhs or any(re.fullmatch(p, rhs) for p in _HARMLESS_LINES):
