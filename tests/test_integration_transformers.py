@@ -40,8 +40,9 @@ def make_model(arch, seed=0, **overrides):
         "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(vocab_size=101, tie_word_embeddings=True)),
         "gemma2": (Gemma2ForCausalLM, Gemma2Config,
                    dict(vocab_size=103, head_dim=8, final_logit_softcapping=3.0)),
-        "cohere": (CohereForCausalLM, CohereConfig, dict(vocab_size=89, logit_scale=0.5, pad_token_id=0, bos_token_id=1,
-                                                  eos_token_id=2)),
+        "cohere": (CohereForCausalLM, CohereConfig,
+                   dict(vocab_size=89, logit_scale=0.5, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2)),
         "granite": (GraniteForCausalLM, GraniteConfig, dict(vocab_size=83, logits_scaling=2.0)),
     }
     model_class, config_class, extra = configs[arch]
@@ -348,3 +349,20 @@ def test_patched_step_peak_memory_is_lower_where_logits_dominate():
     table = bench.format_table([plain, patched])
     assert patched["peak_bytes"] < 0.6 * plain["peak_bytes"], table
     assert "patched" in table
+
+
+def test_readme_section_runs():
+    """The ```py blocks of README's "Use it with transformers" run as shown, in order (they need
+    transformers, so tests/test_readme.py, which runs the ```python blocks, leaves them out)."""
+    import re
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text.split("## Use it with transformers", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```py\n(.*?)```", section, re.S)
+    assert len(blocks) == 3
+    namespace = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)
+    assert namespace["out"].logits is None
+    assert namespace["policy_logp"].shape == (2, 15)
+    assert not akt.is_patched(namespace["model"])

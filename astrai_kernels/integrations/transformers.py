@@ -201,8 +201,8 @@ def _keep(tensor: Tensor, logits_to_keep) -> Tensor:
     return tensor[:, logits_to_keep]
 
 
-def _fused_loss(model: nn.Module, head: FusedHead, hidden: Tensor, target: Tensor,
-                ignore_index: int, num_items_in_batch, options: Dict[str, Any]) -> Tensor:
+def _fused_loss(head: FusedHead, hidden: Tensor, target: Tensor, ignore_index: int,
+                num_items_in_batch, options: Dict[str, Any]) -> Tensor:
     hidden, bias = head.inputs(hidden)
     normalizer = num_items_in_batch
     if isinstance(normalizer, Tensor):
@@ -239,8 +239,8 @@ def _make_forward(original_function):
             raise ValueError(f"{type(self).__name__} (patched): shift_labels must have the shape "
                              f"of the kept positions {tuple(hidden.shape[:-1])}, got "
                              f"{tuple(target.shape)}")
-        loss = _fused_loss(self, fused_head(self), hidden, target, ignore_index,
-                           num_items_in_batch, state["options"])
+        loss = _fused_loss(fused_head(self), hidden, target, ignore_index, num_items_in_batch,
+                           state["options"])
         fields = {field.name for field in dataclasses.fields(CausalLMOutputWithPast)}
         extra = {key: value for key, value in outputs.items()
                  if key != "last_hidden_state" and key in fields}
@@ -256,7 +256,7 @@ def _make_forward(original_function):
     return forward
 
 
-def _check_options(model: nn.Module, head: FusedHead, options: Dict[str, Any]) -> None:
+def _check_options(head: FusedHead, options: Dict[str, Any]) -> None:
     unknown = sorted(set(options) - set(LOSS_OPTIONS))
     if unknown:
         raise TypeError(f"patch: unknown loss option(s) {unknown}; it takes {list(LOSS_OPTIONS)}")
@@ -281,7 +281,7 @@ def patch(model: nn.Module, **loss_options: Any) -> nn.Module:
         raise ValueError(f"patch: this {type(model).__name__} is already patched; call "
                          f"unpatch(model) first to change its loss options")
     head = fused_head(model)
-    _check_options(model, head, loss_options)
+    _check_options(head, loss_options)
     original_function = type(model).forward
     state = {"original": model.forward, "options": dict(loss_options),
              "instance_forward": model.__dict__.get("forward")}
