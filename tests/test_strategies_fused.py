@@ -163,3 +163,16 @@ def test_strategies_on_a_transformers_model(name):
     expected["loss"].backward()
     expected_grads = {n: p.grad.clone() for n, p in seed_policy.named_parameters()}
     assert_same(out, grads, expected, expected_grads, f"transformers {name}")
+
+
+def test_transformers_models_it_cannot_serve_are_refused():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma2Config(vocab_size=67, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=8,
+                                       final_logit_softcapping=3.0)
+    gemma = transformers.Gemma2ForCausalLM(config)
+    with pytest.raises(ValueError, match="soft-caps"):
+        SFTStrategy(gemma, "cpu")(sft_batch())
+    with pytest.raises(ValueError, match="fused head only"):
+        SFTStrategy(tiny_llama(0), "cpu", fused_head=False)(sft_batch())

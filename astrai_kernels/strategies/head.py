@@ -8,7 +8,10 @@ A model serves the fused path when it exposes both:
   ``logits = hidden @ weight.T + bias``);
 * a transformers causal LM that :mod:`astrai_kernels.integrations.transformers` can serve (its
   decoder gives the hidden states; the strategies' 4-D boolean mask is passed to it as an additive
-  float mask; its logit scale is folded into the hidden states).
+  float mask; its logit scale is folded into the hidden states). A transformers model is always
+  served this way or refused with the reason (soft-capped logits, a MoE router loss, ...): its
+  own forward takes ``attention_mask``, not the strategies' ``input_mask``, so the logits path
+  would drop the mask.
 
 Then the strategies call the ``linear_*`` ops and no ``[B, T, V]`` logits ever exist. A model that
 returns only logits keeps the logits path.
@@ -60,15 +63,14 @@ def _additive_mask(input_mask: Tensor, dtype: torch.dtype) -> Tensor:
         ~input_mask, blocked)
 
 
-def _transformers_head(model) -> Optional[ModelHead]:
+def _transformers_head(model, owner: str) -> ModelHead:
     from ..integrations import transformers as hf
 
-    try:
-        head = hf.fused_head(model)
-    except ValueError:
-        return None
+    head = hf.fused_head(model)  # a ValueError saying why for a model it cannot serve
     if head.softcap is not None:
-        return None  # the log-prob and GRPO ops have no softcap: keep the logits path
+        raise ValueError(f"{owner}: {type(model).__name__} soft-caps its logits "
+                         f"(final_logit_softcapping={head.softcap}) and the log-prob and GRPO "
+                         f"ops have no softcap")
 
     def hidden_fn(input_ids, input_mask=None, position_ids=None):
         mask = input_mask
@@ -87,6 +89,15 @@ def model_head(model: Model, enabled: Optional[bool], owner: str) -> Optional[Mo
 
     ``enabled=None`` uses it when the model exposes one, ``False`` never, ``True`` requires it.
     """
+    if _is_transformers_model(model):
+        # Its forward takes attention_mask, not the strategies' input_mask: on the logits path
+        # the mask would be dropped without a word, so such a model is served here or refused.
+        if enabled is False:
+            raise ValueError(f"{owner}: a transformers model runs on the fused head only "
+                             f"(its forward would ignore the strategies' input_mask); pass "
+                             f"fused_head=None or True, or wrap it to return "
+                             f"{{'logits': ...}} from input_ids, input_mask, position_ids")
+        return _transformers_head(model, owner)
     if enabled is False:
         return None
     head = None
@@ -96,8 +107,6 @@ def model_head(model: Model, enabled: Optional[bool], owner: str) -> Optional[Mo
         output_head = get_head()
         if isinstance(output_head, nn.Linear):
             head = ModelHead(forward_hidden, output_head.weight, output_head.bias)
-    elif _is_transformers_model(model):
-        head = _transformers_head(model)
     if head is None and enabled:
         raise ValueError(f"{owner}: fused_head=True needs a model that exposes its final hidden "
                          f"states and output embedding (forward_hidden + "
