@@ -3,6 +3,7 @@
 import inspect
 from abc import ABC, abstractmethod
 from typing import (
+    TYPE_CHECKING,
     Any,
     Callable,
     Dict,
@@ -20,6 +21,9 @@ import torch.nn as nn
 from torch import Tensor
 
 from .rollout import RolloutResult, RolloutRunner
+
+if TYPE_CHECKING:  # head.py imports this module
+    from .head import ModelHead
 
 try:
     from typing import TypedDict
@@ -234,7 +238,7 @@ class BaseStrategy(ABC):
         """True when the losses are computed with the seed's naive math."""
         return self.loss_backend == "reference"
 
-    def model_head(self, model: Model):
+    def model_head(self, model: Model) -> "Optional[ModelHead]":
         """``model``'s fused head (:mod:`.head`), or None for the logits path (always None with
         ``loss_backend="reference"``, the seed's math on the logits)."""
         if self.uses_reference:
