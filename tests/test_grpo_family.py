@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_linear import _compare as linear_compare
+from test_linear import _inputs as _linear_inputs
 
 import astrai_kernels as ak
 from astrai_kernels import reference
@@ -253,12 +255,13 @@ def _expected(data, kwargs, upstream):
     return reference_and_naive(run, data["base"])
 
 
-def _grad_terms(data, kwargs, upstream):
-    """The magnitude of the terms forming each logit-gradient entry (``testing.spec``): the
-    loss's float64 gradients w.r.t. each token's log-prob and entropy through the softmax."""
-    x = data["base"].detach().double().requires_grad_(True)
+def _logit_grad_terms(logits, data, kwargs, upstream):
+    """The magnitude of the terms forming each entry of the gradient of TRL's loss w.r.t.
+    ``logits [B, T, V]`` (``testing.spec``): the loss's float64 gradients w.r.t. each token's
+    log-prob and entropy, through the softmax."""
+    x = logits.detach().double().requires_grad_(True)
     stats = {}
-    loss, _ = trl_grpo(x[:, :-1], data["target"], data["advantages"], data["mask"],
+    loss, _ = trl_grpo(x, data["target"], data["advantages"], data["mask"],
                        token_stats_out=stats, **_trl_kwargs(kwargs))
     (loss * upstream).backward()
 
@@ -267,11 +270,14 @@ def _grad_terms(data, kwargs, upstream):
         return torch.zeros_like(stats[name]) if grad is None else grad
 
     target = torch.where(data["mask"] > 0, data["target"], -100)
-    terms = spec_logprobs(data["base"][:, :-1], target.reshape(-1),
-                          kwargs.get("temperature", 1.0), -100, True,
-                          grad_of("logp").reshape(-1), grad_of("entropy").reshape(-1))
+    terms = spec_logprobs(logits, target.reshape(-1), kwargs.get("temperature", 1.0), -100,
+                          True, grad_of("logp").reshape(-1), grad_of("entropy").reshape(-1))
+    return terms["grad_terms"].reshape(logits.shape)
+
+
+def _base_grad_terms(data, kwargs, upstream):
     full = torch.zeros(data["base"].shape, dtype=torch.float64)
-    full[:, :-1] = terms["grad_terms"].reshape(full[:, :-1].shape)
+    full[:, :-1] = _logit_grad_terms(data["base"][:, :-1], data, kwargs, upstream)
     return full
 
 
@@ -289,7 +295,7 @@ def _check_against_trl(backend, dtype, data, kwargs, upstream=0.7):
     (loss * upstream).backward()
     assert x.grad.dtype == dtype
     assert_close(x.grad, expected["grad"], "grad", dtype, "grad", naive=naive["grad"],
-                 scale=_grad_terms(data, kwargs, upstream))
+                 scale=_base_grad_terms(data, kwargs, upstream))
     assert torch.count_nonzero(x.grad[:, :-1][data["mask"] == 0]) == 0
     assert torch.count_nonzero(x.grad[:, -1]) == 0
     assert torch.equal(data["base"], before)
@@ -366,23 +372,26 @@ def test_fully_masked_batch_gives_zero(backend):
         assert torch.count_nonzero(x.grad) == 0, case
 
 
-LINEAR_CASES = ["cispo", "sapo_sequence_taus", "vespo_weights_params", "importance_weights_no_kl",
-                "everything_cispo"]
+LINEAR_CASES = [
+    *((backend, case) for backend in ("torch", "cpp", "reference")
+      for case in ("cispo", "sapo_sequence_taus", "vespo_weights_params",
+                   "importance_weights_no_kl", "everything_cispo")),
+    ("triton", "everything_cispo"),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("case", LINEAR_CASES)
-@pytest.mark.parametrize("backend", ["torch", "cpp", "reference"])
+@pytest.mark.parametrize("backend, case", LINEAR_CASES)
 def test_linear_matches_trl(backend, case, dtype):
     """The fused head: loss and the gradients of hidden, weight and bias against TRL's math on
-    ``F.linear`` in float64."""
-    g = torch.Generator().manual_seed(7)
-    batch, length, width, vocab = 3, 5, 8, 29
-    hidden = torch.randn(batch, length, width, generator=g).to(dtype)
-    weight = (torch.randn(vocab, width, generator=g) * 0.5).to(dtype)
-    bias = (torch.randn(vocab, generator=g) * 0.1).to(dtype)
+    ``F.linear`` in float64 (test_linear's comparison: each entry against the size of the terms
+    summed into it)."""
+    batch, length, width, vocab = 3, 4, 8, 29
+    hidden, weight, bias, _ = _linear_inputs(0, width, vocab, dtype, seed=7,
+                                             lead=(batch, length))
     data = _batch(torch.float32, batch=batch, length=length, vocab=vocab, seed=8)
     data["target"] = data["target"].clamp(max=vocab - 1)
+    g = torch.Generator().manual_seed(9)
     with torch.no_grad():
         logits64 = F.linear(hidden.double(), weight.double(), bias.double())
         logp = torch.log_softmax(logits64, -1).gather(
@@ -392,58 +401,20 @@ def test_linear_matches_trl(backend, case, dtype):
     data["ref"] = torch.where(data["mask"] > 0, logp - 0.2 * noise, float("nan"))
     data["sampling"] = data["old"] + torch.tensor([-0.3, 0.4, 0.2])[:, None]
     kwargs = _kwargs(data, CASES[case])
-    upstream = 0.6
-    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
-    loss, _ = ak.linear_grpo_loss(leaves[0], leaves[1], data["target"], data["advantages"],
-                                  bias=leaves[2], mask=data["mask"], chunk_size=4,
-                                  backend=backend, **kwargs)
-    (loss * upstream).backward()
     trl_kwargs = _trl_kwargs(kwargs)
-    results = {}
-    for precision in (torch.float64, dtype):
-        tensors = [t.detach().to(precision).requires_grad_(True) for t in (hidden, weight, bias)]
-        expected, _ = trl_grpo(F.linear(*tensors), data["target"], data["advantages"],
-                               data["mask"], **trl_kwargs)
-        (expected * upstream).backward()
-        results[precision] = (expected.detach(), [t.grad for t in tensors])
-    (expected, grads64), (naive, naive_grads) = results[torch.float64], results[dtype]
-    assert_close(loss, expected, "value", dtype, "loss", naive=naive.float())
-    for name, leaf, grad64, naive_grad in zip(("hidden", "weight", "bias"), leaves, grads64,
-                                              naive_grads):
-        assert leaf.grad.dtype == dtype
-        assert_close(leaf.grad, grad64, "grad", dtype, name, naive=naive_grad)
 
+    def fused(h, w, b):
+        loss, _ = ak.linear_grpo_loss(h, w, data["target"], data["advantages"], bias=b,
+                                      mask=data["mask"], chunk_size=5, backend=backend,
+                                      **kwargs)
+        return loss
 
-def test_linear_triton_everything():
-    """The fused head on the triton backend (interpreter on CPU): one case, tiny."""
-    g = torch.Generator().manual_seed(9)
-    hidden = torch.randn(3, 4, 8, generator=g)
-    weight = torch.randn(16, 8, generator=g) * 0.5
-    data = _batch(torch.float32, batch=3, length=4, vocab=16, seed=10)
-    data["target"] = data["target"].clamp(max=15)
-    with torch.no_grad():
-        logp = torch.log_softmax(F.linear(hidden.double(), weight.double()), -1).gather(
-            -1, data["target"].unsqueeze(-1)).squeeze(-1).float()
-    noise = torch.randn(3, 4, generator=g)
-    data["old"] = torch.where(data["mask"] > 0, logp + 0.3 * noise, float("nan"))
-    data["ref"] = torch.where(data["mask"] > 0, logp - 0.2 * noise, float("nan"))
-    data["sampling"] = data["old"] + torch.tensor([-0.3, 0.4, 0.2])[:, None]
-    kwargs = _kwargs(data, CASES["everything_cispo"])
-    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    loss, _ = ak.linear_grpo_loss(h, w, data["target"], data["advantages"], mask=data["mask"],
-                                  chunk_size=5, backend="triton", **kwargs)
-    loss.backward()
-    results = {}
-    for precision in (torch.float64, torch.float32):
-        h_p, w_p = (t.to(precision).requires_grad_(True) for t in (hidden, weight))
-        expected, _ = trl_grpo(F.linear(h_p, w_p), data["target"], data["advantages"],
-                               data["mask"], **_trl_kwargs(kwargs))
-        expected.backward()
-        results[precision] = (expected.detach(), h_p.grad, w_p.grad)
-    (expected, h64, w64), (naive, h32, w32) = results[torch.float64], results[torch.float32]
-    assert_close(loss, expected, "value", torch.float32, "loss", naive=naive)
-    assert_close(h.grad, h64, "grad", torch.float32, "hidden", naive=h32)
-    assert_close(w.grad, w64, "grad", torch.float32, "weight", naive=w32)
+    def logits_fn(logits):
+        return trl_grpo(logits, data["target"], data["advantages"], data["mask"],
+                        **trl_kwargs)[0]
+
+    linear_compare(fused, logits_fn, (hidden, weight, bias), dtype,
+                   grad_logits_terms=lambda z, up: _logit_grad_terms(z, data, kwargs, up))
 
 
 def test_importance_weights_fold_into_the_fused_kernel():
