@@ -522,3 +522,22 @@ def test_importance_weights_nan_under_the_mask_is_ignored():
                            mask=data["mask"], importance_weights=data["weights"],
                            backend="torch")
     assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_off_policy_mask_keeps_zero_advantage(backend):
+    """``A >= 0`` keeps a sequence however far off-policy: a zero advantage included (its
+    policy term is 0 either way, so the kept share is what shows it)."""
+    data = _batch(torch.float32)
+    data["advantages"] = torch.tensor([0.8, 0.0, 0.5])
+    kwargs = _kwargs(data, CASES["off_policy_sampling"])
+    _, metrics = ak.grpo_loss(data["base"][:, :-1], data["target"], data["advantages"],
+                              mask=data["mask"], backend=backend, **kwargs)
+    _, expected = trl_grpo(data["base"][:, :-1].double(), data["target"], data["advantages"],
+                           data["mask"], **_trl_kwargs(kwargs))
+    assert float(expected["mask/off_policy"]) == 1.0
+    assert float(metrics["mask/off_policy"]) == 1.0
+    data["advantages"] = torch.tensor([0.8, -1e-3, 0.5])
+    _, metrics = ak.grpo_loss(data["base"][:, :-1], data["target"], data["advantages"],
+                              mask=data["mask"], backend=backend, **kwargs)
+    assert float(metrics["mask/off_policy"]) < 1.0
