@@ -541,3 +541,42 @@ def test_off_policy_mask_keeps_zero_advantage(backend):
     _, metrics = ak.grpo_loss(data["base"][:, :-1], data["target"], data["advantages"],
                               mask=data["mask"], backend=backend, **kwargs)
     assert float(metrics["mask/off_policy"]) < 1.0
+
+
+STRATEGY_OPTIONS = [
+    dict(loss_type="cispo", clip_eps_high=5.0, kl_ratio_correction=True),
+    dict(loss_type="sapo", sapo_tau_pos=1.5, sapo_tau_neg=0.9, entropy_coef=0.01),
+    dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=2.0, vespo_k_neg=2.5,
+         vespo_lambda_neg=1.5),
+    dict(loss_type="luspo", importance_sampling="sequence", off_policy_threshold=0.05,
+         top_entropy_quantile=0.5),
+]
+
+
+@pytest.mark.parametrize("options", STRATEGY_OPTIONS,
+                         ids=[o["loss_type"] for o in STRATEGY_OPTIONS])
+def test_strategy_passes_the_options_through(monkeypatch, options):
+    from test_strategies import grpo_batch, make_model, perturbed
+
+    from astrai_kernels.strategies import GRPOStrategy
+
+    seen = {}
+
+    def recording_grpo_loss(*args, **kwargs):
+        seen.update(kwargs)
+        return grpo_loss(*args, **kwargs)
+
+    grpo_loss = ak.grpo_loss
+    monkeypatch.setattr(ak, "grpo_loss", recording_grpo_loss)
+    model = make_model()
+    strategy = GRPOStrategy(model, "cpu", old_model=perturbed(model, 0.02, 12),
+                            ref_model=perturbed(model, 0.05, 13), kl_coef=0.1,
+                            loss_backend="torch", **options)
+    out = strategy(grpo_batch())
+    out["loss"].backward()
+    assert {k: seen[k] for k in options} == options
+    assert torch.isfinite(out["loss"])
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    with pytest.raises(ValueError, match="needs a fused loss_backend"):
+        GRPOStrategy(model, "cpu", old_model=None, ref_model=None, kl_coef=0.0,
+                     loss_backend="reference", **options)
