@@ -580,3 +580,27 @@ def test_strategy_passes_the_options_through(monkeypatch, options):
     with pytest.raises(ValueError, match="needs a fused loss_backend"):
         GRPOStrategy(model, "cpu", old_model=None, ref_model=None, kl_coef=0.0,
                      loss_backend="reference", **options)
+
+
+def test_torch_compile_fullgraph_traces_the_options():
+    """The torch-math path traces whole (no host sync, no data-dependent shape): the entropy
+    quantile, the off-policy mask, the entropy bonus. ``aot_eager`` checks the trace and its
+    autograd without the inductor's code generation (test_grpo.py compiles the fused path)."""
+    data = _batch(torch.float32)
+    kwargs = _kwargs(data, CASES["everything_cispo"])
+
+    def loss_fn(x):
+        loss, metrics = ak.grpo_loss(x[:, :-1], data["target"], data["advantages"],
+                                     mask=data["mask"], backend="cpp", **kwargs)
+        return loss * 2.0, metrics["mask/entropy"]
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    x = data["base"].clone().requires_grad_(True)
+    out, share = compiled(x)
+    out.backward()
+    x_eager = data["base"].clone().requires_grad_(True)
+    expected, share_eager = loss_fn(x_eager)
+    expected.backward()
+    assert_close(out, expected, "value", torch.float32)
+    assert_close(share, share_eager, "value", torch.float32)
+    assert_close(x.grad, x_eager.grad, "grad", torch.float32)

@@ -522,8 +522,9 @@ def _top_entropy_keep(entropy: Tensor, valid: Tensor, quantile: float) -> Tensor
     entropy = entropy.detach()
     ordered = torch.where(valid, entropy, float("inf")).reshape(-1).sort().values
     rank = (1.0 - quantile) * (valid.sum() - 1).clamp(min=0).to(torch.float32)
-    below, above = rank.floor().long(), rank.ceil().long()
-    threshold = torch.lerp(ordered[below], ordered[above], rank - below)
+    # gather, not item indexing: the ranks stay on the device (no sync, traceable)
+    below, above = ordered.gather(0, torch.stack([rank.floor(), rank.ceil()]).long()).unbind()
+    threshold = torch.lerp(below, above, rank - rank.floor())
     return valid & (entropy >= threshold)
 
 
