@@ -15,6 +15,7 @@ Masked tokens are selected away (``torch.where``), never multiplied by 0: their 
 logits, advantages and old/reference log-probs may hold anything, inf and NaN included.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
@@ -360,13 +361,12 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
     if params.backend == "reference":
         from .. import reference
 
-        options = params.options
         return reference.grpo_loss(
             logits.float(), target, inputs.advantages, inputs.valid, inputs.old, inputs.ref,
             params.beta, params.clip_eps_low, params.clip_eps_high, params.delta or None,
             loss_type, importance_sampling, params.temperature, max_completion_length,
             inputs.normalizer, importance_weights=inputs.importance_weights,
-            sampling_logprobs=inputs.sampling, **options.__dict__)
+            sampling_logprobs=inputs.sampling, **dataclasses.asdict(params.options))
     if not checked.fused:
         def logprobs_of(masked_target: Tensor, with_entropy: bool):
             out = token_logprobs(logits, masked_target, temperature=params.temperature,
