@@ -521,14 +521,22 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
                      importance_sampling: str = "token", temperature: float = 1.0,
                      max_completion_length: Optional[int] = None,
                      normalizer: Union[None, float, Tensor] = None,
+                     sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05,
+                     vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
+                     vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+                     kl_ratio_correction: bool = False,
+                     importance_weights: Optional[Tensor] = None,
+                     off_policy_threshold: Optional[float] = None,
+                     sampling_logprobs: Optional[Tensor] = None,
+                     top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0,
                      chunk_size: Optional[int] = None, backend: str = "auto"
                      ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """GRPO loss and metrics of ``grpo_loss(F.linear(hidden, weight, bias), ...)``, fused.
 
     ``hidden [B, T, H]`` aligned with ``target [B, T]`` (the caller shifts); every keyword as in
-    ``ak.grpo_loss``. Token-level importance sampling computes all gradients in the forward's
-    single walk over the chunks; GSPO (``importance_sampling="sequence"``) differentiates
-    through ``linear_token_logprobs``.
+    ``ak.grpo_loss``. The clipped surrogate on token ratios computes all gradients in the
+    forward's single walk over the chunks; every other objective and option (GSPO, CISPO, SAPO,
+    VESPO, the masks, the entropy bonus) differentiates through ``linear_token_logprobs``.
     """
     _check_head(hidden, weight, bias, chunk_size)
     if hidden.dim() != 3:
@@ -537,19 +545,28 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
                    clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
                    loss_type=loss_type, importance_sampling=importance_sampling,
                    temperature=temperature, max_completion_length=max_completion_length,
-                   normalizer=normalizer)
+                   normalizer=normalizer, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
+                   vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+                   vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+                   kl_ratio_correction=kl_ratio_correction,
+                   importance_weights=importance_weights,
+                   off_policy_threshold=off_policy_threshold,
+                   sampling_logprobs=sampling_logprobs,
+                   top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef)
     backend = resolve_backend(backend, hidden.device)
     if backend == "reference":
         logits = torch.nn.functional.linear(hidden, weight, bias)
         return grpo_op.grpo_loss(logits, target, advantages, backend="reference", **options)
     plan = grpo_op.plan(_logits_like(hidden, weight), target, advantages, backend=backend,
                         **options)
-    if plan.params.importance_sampling == "sequence":
-        def logprobs_of(masked_target):
-            return linear_token_logprobs(hidden, weight, masked_target, bias=bias,
-                                         temperature=plan.params.temperature,
-                                         chunk_size=chunk_size, backend=plan.params.backend)
-        return grpo_op.sequence_level(logprobs_of, target, plan)
+    if not plan.fused:
+        def logprobs_of(masked_target, with_entropy):
+            out = linear_token_logprobs(hidden, weight, masked_target, bias=bias,
+                                        temperature=plan.params.temperature,
+                                        return_entropy=with_entropy, chunk_size=chunk_size,
+                                        backend=plan.params.backend)
+            return out if with_entropy else (out, None)
+        return grpo_op.from_logprobs(logprobs_of, target, plan)
     needs = _needs(hidden, weight, bias) if torch.is_grad_enabled() else (False,) * 3
     hidden_rows = hidden.reshape(-1, hidden.shape[-1])
     flat = plan.flat_rows()

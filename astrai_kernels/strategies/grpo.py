@@ -53,7 +53,12 @@ class GRPOStrategy(BaseStrategy):
     tokens of the batch (the seed's aggregation, ``loss_type="bnpo"`` of ``ak.grpo_loss``). With a
     fused ``loss_backend``, ``loss_type`` (``"grpo"``, ``"dr_grpo"``, ``"dapo"``),
     ``clip_eps_high`` (DAPO's clip-higher), ``delta``, ``importance_sampling="sequence"`` (GSPO),
-    ``temperature`` (that of the sampler) and ``advantage_scale`` pass through to the ops.
+    ``temperature`` (that of the sampler) and ``advantage_scale`` pass through to the ops, and
+    so do the GRPO-family objectives and options of ``ak.grpo_loss`` (``loss_type`` ``"luspo"``,
+    ``"cispo"`` with ``clip_eps_high`` as the cap, ``"sapo"`` with ``sapo_tau_pos``/``_neg``,
+    ``"vespo"`` with ``vespo_k_pos``, ``vespo_lambda_pos``, ``vespo_k_neg``,
+    ``vespo_lambda_neg``; ``kl_ratio_correction``, ``off_policy_threshold`` (against the old
+    policy's log-probs), ``top_entropy_quantile``, ``entropy_coef``).
 
     Metrics: ``policy_loss``, ``kl_loss`` (``kl_coef * kl``), ``kl`` (mean k3), ``ratio/mean``,
     ``clip_ratio/low``, ``clip_ratio/high``, ``clip_ratio/region``, ``reward/mean``,
@@ -77,6 +82,16 @@ class GRPOStrategy(BaseStrategy):
         max_completion_length: Optional[int] = None,
         advantage_scale: str = "group",
         advantage_eps: float = 1e-8,
+        sapo_tau_pos: float = 1.0,
+        sapo_tau_neg: float = 1.05,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
+        kl_ratio_correction: bool = False,
+        off_policy_threshold: Optional[float] = None,
+        top_entropy_quantile: float = 1.0,
+        entropy_coef: float = 0.0,
         **kwargs,
     ):
         super().__init__(model, device, **kwargs)
@@ -96,10 +111,23 @@ class GRPOStrategy(BaseStrategy):
         self.max_completion_length = max_completion_length
         self.advantage_scale = advantage_scale
         self.advantage_eps = advantage_eps
+        # ak.grpo_loss's GRPO-family keywords, passed through as given
+        self.policy_options = dict(
+            sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg, vespo_k_pos=vespo_k_pos,
+            vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+            vespo_lambda_neg=vespo_lambda_neg, kl_ratio_correction=kl_ratio_correction,
+            off_policy_threshold=off_policy_threshold,
+            top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef)
         self._reference_only(
             clip_eps_high=(clip_eps_high, None), loss_type=(loss_type, "bnpo"),
             importance_sampling=(importance_sampling, "token"), delta=(delta, None),
-            temperature=(temperature, 1.0), advantage_scale=(advantage_scale, "group"))
+            temperature=(temperature, 1.0), advantage_scale=(advantage_scale, "group"),
+            sapo_tau_pos=(sapo_tau_pos, 1.0), sapo_tau_neg=(sapo_tau_neg, 1.05),
+            vespo_k_pos=(vespo_k_pos, 2.0), vespo_lambda_pos=(vespo_lambda_pos, 3.0),
+            vespo_k_neg=(vespo_k_neg, 3.0), vespo_lambda_neg=(vespo_lambda_neg, 2.0),
+            kl_ratio_correction=(kl_ratio_correction, False),
+            off_policy_threshold=(off_policy_threshold, None),
+            top_entropy_quantile=(top_entropy_quantile, 1.0), entropy_coef=(entropy_coef, 0.0))
 
     # ------------------------------------------------------------ old policy
 
@@ -226,7 +254,8 @@ class GRPOStrategy(BaseStrategy):
             beta=float(self.kl_coef), clip_eps_low=self.clip_eps,
             clip_eps_high=self.clip_eps_high, delta=self.delta, loss_type=self.loss_type,
             importance_sampling=self.importance_sampling, temperature=self.temperature,
-            max_completion_length=self.max_completion_length, backend=backend)
+            max_completion_length=self.max_completion_length, backend=backend,
+            **self.policy_options)
         head = self.model_head(self.model)
         policy_out = forward(self.model, head)
         # Position t predicts token t + 1, so the response (tokens prompt_len..S-1) is
@@ -240,7 +269,8 @@ class GRPOStrategy(BaseStrategy):
                 advantages.reshape(-1), bias=head.bias, **options)
         metrics = dict(op_metrics)
         kl_loss = self.kl_coef * metrics["kl"]
-        if self.loss_type == "bnpo" or not self.kl_coef:
+        if (self.loss_type == "bnpo" or not self.kl_coef) and not self.policy_options[
+                "entropy_coef"]:
             # bnpo: loss = mean(pg) + kl_coef * mean(k3), both over all response tokens.
             metrics["policy_loss"] = loss.detach() - kl_loss
         metrics["kl_loss"] = kl_loss
