@@ -553,25 +553,27 @@ STRATEGY_OPTIONS = [
 ]
 
 
+@pytest.mark.parametrize("fused_head", [False, True], ids=["logits", "fused_head"])
 @pytest.mark.parametrize("options", STRATEGY_OPTIONS,
                          ids=[o["loss_type"] for o in STRATEGY_OPTIONS])
-def test_strategy_passes_the_options_through(monkeypatch, options):
+def test_strategy_passes_the_options_through(monkeypatch, options, fused_head):
     from test_strategies import grpo_batch, make_model, perturbed
 
     from astrai_kernels.strategies import GRPOStrategy
 
     seen = {}
+    op_name = "linear_grpo_loss" if fused_head else "grpo_loss"
+    policy_loss = getattr(ak, op_name)
 
-    def recording_grpo_loss(*args, **kwargs):
+    def recording_policy_loss(*args, **kwargs):
         seen.update(kwargs)
-        return grpo_loss(*args, **kwargs)
+        return policy_loss(*args, **kwargs)
 
-    grpo_loss = ak.grpo_loss
-    monkeypatch.setattr(ak, "grpo_loss", recording_grpo_loss)
+    monkeypatch.setattr(ak, op_name, recording_policy_loss)
     model = make_model()
     strategy = GRPOStrategy(model, "cpu", old_model=perturbed(model, 0.02, 12),
                             ref_model=perturbed(model, 0.05, 13), kl_coef=0.1,
-                            loss_backend="torch", **options)
+                            loss_backend="torch", fused_head=fused_head, **options)
     out = strategy(grpo_batch())
     out["loss"].backward()
     assert {k: seen[k] for k in options} == options
