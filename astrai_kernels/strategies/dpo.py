@@ -50,11 +50,12 @@ class DPOStrategy(BaseStrategy):
     ``loss_type`` (one of ``ak.dpo_loss``'s types, or a list of them with ``loss_weights``:
     MPO), ``label_smoothing``, ``discopop_tau`` and ``bco_delta`` are those of ``ak.dpo_loss``
     (``"sigmoid"`` and 0 are the seed's loss; the others need a fused ``loss_backend``) and are
-    checked at construction. ``sigmoid_norm`` divides each side's summed log-ratio by its count
-    of scored tokens, so it needs ``reduction="sum"``.
+    checked at construction (``bco_delta`` a number here). ``sigmoid_norm`` divides each side's
+    summed log-ratio by its count of scored tokens, so it needs ``reduction="sum"``.
 
     Metrics: ``dpo_loss``, ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracy``,
-    ``rewards/margin`` (rewards are ``beta * (log pi - log ref)``, batch means), ``loss``.
+    ``rewards/margin`` (rewards are ``beta * (log pi - log ref)``, batch means), ``loss``, and
+    with a list of loss types ``loss/<type>`` (each type's unweighted mean).
     """
 
     def __init__(
