@@ -11,12 +11,13 @@ from .ops.linear import (
     linear_token_logprobs,
 )
 from .ops.logprobs import sequence_logprobs, token_logprobs
-from .ops.preference import dpo_loss, group_advantages
+from .ops.preference import cpo_loss, dpo_loss, group_advantages, kto_loss, orpo_loss, simpo_loss
 
 __version__ = "0.1.0"
 
 __all__ = [
     "available_backends",
+    "cpo_loss",
     "cross_entropy",
     "dpo_loss",
     "grpo_loss",
@@ -25,7 +26,10 @@ __all__ = [
     "linear_sequence_logprobs",
     "linear_token_logprobs",
     "group_advantages",
+    "kto_loss",
     "nn",
+    "orpo_loss",
     "sequence_logprobs",
+    "simpo_loss",
     "token_logprobs",
 ]

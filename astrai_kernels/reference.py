@@ -11,7 +11,7 @@ an ignored row holding inf or NaN gives 0 and a zero gradient, as the kernels do
 """
 
 import math
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -252,33 +252,125 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
     return total, metrics
 
 
+def _cdpo(logits: Tensor, label_smoothing: float) -> Tensor:
+    return (-(1 - label_smoothing) * F.logsigmoid(logits)
+            - label_smoothing * F.logsigmoid(-logits))
+
+
 def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Optional[Tensor] = None,
-             ref_rejected: Optional[Tensor] = None, beta: float = 0.1, loss_type: str = "sigmoid",
-             label_smoothing: float = 0.0) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """DPO family on sequence log-probs ``[B]``; no reference means reference-free."""
-    chosen_reward = policy_chosen - (0.0 if ref_chosen is None else ref_chosen)
-    rejected_reward = policy_rejected - (0.0 if ref_rejected is None else ref_rejected)
+             ref_rejected: Optional[Tensor] = None, beta: float = 0.1,
+             loss_type: Union[str, Sequence[str]] = "sigmoid", label_smoothing: float = 0.0,
+             loss_weights: Optional[Sequence[float]] = None, discopop_tau: float = 0.05,
+             bco_delta: float = 0.0, chosen_lengths: Optional[Tensor] = None,
+             rejected_lengths: Optional[Tensor] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """TRL's DPO loss types on summed sequence log-probs ``[B]``; a list of types is summed
+    with ``loss_weights`` (MPO). No reference means reference-free (reference log-ratios 0)."""
+    ref_c = torch.zeros_like(policy_chosen) if ref_chosen is None else ref_chosen
+    ref_r = torch.zeros_like(policy_rejected) if ref_rejected is None else ref_rejected
+    chosen_reward = policy_chosen - ref_c
+    rejected_reward = policy_rejected - ref_r
     margin = chosen_reward - rejected_reward
-    if loss_type == "sigmoid":
-        losses = (-(1 - label_smoothing) * F.logsigmoid(beta * margin)
-                  - label_smoothing * F.logsigmoid(-beta * margin))
-    elif loss_type == "ipo":
-        losses = (margin - 1.0 / (2.0 * beta)) ** 2
-    elif loss_type == "hinge":
-        losses = torch.relu(1.0 - beta * margin)
-    elif loss_type == "robust":
-        losses = ((-(1 - label_smoothing) * F.logsigmoid(beta * margin)
-                   + label_smoothing * F.logsigmoid(-beta * margin))
-                  / (1.0 - 2.0 * label_smoothing))
-    else:
-        raise ValueError(f"unknown loss_type {loss_type!r}")
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    weights = [1.0] * len(types) if loss_weights is None else list(loss_weights)
+    eps = label_smoothing
+    total = 0.0
+    for name, weight in zip(types, weights):
+        if name == "sigmoid":
+            losses = _cdpo(beta * margin, eps)
+        elif name == "ipo":
+            losses = (margin - 1.0 / (2.0 * beta)) ** 2
+        elif name == "hinge":
+            losses = torch.relu(1.0 - beta * margin)
+        elif name == "robust":
+            losses = ((-(1 - eps) * F.logsigmoid(beta * margin)
+                       + eps * F.logsigmoid(-beta * margin)) / (1.0 - 2.0 * eps))
+        elif name == "exo_pair":
+            qw, ql = torch.sigmoid(beta * margin), torch.sigmoid(-beta * margin)
+            losses = (qw * (F.logsigmoid(beta * margin) - math.log1p(-eps))
+                      + ql * (F.logsigmoid(-beta * margin) - math.log(eps)))
+        elif name == "nca_pair":
+            losses = (-F.logsigmoid(beta * chosen_reward)
+                      - 0.5 * F.logsigmoid(-beta * chosen_reward)
+                      - 0.5 * F.logsigmoid(-beta * rejected_reward))
+        elif name == "bco_pair":
+            losses = (-F.logsigmoid(beta * chosen_reward - bco_delta)
+                      - F.logsigmoid(-(beta * rejected_reward - bco_delta)))
+        elif name == "sppo_hard":
+            losses = (chosen_reward - 0.5 / beta) ** 2 + (rejected_reward + 0.5 / beta) ** 2
+        elif name == "aot":
+            delta = (torch.sort(policy_chosen - policy_rejected).values
+                     - torch.sort(ref_c - ref_r).values)
+            losses = _cdpo(beta * delta, eps)
+        elif name == "aot_unpaired":
+            delta = torch.sort(chosen_reward).values - torch.sort(rejected_reward).values
+            losses = _cdpo(beta * delta, eps)
+        elif name == "apo_zero":
+            losses = 1 - torch.sigmoid(beta * chosen_reward) + torch.sigmoid(beta * rejected_reward)
+        elif name == "apo_down":
+            losses = torch.sigmoid(beta * chosen_reward) + 1 - torch.sigmoid(beta * margin)
+        elif name == "discopop":
+            logits = beta * margin
+            modulation = torch.sigmoid(logits / discopop_tau)
+            losses = -F.logsigmoid(logits) * (1 - modulation) + torch.exp(-logits) * modulation
+        elif name == "sigmoid_norm":
+            losses = -F.logsigmoid(beta * (chosen_reward / chosen_lengths.clamp(min=1)
+                                           - rejected_reward / rejected_lengths.clamp(min=1)))
+        else:
+            raise ValueError(f"unknown loss_type {name!r}")
+        total = total + weight * losses.mean()
     metrics = {
         "rewards/chosen": (beta * chosen_reward).mean().detach(),
         "rewards/rejected": (beta * rejected_reward).mean().detach(),
         "rewards/accuracy": (chosen_reward > rejected_reward).to(margin.dtype).mean().detach(),
         "rewards/margin": (beta * margin).mean().detach(),
     }
-    return losses.mean(), metrics
+    return total, metrics
+
+
+def orpo_loss(chosen: Tensor, rejected: Tensor, beta: float = 0.1) -> Tensor:
+    """ORPO's odds-ratio term on averaged log-probs, clamped at ``log(1 - 2**-24)``."""
+    top = math.log1p(-2.0 ** -24)
+    c, r = chosen.clamp(max=top), rejected.clamp(max=top)
+    log_odds = (c - r) - (torch.log(-torch.expm1(c)) - torch.log(-torch.expm1(r)))
+    return -beta * F.logsigmoid(log_odds).mean()
+
+
+def simpo_loss(chosen: Tensor, rejected: Tensor, beta: float = 2.0, gamma: float = 0.5,
+               label_smoothing: float = 0.0) -> Tensor:
+    """SimPO on averaged log-probs: cDPO on ``beta * (c - r) - gamma``."""
+    return _cdpo(beta * (chosen - rejected) - gamma, label_smoothing).mean()
+
+
+def cpo_loss(chosen: Tensor, rejected: Tensor, beta: float = 0.1, label_smoothing: float = 0.0,
+             loss_type: str = "sigmoid", simpo_gamma: float = 0.5,
+             alpha: float = 0.0) -> Tensor:
+    """TRL's CPO preference term; ``alpha != 0`` maps log-probs to AlphaPO rewards first."""
+    if alpha != 0.0:
+        chosen = (1 - torch.exp(chosen).pow(-alpha)) / alpha
+        rejected = (1 - torch.exp(rejected).pow(-alpha)) / alpha
+    logits = chosen - rejected
+    if loss_type == "sigmoid":
+        losses = _cdpo(beta * logits, label_smoothing)
+    elif loss_type == "simpo":
+        losses = _cdpo(beta * (logits - simpo_gamma / beta), label_smoothing)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * logits)
+    elif loss_type == "ipo":
+        losses = (logits - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    return losses.mean()
+
+
+def kto_loss(policy_logps: Tensor, ref_logps: Optional[Tensor], labels: Tensor,
+             kl: float = 0.0, beta: float = 0.1, desirable_weight: float = 1.0,
+             undesirable_weight: float = 1.0, loss_type: str = "kto") -> Tensor:
+    """TRL's unpaired KTO / APO-zero: weighted per-completion losses, mean over the batch."""
+    x = policy_logps - (0.0 if ref_logps is None else ref_logps)
+    z = max(float(kl), 0.0) if loss_type == "kto" else 0.0
+    desirable = desirable_weight * (1 - torch.sigmoid(beta * (x - z)))
+    undesirable = undesirable_weight * (1 - torch.sigmoid(beta * (z - x)))
+    return torch.where(labels, desirable, undesirable).mean()
 
 
 def group_advantages(rewards: Tensor, scale: str = "group", eps: float = 1e-6) -> Tensor:
