@@ -13,7 +13,7 @@ logits, advantages and old/reference log-probs may hold anything, inf and NaN in
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -33,6 +33,9 @@ from ._common import (
     rows_view,
 )
 from .logprobs import token_logprobs
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_SAMPLING = ("token", "sequence")
@@ -215,13 +218,27 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
               importance_sampling: str = "token", temperature: float = 1.0,
               max_completion_length: Optional[int] = None,
               normalizer: Union[None, float, Tensor] = None,
-              backend: str = "auto") -> Tuple[Tensor, Dict[str, Tensor]]:
+              backend: str = "auto", process_group: Optional["ProcessGroup"] = None
+              ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """GRPO policy loss and detached float32 metrics (means over the unmasked tokens).
 
     ``mask`` holds 0s and 1s (or is bool); ``normalizer`` (``loss_type="dapo"`` only) is the
     global count of unmasked tokens, a number or a one-element tensor; 0 is allowed when every
     token is masked, and the loss is then 0.0 with a zero gradient.
+
+    ``process_group`` (vocabulary parallel): ``logits`` hold this rank's contiguous vocabulary
+    shard, ``target`` global ids (``ops/vocab_parallel.py``).
     """
+    if process_group is not None:
+        from . import vocab_parallel
+
+        return vocab_parallel.grpo_loss(
+            logits, target, advantages, process_group=process_group, backend=backend, mask=mask,
+            old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta,
+            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
+            loss_type=loss_type, importance_sampling=importance_sampling,
+            temperature=temperature, max_completion_length=max_completion_length,
+            normalizer=normalizer)
     checked = plan(logits, target, advantages, mask=mask, old_logprobs=old_logprobs,
                    ref_logprobs=ref_logprobs, beta=beta, clip_eps_low=clip_eps_low,
                    clip_eps_high=clip_eps_high, delta=delta, loss_type=loss_type,
