@@ -106,7 +106,7 @@ def _check(group, rank, size, loss_name, wrapper):
 
 
 def _worker(rank, world_size):
-    groups = {2: dist.new_group([0, 1]), 3: dist.group.WORLD}
+    groups = {3: dist.group.WORLD, 2: dist.new_group([0, 1])}
     outcome = {}
     for size, group in groups.items():
         if rank >= size:
@@ -124,7 +124,7 @@ def _worker(rank, world_size):
 
 @pytest.fixture(scope="module")
 def outcomes():
-    return spawn_ranks(_worker, 3, timeout=240.0)
+    return spawn_ranks(_worker, 3, timeout=600.0)
 
 
 @pytest.mark.parametrize("size", [2, 3])

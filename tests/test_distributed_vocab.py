@@ -311,7 +311,7 @@ CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items())
 
 def _worker(rank, world_size):
     """Every case on every group this rank belongs to; ``{case id: error or None}``."""
-    groups = {2: dist.new_group([0, 1]), 3: dist.group.WORLD}
+    groups = {3: dist.group.WORLD, 2: dist.new_group([0, 1])}
     outcome = {}
     for size, group in groups.items():
         if rank >= size:
@@ -331,7 +331,7 @@ def _worker(rank, world_size):
 
 @pytest.fixture(scope="module")
 def outcomes():
-    return spawn_ranks(_worker, 3, timeout=240.0)
+    return spawn_ranks(_worker, 3, timeout=600.0)
 
 
 @pytest.mark.parametrize("dtype_id", list(DTYPES))
