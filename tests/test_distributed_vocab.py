@@ -66,9 +66,10 @@ def case_token_logprobs(group, start, stop, dtype):
     assert_close(shard.grad, expected["grad"][..., start:stop], "grad", dtype, "grad",
                  naive=naive["grad"][..., start:stop],
                  scale=expected["grad_terms"][..., start:stop])
-    with torch.no_grad():  # the forward-only path (old / reference policy log-probs)
+    with torch.no_grad():  # forward only (old / reference policy log-probs), on auto's backend
         again = ak.token_logprobs(shard, target, temperature=temperature, process_group=group)
-    assert torch.equal(again, logp.detach())
+    assert_close(again, expected["logp"].reshape(shape), "value", dtype, "forward-only logp",
+                 naive=naive["logp"].reshape(shape))
 
 
 def _check_cross_entropy(group, start, stop, dtype, options, reduction):
@@ -231,7 +232,14 @@ def case_linear_token_logprobs(group, start, stop, dtype):
         return torch.stack(reference.token_logprobs(logits, target, 0.9))
 
     upstream = torch.stack([_upstream(9), _upstream(10)])
-    _check_head(group, start, stop, dtype, fused, logits_fn, upstream)
+
+    def grad_logits_terms(_, inputs64):
+        # the entropy's gradient cancels within a logit: judge by the terms forming it
+        logits = F.linear(*(t.detach() for t in inputs64))
+        return spec.logprobs(logits, target.reshape(-1), 0.9, -100, True, upstream[0].reshape(-1),
+                             upstream[1].reshape(-1))["grad_terms"]
+
+    _check_head(group, start, stop, dtype, fused, logits_fn, upstream, grad_logits_terms)
 
 
 def case_linear_cross_entropy(group, start, stop, dtype):
@@ -262,7 +270,7 @@ def case_linear_grpo(group, start, stop, dtype):
     def grad_logits_terms(_, inputs64):
         # dL/dlogp is formed from exps of log-prob differences: judge by spec.grpo's terms
         logits = F.linear(*(t.detach() for t in inputs64))
-        checked = grpo_op.plan(logits, target, advantages, **options)
+        checked = grpo_op.plan(logits.float(), target, advantages, **options)
         rows, params = checked.flat_rows(), checked.params
         return spec.grpo(logits, target.reshape(-1), params.temperature, rows.advantages,
                          rows.old, rows.ref, rows.weight, params.clip_eps_low,
