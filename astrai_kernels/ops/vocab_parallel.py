@@ -15,8 +15,9 @@ combine them, a max then one sum of a few floats per row::
     logp = (logp_owner + lse_owner - M) - log W
     H = sum_r c_r (H_r - log c_r),  c_r = w_r / W      (the entropy of a mixture of softmaxes)
 
-so a row costs 4 bytes (max) plus 8 bytes (two floats: log-probs and cross-entropy) up to 16
-(entropy, or label smoothing's sum) on the wire, never a logits row. The gradient needs the
+so a row costs 4 bytes (the max) plus 8 to 16 (a sum of 2 floats; 3 with label smoothing, 4
+with entropy) on the wire, never a logits row; the ``linear_*`` backward adds the all-reduce of
+the hidden states' gradient (``H`` floats per row, as in Megatron). The gradient needs the
 group's ``lse`` and no collective: the backend primitive ``vocab_shard_backward``
 (``ops/_backend.py``) writes ``p_j (alpha + beta log p_j) + gamma d_jy + delta`` per row, times
 the chain rule of the temperature and the softcap. GRPO is the token log-probs followed by its

@@ -5,8 +5,8 @@
 temporary directory (no port to pick, so no race for one), calls ``worker(rank, world_size,
 *args)`` on each and returns the JSON-serializable results in rank order. A rank that raises
 fails the call with its traceback; a rank still running after ``timeout`` seconds (a collective
-left waiting) prints its stack and exits, and ``TimeoutError`` is raised. ``worker`` must be importable by name
-(a module-level function).
+left waiting) prints its stack and exits, and ``TimeoutError`` is raised. ``worker`` must be
+importable by name (a module-level function).
 """
 
 from __future__ import annotations
