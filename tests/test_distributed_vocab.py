@@ -313,6 +313,20 @@ def case_backends_and_errors(group, start, stop, dtype):
         ak.cross_entropy(shard, target, process_group="world")
 
 
+def case_empty_and_all_ignored(group, start, stop, dtype):
+    """No rows, and every row ignored: zeros, zero gradients, no NaN."""
+    full = _logits(dtype, seed=14)
+    shard = _shard_leaf(full, start, stop)
+    ignored = torch.full(full.shape[:-1], -100)
+    loss = ak.cross_entropy(shard, ignored, z_loss=1e-3, process_group=group)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.count_nonzero(shard.grad) == 0
+    empty = shard[:, :0].detach().requires_grad_(True)
+    logp = ak.token_logprobs(empty, ignored[:, :0], process_group=group)
+    logp.sum().backward()
+    assert logp.shape == (BATCH, 0) and empty.grad.shape == empty.shape
+
+
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items())
          if name.startswith("case_")}
 
