@@ -1,6 +1,6 @@
 """astrai-kernels: fused, memory-lean LLM losses computed from the logits in vocabulary tiles."""
 
-from . import nn
+from . import distributed, nn
 from .ops._backend import available_backends
 from .ops.cross_entropy import cross_entropy
 from .ops.grpo import grpo_loss
@@ -19,6 +19,7 @@ __all__ = [
     "available_backends",
     "cpo_loss",
     "cross_entropy",
+    "distributed",
     "dpo_loss",
     "grpo_loss",
     "linear_cross_entropy",

@@ -195,7 +195,9 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
     entropy_keep = valid
     if top_entropy_quantile < 1.0:
         if valid.any():
-            threshold = torch.quantile(entropy.detach()[valid], 1.0 - top_entropy_quantile)
+            kept = entropy.detach()[valid]  # quantile takes float32/float64 only
+            kept = kept.to(torch.promote_types(kept.dtype, torch.float32))
+            threshold = torch.quantile(kept, 1.0 - top_entropy_quantile)
             entropy_keep = valid & (entropy.detach() >= threshold)
         else:
             entropy_keep = torch.zeros_like(valid)

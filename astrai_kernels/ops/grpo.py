@@ -18,7 +18,7 @@ logits, advantages and old/reference log-probs may hold anything, inf and NaN in
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -38,6 +38,9 @@ from ._common import (
     rows_view,
 )
 from .logprobs import token_logprobs
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the clipped surrogate
@@ -336,7 +339,8 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
               off_policy_threshold: Optional[float] = None,
               sampling_logprobs: Optional[Tensor] = None, top_entropy_quantile: float = 1.0,
               entropy_coef: float = 0.0,
-              backend: str = "auto") -> Tuple[Tensor, Dict[str, Tensor]]:
+              backend: str = "auto", process_group: Optional["ProcessGroup"] = None
+              ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """GRPO-family policy loss and detached float32 metrics (means over the unmasked tokens).
 
     ``mask`` holds 0s and 1s (or is bool); ``normalizer`` (``loss_type`` ``"dapo"``,
@@ -344,7 +348,25 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
     tensor; 0 is allowed when every token is masked, and the loss is then 0.0 with a zero
     gradient. The objectives and options follow TRL's ``GRPOTrainer._compute_loss``; README's
     "Supported objectives" lists their formulas.
+
+    ``process_group`` (vocabulary parallel): ``logits`` hold this rank's contiguous vocabulary
+    shard, ``target`` global ids (``ops/vocab_parallel.py``).
     """
+    if process_group is not None:
+        from . import vocab_parallel
+
+        return vocab_parallel.grpo_loss(
+            logits, target, advantages, process_group=process_group, backend=backend, mask=mask,
+            old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta,
+            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
+            loss_type=loss_type, importance_sampling=importance_sampling,
+            temperature=temperature, max_completion_length=max_completion_length,
+            normalizer=normalizer, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
+            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+            vespo_lambda_neg=vespo_lambda_neg, kl_ratio_correction=kl_ratio_correction,
+            importance_weights=importance_weights, off_policy_threshold=off_policy_threshold,
+            sampling_logprobs=sampling_logprobs, top_entropy_quantile=top_entropy_quantile,
+            entropy_coef=entropy_coef)
     checked = plan(logits, target, advantages, mask=mask, old_logprobs=old_logprobs,
                    ref_logprobs=ref_logprobs, beta=beta, clip_eps_low=clip_eps_low,
                    clip_eps_high=clip_eps_high, delta=delta, loss_type=loss_type,
