@@ -1,6 +1,6 @@
 """astrai-kernels: fused, memory-lean LLM losses computed from the logits in vocabulary tiles."""
 
-from . import nn
+from . import distributed, nn
 from .ops._backend import available_backends
 from .ops.cross_entropy import cross_entropy
 from .ops.grpo import grpo_loss
@@ -11,13 +11,15 @@ from .ops.linear import (
     linear_token_logprobs,
 )
 from .ops.logprobs import sequence_logprobs, token_logprobs
-from .ops.preference import dpo_loss, group_advantages
+from .ops.preference import cpo_loss, dpo_loss, group_advantages, kto_loss, orpo_loss, simpo_loss
 
 __version__ = "0.1.0"
 
 __all__ = [
     "available_backends",
+    "cpo_loss",
     "cross_entropy",
+    "distributed",
     "dpo_loss",
     "grpo_loss",
     "linear_cross_entropy",
@@ -25,7 +27,10 @@ __all__ = [
     "linear_sequence_logprobs",
     "linear_token_logprobs",
     "group_advantages",
+    "kto_loss",
     "nn",
+    "orpo_loss",
     "sequence_logprobs",
+    "simpo_loss",
     "token_logprobs",
 ]

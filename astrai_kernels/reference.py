@@ -10,7 +10,8 @@ Rows that are ignored or masked are *selected* away (``torch.where``), never mul
 an ignored row holding inf or NaN gives 0 and a zero gradient, as the kernels do.
 """
 
-from typing import Dict, Optional, Tuple, Union
+import math
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -109,8 +110,32 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
               delta: Optional[float] = None, loss_type: str = "bnpo",
               importance_sampling: str = "token", temperature: float = 1.0,
               max_completion_length: Optional[int] = None,
-              normalizer: Union[None, float, Tensor] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """GRPO/DAPO/Dr.GRPO/GSPO loss on ``[B, T, V]`` logits aligned with ``target [B, T]``.
+              normalizer: Union[None, float, Tensor] = None, *,
+              sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05,
+              vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
+              vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+              kl_ratio_correction: bool = False, importance_weights: Optional[Tensor] = None,
+              off_policy_threshold: Optional[float] = None,
+              sampling_logprobs: Optional[Tensor] = None, top_entropy_quantile: float = 1.0,
+              entropy_coef: float = 0.0) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """The GRPO family on ``[B, T, V]`` logits aligned with ``target [B, T]`` (TRL's
+    ``GRPOTrainer._compute_loss``). With ``w`` the token log-ratio ``logp - old`` (or its
+    masked mean per sequence, GSPO) and ``r = exp(w)``, each token's policy term is:
+
+    * ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``: ``-min(r_u A, clip(r) A)``;
+    * ``cispo``: ``-min(r, clip_eps_high).detach() * A * logp``;
+    * ``sapo``: ``-sigmoid(tau (r - 1)) * 4 / tau * A``, ``tau = sapo_tau_pos if A > 0 else
+      sapo_tau_neg``;
+    * ``vespo``: ``-phi * A * logp``, ``phi = exp(lam + k log W - lam W)`` detached, ``W`` the
+      sequence's product of token ratios (and importance weights), ``k, lam`` by ``A >= 0``.
+
+    The term is multiplied by ``importance_weights`` (not for vespo), zeroed by the off-policy
+    and top-entropy masks, then ``beta * k3`` (``* r`` with ``kl_ratio_correction``) is added.
+    Aggregation: ``grpo``/``sapo`` mean per sequence then over sequences; ``bnpo`` mean over
+    tokens; ``dr_grpo`` sum / (B * max_completion_length); ``dapo``/``cispo``/``vespo`` sum /
+    normalizer (default the token count); ``luspo`` sum / B. ``entropy_coef`` subtracts
+    ``entropy_coef`` times the mean entropy over the entropy-kept tokens (for the sum /
+    normalizer types: their entropy sum / normalizer).
 
     Masked tokens are selected away before any arithmetic: their logits, targets, advantages
     and old/reference log-probs may hold anything (inf, NaN, out-of-range ids).
@@ -123,77 +148,231 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
     def select(values: Tensor) -> Tensor:
         return torch.where(valid, values.to(dtype), 0.0)
 
-    logp, _ = token_logprobs(logits, torch.where(valid, target, -100), temperature, -100)
+    logp, entropy = token_logprobs(logits, torch.where(valid, target, -100), temperature, -100)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1).expand(batch, length)
     advantages = select(advantages)
     old = logp.detach() if old_logprobs is None else select(old_logprobs)
     ref = None if ref_logprobs is None else select(ref_logprobs)
     lengths = mask.sum(-1).clamp(min=1.0)
+    token_log_ratio = ((logp - old) * mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if importance_sampling == "sequence":
         seq_log_ratio = ((logp - old) * mask).sum(-1, keepdim=True) / lengths.unsqueeze(1)
         # GSPO: one ratio per sequence; old absorbs everything but the per-sequence log-ratio.
         old = logp - seq_log_ratio.expand(batch, length)
     loss, ratio, k3 = grpo_token_loss(logp, old, ref, advantages, clip_eps_low, clip_eps_high,
-                                      delta, beta)
+                                      delta, 0.0)
+    if loss_type == "cispo":
+        loss = -ratio.clamp(max=clip_eps_high).detach() * advantages * logp
+    elif loss_type == "sapo":
+        tau = torch.where(advantages > 0, sapo_tau_pos, sapo_tau_neg).to(dtype)
+        loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
+    elif loss_type == "vespo":
+        log_floor = math.log(1e-8)
+        log_w = token_log_ratio.detach().sum(-1, keepdim=True)
+        if importance_weights is not None:
+            log_is = torch.log(select(importance_weights)).clamp(log_floor, LOG_RATIO_CLAMP)
+            log_w = log_w + torch.where(valid, log_is, 0.0).sum(-1, keepdim=True)
+        log_w = log_w.clamp(log_floor, LOG_RATIO_CLAMP)
+        k = torch.where(advantages >= 0, vespo_k_pos, vespo_k_neg).to(dtype)
+        lam = torch.where(advantages >= 0, vespo_lambda_pos, vespo_lambda_neg).to(dtype)
+        phi = torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, 0.0, 0.0)
+        loss = -phi * advantages * logp
+    extra = {}
+    keep = valid
+    if off_policy_threshold is not None:
+        # TRL's fallbacks: the old log-probs, then the current ones.
+        if sampling_logprobs is not None:
+            sampling = select(sampling_logprobs)
+        elif old_logprobs is not None:
+            sampling = select(old_logprobs)
+        else:
+            sampling = logp.detach()
+        gap = ((sampling - logp.detach()) * mask).sum(-1, keepdim=True) / lengths.unsqueeze(1)
+        kept = (advantages >= 0) | (gap <= off_policy_threshold)
+        keep = keep & kept
+        extra["mask/off_policy"] = kept
+    entropy_keep = valid
+    if top_entropy_quantile < 1.0:
+        if valid.any():
+            kept = entropy.detach()[valid]  # quantile takes float32/float64 only
+            kept = kept.to(torch.promote_types(kept.dtype, torch.float32))
+            threshold = torch.quantile(kept, 1.0 - top_entropy_quantile)
+            entropy_keep = valid & (entropy.detach() >= threshold)
+        else:
+            entropy_keep = torch.zeros_like(valid)
+        keep = keep & entropy_keep
+        extra["mask/entropy"] = entropy_keep
+    if importance_weights is not None and loss_type != "vespo":
+        loss = loss * select(importance_weights)
+    loss = torch.where(keep, loss, 0.0)
+    if kl_ratio_correction:
+        k3 = k3 * ratio
+    if beta > 0:
+        loss = loss + beta * k3
     loss = torch.where(valid, loss, 0.0)
-    if loss_type == "grpo":
+    global_count = mask.sum() if normalizer is None else normalizer
+    global_count = torch.as_tensor(global_count, dtype=dtype, device=loss.device)
+    if loss_type in ("grpo", "sapo"):
         total = (loss.sum(-1) / lengths).mean()
     elif loss_type == "bnpo":
         total = loss.sum() / mask.sum().clamp(min=1.0)
     elif loss_type == "dr_grpo":
         total = loss.sum() / (batch * (max_completion_length or length))
-    elif loss_type == "dapo":
-        count = mask.sum() if normalizer is None else normalizer
-        total = _divide_or_zero(loss.sum(), torch.as_tensor(count, dtype=dtype,
-                                                            device=loss.device))
+    elif loss_type in ("dapo", "cispo", "vespo"):
+        total = _divide_or_zero(loss.sum(), global_count)
+    elif loss_type == "luspo":
+        total = loss.sum(-1).mean()
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
+    if entropy_coef != 0.0:
+        kept_entropy = torch.where(entropy_keep, entropy, 0.0).sum()
+        if loss_type in ("dapo", "cispo", "vespo"):
+            bonus = _divide_or_zero(kept_entropy, global_count)
+        else:
+            bonus = kept_entropy / entropy_keep.sum().clamp(min=1).to(dtype)
+        total = total - entropy_coef * bonus
     eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     count = mask.sum().clamp(min=1.0)
-    low = (ratio < 1.0 - clip_eps_low) & (advantages < 0)
-    high = (ratio > 1.0 + eps_high) & (advantages > 0)
 
     def masked_mean(x: Tensor) -> Tensor:
         return (torch.where(valid, x.to(dtype), 0.0).sum() / count).detach()
 
-    metrics = {
-        "kl": masked_mean(k3),
-        "ratio/mean": masked_mean(ratio),
-        "clip_ratio/low": masked_mean(low),
-        "clip_ratio/high": masked_mean(high),
-        "clip_ratio/region": masked_mean(low | high),
-    }
+    metrics = {"kl": masked_mean(k3), "ratio/mean": masked_mean(ratio)}
+    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        low = (ratio < 1.0 - clip_eps_low) & (advantages < 0)
+        high = (ratio > 1.0 + eps_high) & (advantages > 0)
+        metrics.update({"clip_ratio/low": masked_mean(low), "clip_ratio/high": masked_mean(high),
+                        "clip_ratio/region": masked_mean(low | high)})
+    elif loss_type == "cispo":
+        metrics["clip_ratio/cispo"] = masked_mean((ratio > eps_high) & (advantages > 0))
+    elif loss_type == "vespo":
+        metrics["vespo/phi_mean"] = masked_mean(phi)
+    metrics.update({key: masked_mean(kept) for key, kept in extra.items()})
+    if entropy_coef != 0.0 or top_entropy_quantile < 1.0:
+        metrics["entropy"] = masked_mean(entropy)
     return total, metrics
 
 
+def _cdpo(logits: Tensor, label_smoothing: float) -> Tensor:
+    return (-(1 - label_smoothing) * F.logsigmoid(logits)
+            - label_smoothing * F.logsigmoid(-logits))
+
+
 def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Optional[Tensor] = None,
-             ref_rejected: Optional[Tensor] = None, beta: float = 0.1, loss_type: str = "sigmoid",
-             label_smoothing: float = 0.0) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """DPO family on sequence log-probs ``[B]``; no reference means reference-free."""
-    chosen_reward = policy_chosen - (0.0 if ref_chosen is None else ref_chosen)
-    rejected_reward = policy_rejected - (0.0 if ref_rejected is None else ref_rejected)
+             ref_rejected: Optional[Tensor] = None, beta: float = 0.1,
+             loss_type: Union[str, Sequence[str]] = "sigmoid", label_smoothing: float = 0.0,
+             loss_weights: Optional[Sequence[float]] = None, discopop_tau: float = 0.05,
+             bco_delta: float = 0.0, chosen_lengths: Optional[Tensor] = None,
+             rejected_lengths: Optional[Tensor] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """TRL's DPO loss types on summed sequence log-probs ``[B]``; a list of types is summed
+    with ``loss_weights`` (MPO). No reference means reference-free (reference log-ratios 0)."""
+    ref_c = torch.zeros_like(policy_chosen) if ref_chosen is None else ref_chosen
+    ref_r = torch.zeros_like(policy_rejected) if ref_rejected is None else ref_rejected
+    chosen_reward = policy_chosen - ref_c
+    rejected_reward = policy_rejected - ref_r
     margin = chosen_reward - rejected_reward
-    if loss_type == "sigmoid":
-        losses = (-(1 - label_smoothing) * F.logsigmoid(beta * margin)
-                  - label_smoothing * F.logsigmoid(-beta * margin))
-    elif loss_type == "ipo":
-        losses = (margin - 1.0 / (2.0 * beta)) ** 2
-    elif loss_type == "hinge":
-        losses = torch.relu(1.0 - beta * margin)
-    elif loss_type == "robust":
-        losses = ((-(1 - label_smoothing) * F.logsigmoid(beta * margin)
-                   + label_smoothing * F.logsigmoid(-beta * margin))
-                  / (1.0 - 2.0 * label_smoothing))
-    else:
-        raise ValueError(f"unknown loss_type {loss_type!r}")
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    weights = [1.0] * len(types) if loss_weights is None else list(loss_weights)
+    eps = label_smoothing
+    total = 0.0
+    for name, weight in zip(types, weights):
+        if name == "sigmoid":
+            losses = _cdpo(beta * margin, eps)
+        elif name == "ipo":
+            losses = (margin - 1.0 / (2.0 * beta)) ** 2
+        elif name == "hinge":
+            losses = torch.relu(1.0 - beta * margin)
+        elif name == "robust":
+            losses = ((-(1 - eps) * F.logsigmoid(beta * margin)
+                       + eps * F.logsigmoid(-beta * margin)) / (1.0 - 2.0 * eps))
+        elif name == "exo_pair":
+            qw, ql = torch.sigmoid(beta * margin), torch.sigmoid(-beta * margin)
+            losses = (qw * (F.logsigmoid(beta * margin) - math.log1p(-eps))
+                      + ql * (F.logsigmoid(-beta * margin) - math.log(eps)))
+        elif name == "nca_pair":
+            losses = (-F.logsigmoid(beta * chosen_reward)
+                      - 0.5 * F.logsigmoid(-beta * chosen_reward)
+                      - 0.5 * F.logsigmoid(-beta * rejected_reward))
+        elif name == "bco_pair":
+            losses = (-F.logsigmoid(beta * chosen_reward - bco_delta)
+                      - F.logsigmoid(-(beta * rejected_reward - bco_delta)))
+        elif name == "sppo_hard":
+            losses = (chosen_reward - 0.5 / beta) ** 2 + (rejected_reward + 0.5 / beta) ** 2
+        elif name == "aot":
+            delta = (torch.sort(policy_chosen - policy_rejected).values
+                     - torch.sort(ref_c - ref_r).values)
+            losses = _cdpo(beta * delta, eps)
+        elif name == "aot_unpaired":
+            delta = torch.sort(chosen_reward).values - torch.sort(rejected_reward).values
+            losses = _cdpo(beta * delta, eps)
+        elif name == "apo_zero":
+            losses = 1 - torch.sigmoid(beta * chosen_reward) + torch.sigmoid(beta * rejected_reward)
+        elif name == "apo_down":
+            losses = torch.sigmoid(beta * chosen_reward) + 1 - torch.sigmoid(beta * margin)
+        elif name == "discopop":
+            logits = beta * margin
+            modulation = torch.sigmoid(logits / discopop_tau)
+            losses = -F.logsigmoid(logits) * (1 - modulation) + torch.exp(-logits) * modulation
+        elif name == "sigmoid_norm":
+            losses = -F.logsigmoid(beta * (chosen_reward / chosen_lengths.clamp(min=1)
+                                           - rejected_reward / rejected_lengths.clamp(min=1)))
+        else:
+            raise ValueError(f"unknown loss_type {name!r}")
+        total = total + weight * losses.mean()
     metrics = {
         "rewards/chosen": (beta * chosen_reward).mean().detach(),
         "rewards/rejected": (beta * rejected_reward).mean().detach(),
         "rewards/accuracy": (chosen_reward > rejected_reward).to(margin.dtype).mean().detach(),
         "rewards/margin": (beta * margin).mean().detach(),
     }
-    return losses.mean(), metrics
+    return total, metrics
+
+
+def orpo_loss(chosen: Tensor, rejected: Tensor, beta: float = 0.1) -> Tensor:
+    """ORPO's odds-ratio term on averaged log-probs, clamped at ``log(1 - 2**-24)``."""
+    top = math.log1p(-2.0 ** -24)
+    c, r = chosen.clamp(max=top), rejected.clamp(max=top)
+    log_odds = (c - r) - (torch.log(-torch.expm1(c)) - torch.log(-torch.expm1(r)))
+    return -beta * F.logsigmoid(log_odds).mean()
+
+
+def simpo_loss(chosen: Tensor, rejected: Tensor, beta: float = 2.0, gamma: float = 0.5,
+               label_smoothing: float = 0.0) -> Tensor:
+    """SimPO on averaged log-probs: cDPO on ``beta * (c - r) - gamma``."""
+    return _cdpo(beta * (chosen - rejected) - gamma, label_smoothing).mean()
+
+
+def cpo_loss(chosen: Tensor, rejected: Tensor, beta: float = 0.1, label_smoothing: float = 0.0,
+             loss_type: str = "sigmoid", simpo_gamma: float = 0.5,
+             alpha: float = 0.0) -> Tensor:
+    """TRL's CPO preference term; ``alpha != 0`` maps log-probs to AlphaPO rewards first."""
+    if alpha != 0.0:
+        chosen = (1 - torch.exp(chosen).pow(-alpha)) / alpha
+        rejected = (1 - torch.exp(rejected).pow(-alpha)) / alpha
+    logits = chosen - rejected
+    if loss_type == "sigmoid":
+        losses = _cdpo(beta * logits, label_smoothing)
+    elif loss_type == "simpo":
+        losses = _cdpo(beta * (logits - simpo_gamma / beta), label_smoothing)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * logits)
+    elif loss_type == "ipo":
+        losses = (logits - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    return losses.mean()
+
+
+def kto_loss(policy_logps: Tensor, ref_logps: Optional[Tensor], labels: Tensor,
+             kl: float = 0.0, beta: float = 0.1, desirable_weight: float = 1.0,
+             undesirable_weight: float = 1.0, loss_type: str = "kto") -> Tensor:
+    """TRL's unpaired KTO / APO-zero: weighted per-completion losses, mean over the batch."""
+    x = policy_logps - (0.0 if ref_logps is None else ref_logps)
+    z = max(float(kl), 0.0) if loss_type == "kto" else 0.0
+    desirable = desirable_weight * (1 - torch.sigmoid(beta * (x - z)))
+    undesirable = undesirable_weight * (1 - torch.sigmoid(beta * (z - x)))
+    return torch.where(labels, desirable, undesirable).mean()
 
 
 def group_advantages(rewards: Tensor, scale: str = "group", eps: float = 1e-6) -> Tensor:

@@ -3,11 +3,13 @@
 ``run_strategy_steps(vocab=32768)`` runs every (strategy, method) case in a fresh Python
 subprocess, so each peak is its own, and returns one dict per case::
 
-    {"strategy", "method" ("fused" | "reference"), "backend", "seconds", "peak_bytes",
-     "logits_bytes", "peak_method", "threads"}
+    {"strategy", "method" ("fused_head" | "fused" | "reference"), "backend", "seconds",
+     "peak_bytes", "logits_bytes", "peak_method", "threads"}
 
-``method="fused"`` is the strategy with ``loss_backend=backend`` (default ``"auto"``: cpp on
-CPU); ``"reference"`` is ``loss_backend="reference"``, the seed's own math.
+``method="fused_head"`` is the strategy with ``loss_backend=backend`` (default ``"auto"``: cpp on
+CPU) on the fused LM head (``fused_head=True``: the ``linear_*`` ops on the model's hidden
+states, no logits); ``"fused"`` the same ops on the model's logits (``fused_head=False``);
+``"reference"`` is ``loss_backend="reference"``, the seed's own math.
 
 How it is measured (CPU). The model is a :class:`TinyCausalLM` with a large vocabulary, so the
 logits dominate memory as they do in a real LLM. After one warm-up step (kernel build/load,
@@ -40,7 +42,7 @@ if ROOT not in sys.path:  # run as a script: this checkout's package
 from astrai_kernels.bench.peak import PeakRss, child_env  # noqa: E402
 
 STRATEGIES = ("seq", "sft", "dpo", "grpo")
-METHODS = ("fused", "reference")
+METHODS = ("fused_head", "fused", "reference")
 
 
 # ------------------------------------------------------------------ inside the child process
@@ -59,6 +61,10 @@ def _make_case(strategy_name, method, vocab, d_model, n_layers, backend, seed=0)
                          max_seq_len=256, seed=seed)
     loss_backend = "reference" if method == "reference" else backend
     kwargs = {}
+    if method in ("fused", "fused_inplace"):
+        kwargs["fused_head"] = False
+    elif method == "fused_head":
+        kwargs["fused_head"] = True
     if method == "fused_inplace":
         if strategy_name not in ("seq", "sft"):
             raise ValueError("fused_inplace (inplace_backward=True) is for seq and sft only")
@@ -175,17 +181,24 @@ def format_table(results):
     mib = 1 << 20
     by_key = {(r["strategy"], r["method"]): r for r in results}
     lines = [f"{'strategy':<9} {'method':<14} {'backend':<10} {'step ms':>9} {'peak MiB':>9} "
-             f"{'peak/logits':>11} {'ref/fused peak':>14} {'ref/fused time':>14}"]
+             f"{'peak/logits':>11} {'ref/this peak':>13} {'ref/this time':>13} "
+             f"{'fused/this peak':>15} {'fused/this time':>15}"]
+
+    def ratios(base, r):
+        if base is None or base is r:
+            return "", ""
+        return (f"{base['peak_bytes'] / max(r['peak_bytes'], 1):.2f}x",
+                f"{base['seconds'] / r['seconds']:.2f}x")
+
     for r in results:
-        ref = by_key.get((r["strategy"], "reference"))
-        ratio_peak = ratio_time = ""
-        if r["method"] != "reference" and ref is not None:
-            ratio_peak = f"{ref['peak_bytes'] / max(r['peak_bytes'], 1):.2f}x"
-            ratio_time = f"{ref['seconds'] / r['seconds']:.2f}x"
+        ref_peak, ref_time = ratios(by_key.get((r["strategy"], "reference")), r)
+        fused_peak, fused_time = ("", "")
+        if r["method"] == "fused_head":
+            fused_peak, fused_time = ratios(by_key.get((r["strategy"], "fused")), r)
         lines.append(f"{r['strategy']:<9} {r['method']:<14} {r['backend']:<10} "
                      f"{r['seconds'] * 1e3:>9.1f} {r['peak_bytes'] / mib:>9.1f} "
-                     f"{r['peak_bytes'] / r['logits_bytes']:>11.2f} {ratio_peak:>14} "
-                     f"{ratio_time:>14}")
+                     f"{r['peak_bytes'] / r['logits_bytes']:>11.2f} {ref_peak:>13} "
+                     f"{ref_time:>13} {fused_peak:>15} {fused_time:>15}")
     return "\n".join(lines)
 
 

@@ -81,7 +81,7 @@ def test_ops_do_not_call_the_spec(monkeypatch):
 def test_dpo_matches_the_spec_in_float64(loss_type):
     g = torch.Generator().manual_seed(5)
     pc, pr, rc, rr = (torch.randn(6, generator=g, dtype=torch.float64) * 3 for _ in range(4))
-    smoothing = 0.1
+    smoothing = 0.1 if loss_type in ("sigmoid", "robust") else 0.0  # ipo, hinge: an error
     leaf = pc.float().requires_grad_(True)
     loss, metrics = ak.dpo_loss(leaf, pr.float(), rc.float(), rr.float(), beta=0.3,
                                 loss_type=loss_type, label_smoothing=smoothing)

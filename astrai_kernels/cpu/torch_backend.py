@@ -345,3 +345,38 @@ def grpo_forward(logits, target, temperature, advantages, old_logprobs, ref_logp
         loss, _ = grpo_token_terms(logp, old_logprobs, ref_logprobs, advantages, clip_low,
                                    clip_high, delta, beta)
     return logp, torch.where(valid, loss, 0.0)
+
+
+def vocab_shard_backward(logits, target, lse, alpha, beta, gamma, delta, temperature, softcap,
+                         ignore_index, grad):
+    n_rows = target.numel()
+    if n_rows == 0:
+        return
+    vocab = logits.shape[-1]
+    valid = target != ignore_index
+    owned = valid & (target >= 0) & (target < vocab)
+    y = _safe_target(target, owned)
+    # 1/T (the chain rule of s = z / T) folded into the per-row coefficients once
+    alpha, gamma = alpha / temperature, torch.where(owned, gamma, 0.0) / temperature
+    beta = None if beta is None else beta / temperature
+    delta = None if delta is None else delta / temperature
+    scratch = 2 + (1 if softcap else 0)
+    for n0, n1, block, bufs in _row_blocks(logits, scratch):
+        if softcap:
+            z, t = _softcapped(block, softcap, bufs[1:])
+            s = z if temperature == 1.0 else z.div_(temperature)
+        else:
+            s = _scaled(block, temperature, bufs[1])
+        # log p_j = s_j - lse with the group's lse; p_j = 0 terms never meet -inf (LOG_P_FLOOR)
+        log_p = torch.sub(s, lse[n0:n1].unsqueeze(1), out=bufs[1]).clamp_(min=LOG_P_FLOOR)
+        g = torch.exp(log_p, out=bufs[0])
+        if beta is not None:
+            g.mul_(log_p.mul_(beta[n0:n1].unsqueeze(1)).add_(alpha[n0:n1].unsqueeze(1)))
+        else:
+            g.mul_(alpha[n0:n1].unsqueeze(1))
+        if delta is not None:
+            g.add_(delta[n0:n1].unsqueeze(1))
+        g.scatter_add_(1, y[n0:n1], gamma[n0:n1].unsqueeze(1))
+        if softcap:  # dz/dx = 1 - t^2, t = tanh(x / c)
+            g.mul_(t.square_().neg_().add_(1.0))
+        _store_grad(_grad_block(grad, n0, n1), g, y[n0:n1], None, valid[n0:n1])

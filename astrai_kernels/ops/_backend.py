@@ -55,6 +55,22 @@ token_weight, clip_low, clip_high, delta, beta, grad)`` -> ``(logp, loss)``
     the formula above, taking clamp's gradient as zero outside its range and, where the two
     branches of the min are equal, the unclipped branch.
 
+Optional primitive (vocabulary parallel, ``ops/vocab_parallel.py``; ``torch`` implements it,
+``cpp`` and ``triton`` not yet: ``auto`` then runs a vocab-parallel gradient on ``torch``, and
+asking for them by name raises ``NotImplementedError``):
+
+``vocab_shard_backward(logits, target, lse, alpha, beta, gamma, delta, temperature, softcap,
+ignore_index, grad)`` -> None
+    ``logits`` hold one vocabulary shard; ``lse`` (float32, N) is the row's log-sum-exp over the
+    whole vocabulary, of ``s = z / T`` with ``z = c * tanh(x / c)`` when ``softcap = c`` is
+    not 0.0 (else ``z = x``). ``target`` entries in ``[0, V)`` are local target columns,
+    ``ignore_index`` rows get zeros, any other value is a counted row whose target lies in
+    another shard. With ``p_j = exp(s_j - lse)`` and per-row float32 coefficients (``beta``
+    and ``delta`` may be None: 0) it writes
+    ``grad_j = (1/T) * dz_j/dx_j * (p_j * (alpha + beta * log p_j) + gamma * d_jy + delta)``.
+    The forward statistics of a shard come from ``logprobs_forward`` and
+    ``cross_entropy_forward`` above, so every backend serves forward-only calls.
+
 ``reference.py`` states the same math naively; ``cpu/torch_backend.py`` is the readable
 chunked implementation of these primitives.
 """

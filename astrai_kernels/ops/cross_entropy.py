@@ -12,11 +12,14 @@ the backward with the per-row upstream gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
 from .. import reference
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 from . import _library
 from ._backend import backend_module, resolve_backend
 from ._common import (
@@ -188,6 +191,7 @@ def cross_entropy(
     normalizer: Union[float, torch.Tensor, None] = None,
     inplace_backward: bool = False,
     backend: str = "auto",
+    process_group: Optional["ProcessGroup"] = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``logits [..., V]`` against ``target [...]``, float32.
 
@@ -207,7 +211,18 @@ def cross_entropy(
     new buffer, the logits are kept) under ``torch.compile``, when the graph is retained
     (``retain_graph=True``: a later backward needs the logits), and for leading dims that
     cannot be viewed as ``[A, B, V]`` without a copy.
+
+    ``process_group`` (vocabulary parallel): ``logits`` hold this rank's contiguous shard of the
+    vocabulary (shards in rank order), ``target`` global ids; every rank gets the
+    full-vocabulary loss and its shard's gradient (``ops/vocab_parallel.py``).
     """
+    if process_group is not None:
+        from . import vocab_parallel
+
+        return vocab_parallel.cross_entropy(
+            logits, target, process_group=process_group, ignore_index=ignore_index,
+            reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+            normalizer=normalizer, inplace_backward=inplace_backward, backend=backend)
     params, normalizer_t = checked_params(logits, target, ignore_index, reduction,
                                           label_smoothing, z_loss, softcap, normalizer,
                                           inplace_backward, backend)

@@ -1,18 +1,24 @@
-"""GRPO clipped surrogate (and DAPO, Dr.GRPO, GSPO) fused with the log-softmax-gather.
+"""GRPO clipped surrogate (and DAPO, Dr.GRPO, GSPO, LUSPO, CISPO, SAPO, VESPO) fused with the
+log-softmax-gather.
 
 Contract: ``grpo_loss(logits [B, T, V], target [B, T], advantages [B] or [B, T])``
--> ``(loss, metrics)``. With token-level importance sampling one kernel computes per token
-``lse``, ``logp``, the ratio, the clip, the k3 KL and ``dL/dlogp`` (the aggregation weight of
-each token is known up front), and writes the gradient in the same pass. GSPO needs the
-sequence ratio first: a forward-only log-prob pass, O(B*T) math here, then the gradient pass.
-Log-ratios are clamped to +-20 before ``exp`` (as verl does) so no ratio overflows.
+-> ``(loss, metrics)``. With token-level importance sampling and the clipped surrogate one
+kernel computes per token ``lse``, ``logp``, the ratio, the clip, the k3 KL and ``dL/dlogp``
+(the aggregation weight of each token is known up front), and writes the gradient in the same
+pass. Every other objective (GSPO's sequence ratio, CISPO, SAPO, VESPO, the off-policy and
+entropy masks, the KL ratio correction, the entropy bonus) is O(B*T) torch math here on the
+differentiable token log-probs (and entropies) of ``token_logprobs``: a forward pass, then
+the gradient pass. Log-ratios are clamped to +-20 before ``exp`` (as verl does) so no ratio
+overflows.
 
 Masked tokens are selected away (``torch.where``), never multiplied by 0: their targets,
 logits, advantages and old/reference log-probs may hold anything, inf and NaN included.
 """
 
+import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -33,9 +39,37 @@ from ._common import (
 )
 from .logprobs import token_logprobs
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the clipped surrogate
+GLOBAL_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")  # sum / normalizer (the global count)
 IMPORTANCE_SAMPLING = ("token", "sequence")
 LOG_RATIO_CLAMP = 20.0
+VESPO_LOG_FLOOR = math.log(1e-8)  # TRL's lower clamp of VESPO's log-ratios
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """The GRPO-family options beyond the clipped surrogate (defaults: off / TRL's values)."""
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    kl_ratio_correction: bool = False
+    off_policy_threshold: Optional[float] = None
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0
+
+
+DEFAULT_OPTIONS = PolicyOptions()
 
 
 @dataclass(frozen=True)
@@ -48,6 +82,7 @@ class GRPOParams:
     importance_sampling: str
     temperature: float
     backend: str
+    options: PolicyOptions = DEFAULT_OPTIONS
 
 
 @dataclass
@@ -59,6 +94,8 @@ class _Inputs:
     old: Optional[Tensor]
     ref: Optional[Tensor]
     normalizer: Optional[Tensor]
+    importance_weights: Optional[Tensor] = None
+    sampling: Optional[Tensor] = None
 
 
 def _check_logprobs_input(tensor: Optional[Tensor], name: str, shape, device) -> Optional[Tensor]:
@@ -73,9 +110,10 @@ def _check_normalizer(normalizer, loss_type: str, device) -> Optional[Tensor]:
     :func:`_check_values`."""
     if normalizer is None:
         return None
-    if loss_type != "dapo":
-        raise ValueError(f"normalizer applies to loss_type='dapo' only (the global token "
-                         f"count); loss_type={loss_type!r} normalizes by itself")
+    if loss_type not in GLOBAL_COUNT_LOSS_TYPES:
+        raise ValueError(f"normalizer applies to loss_type in {GLOBAL_COUNT_LOSS_TYPES} only "
+                         f"(the global token count); loss_type={loss_type!r} normalizes by "
+                         f"itself")
     if isinstance(normalizer, Tensor):
         if normalizer.numel() != 1 or normalizer.is_complex() or normalizer.dtype == torch.bool:
             raise ValueError(f"normalizer must be a number or a one-element real tensor, got "
@@ -85,17 +123,23 @@ def _check_normalizer(normalizer, loss_type: str, device) -> Optional[Tensor]:
     return torch.tensor(value, dtype=torch.float32, device=device)
 
 
-def _check_values(mask: Optional[Tensor], valid: Tensor, normalizer: Optional[Tensor]) -> None:
-    """A mask of 0s and 1s, and a normalizer that is finite and > 0 (0 only when no token is
-    counted, an empty batch).
+def _check_values(mask: Optional[Tensor], valid: Tensor, normalizer: Optional[Tensor],
+                  importance_weights: Optional[Tensor] = None) -> None:
+    """A mask of 0s and 1s, a normalizer that is finite and > 0 (0 only when no token is
+    counted, an empty batch), importance weights finite and >= 0 on the unmasked tokens.
 
     Documented validation: one host sync when there is something to check (a mask that is not
-    bool, a normalizer), like the target check; under ``torch.compile`` an on-device assert.
+    bool, a normalizer, importance weights), like the target check; under ``torch.compile`` an
+    on-device assert.
     """
     flags, messages = [], []
     if mask is not None and mask.dtype != torch.bool:
         flags.append(((mask != 0) & (mask != 1)).any())
         messages.append("mask must hold only 0 and 1 (or be a bool tensor)")
+    if importance_weights is not None:
+        usable = torch.isfinite(importance_weights) & (importance_weights >= 0)
+        flags.append((valid & ~usable).any())
+        messages.append("importance_weights must be finite and >= 0 on the unmasked tokens")
     if normalizer is not None:
         empty = ~valid.any()
         usable = torch.isfinite(normalizer) & ((normalizer > 0) | ((normalizer == 0) & empty))
@@ -113,9 +157,50 @@ def _check_values(mask: Optional[Tensor], valid: Tensor, normalizer: Optional[Te
             raise ValueError(message + detail)
 
 
+def _check_options(loss_type: str, ref: Optional[Tensor], sampling: Optional[Tensor],
+                   options: dict) -> PolicyOptions:
+    """The GRPO-family keywords: each in its range, and none set where it would be unused."""
+    unknown = set(options) - set(PolicyOptions.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
+    for name, family in (("sapo_tau_pos", "sapo"), ("sapo_tau_neg", "sapo"),
+                         ("vespo_k_pos", "vespo"), ("vespo_lambda_pos", "vespo"),
+                         ("vespo_k_neg", "vespo"), ("vespo_lambda_neg", "vespo")):
+        if name not in options:
+            continue
+        if name.startswith("vespo_k"):
+            options[name] = check_in_range(options[name], name, 0.0, float("inf"))
+        else:
+            options[name] = check_positive(options[name], name)
+        if loss_type != family and options[name] != getattr(DEFAULT_OPTIONS, name):
+            raise ValueError(f"{name} applies to loss_type={family!r} only, got "
+                             f"loss_type={loss_type!r}")
+    correction = options.get("kl_ratio_correction", False)
+    if not isinstance(correction, bool):
+        raise TypeError(f"kl_ratio_correction must be a bool, got {type(correction).__name__}")
+    if correction and ref is None:
+        raise ValueError("kl_ratio_correction=True needs ref_logprobs (it scales the k3 KL "
+                         "term by the importance ratio)")
+    threshold = options.get("off_policy_threshold")
+    if threshold is not None:
+        options["off_policy_threshold"] = check_in_range(
+            threshold, "off_policy_threshold", 0.0, float("inf"))
+    elif sampling is not None:
+        raise ValueError("sampling_logprobs is used only by the off-policy sequence mask: pass "
+                         "off_policy_threshold too")
+    if "top_entropy_quantile" in options:
+        options["top_entropy_quantile"] = check_in_range(
+            options["top_entropy_quantile"], "top_entropy_quantile", 0.0, 1.0)
+    if "entropy_coef" in options:
+        options["entropy_coef"] = check_in_range(
+            options["entropy_coef"], "entropy_coef", -float("inf"), float("inf"))
+    return PolicyOptions(**options)
+
+
 def _check(logits, target, advantages, mask, old_logprobs, ref_logprobs, beta, clip_eps_low,
            clip_eps_high, delta, loss_type, importance_sampling, temperature,
-           max_completion_length, normalizer, backend) -> Tuple[_Inputs, GRPOParams]:
+           max_completion_length, normalizer, backend, importance_weights=None,
+           sampling_logprobs=None, **options) -> Tuple[_Inputs, GRPOParams]:
     check_logits(logits)
     if logits.dim() != 3:
         raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
@@ -140,27 +225,44 @@ def _check(logits, target, advantages, mask, old_logprobs, ref_logprobs, beta, c
     if beta > 0 and ref is None:
         raise ValueError("beta > 0 needs ref_logprobs (the reference policy's token log-probs)")
     clip_eps_low = check_in_range(clip_eps_low, "clip_eps_low", 0.0, 1.0)
+    check_choice(loss_type, "loss_type", LOSS_TYPES)
+    if loss_type == "cispo":
+        if clip_eps_high is None:
+            raise ValueError("loss_type='cispo' needs clip_eps_high, the cap on the importance "
+                             "ratio (e.g. 5.0); TRL would fall back to clip_eps_low")
+        clip_eps_high = check_positive(clip_eps_high, "clip_eps_high")
+    elif loss_type in ("sapo", "vespo") and clip_eps_high is not None:
+        raise ValueError(f"clip_eps_high does not apply to loss_type={loss_type!r} (no clip)")
     clip_eps_high = (clip_eps_low if clip_eps_high is None
                      else check_in_range(clip_eps_high, "clip_eps_high", 0.0, float("inf")))
     delta = 0.0 if delta is None else check_positive(delta, "delta")
-    check_choice(loss_type, "loss_type", LOSS_TYPES)
+    if delta and loss_type not in CLIPPED_LOSS_TYPES:
+        raise ValueError(f"delta caps the clipped surrogate's ratio: it applies to loss_type in "
+                         f"{CLIPPED_LOSS_TYPES}, got loss_type={loss_type!r}")
     check_choice(importance_sampling, "importance_sampling", IMPORTANCE_SAMPLING)
     if max_completion_length is not None:
         check_index(max_completion_length, "max_completion_length")
         if max_completion_length <= 0:
             raise ValueError(f"max_completion_length must be > 0, got {max_completion_length}")
     normalizer = _check_normalizer(normalizer, loss_type, device)
-    _check_values(mask, valid, normalizer)
+    weights = check_per_row(importance_weights, "importance_weights", shape, device,
+                            allow_none=True)
+    if weights is not None and not weights.is_floating_point():
+        raise TypeError(f"importance_weights must be a floating tensor, got {weights.dtype}")
+    sampling = _check_logprobs_input(sampling_logprobs, "sampling_logprobs", shape, device)
+    options = _check_options(loss_type, ref, sampling, options)
+    _check_values(mask, valid, normalizer, weights)
     params = GRPOParams(beta, clip_eps_low, clip_eps_high, delta, loss_type, importance_sampling,
                         check_positive(temperature, "temperature"),
-                        resolve_backend(backend, device))
+                        resolve_backend(backend, device), options)
 
     def select(values: Optional[Tensor]) -> Optional[Tensor]:
         if values is None:
             return None
         return torch.where(valid, values.detach().float(), 0.0)
 
-    return _Inputs(valid, select(advantages), select(old), select(ref), normalizer), params
+    return _Inputs(valid, select(advantages), select(old), select(ref), normalizer,
+                   select(weights), select(sampling)), params
 
 
 class FlatRows(NamedTuple):
@@ -178,24 +280,40 @@ class GRPOPlan:
     params: GRPOParams
     weight: Tensor
 
+    @property
+    def fused(self) -> bool:
+        """Whether the single-pass kernel's formula covers the call: the clipped surrogate on
+        token ratios, with no mask or term that needs the log-probs first. Importance weights
+        fold into the token weights when there is no KL term for them to leave alone."""
+        params, options = self.params, self.params.options
+        return (params.loss_type in CLIPPED_LOSS_TYPES and params.importance_sampling == "token"
+                and options == DEFAULT_OPTIONS
+                and (self.inputs.importance_weights is None or params.beta == 0))
+
     def flat_rows(self) -> FlatRows:
         def flat(x: Optional[Tensor]) -> Optional[Tensor]:
             return None if x is None else x.reshape(-1).contiguous()
 
+        weight = self.weight
+        if self.inputs.importance_weights is not None:
+            weight = weight * self.inputs.importance_weights
         return FlatRows(flat(self.inputs.advantages), flat(self.inputs.old),
-                        flat(self.inputs.ref), flat(self.weight))
+                        flat(self.inputs.ref), flat(weight))
 
 
 def plan(logits: Tensor, target: Tensor, advantages: Tensor, *, mask=None, old_logprobs=None,
          ref_logprobs=None, beta=0.0, clip_eps_low=0.2, clip_eps_high=None, delta=None,
          loss_type="bnpo", importance_sampling="token", temperature=1.0,
-         max_completion_length=None, normalizer=None, backend="auto") -> GRPOPlan:
+         max_completion_length=None, normalizer=None, importance_weights=None,
+         sampling_logprobs=None, backend="auto", **options) -> GRPOPlan:
     """Check a call's arguments and weigh its tokens. ``logits`` may be a zero-byte stand-in of
-    the logits' shape, dtype and device (the fused LM head's checks)."""
+    the logits' shape, dtype and device (the fused LM head's checks). ``options`` are
+    :class:`PolicyOptions`' fields."""
     inputs, params = _check(
         logits, target, advantages, mask, old_logprobs, ref_logprobs, beta, clip_eps_low,
         clip_eps_high, delta, loss_type, importance_sampling, temperature,
-        max_completion_length, normalizer, backend)
+        max_completion_length, normalizer, backend, importance_weights, sampling_logprobs,
+        **options)
     weight = _token_weight(inputs.valid, loss_type, max_completion_length, inputs.normalizer)
     return GRPOPlan(inputs, params, weight)
 
@@ -208,19 +326,53 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
               importance_sampling: str = "token", temperature: float = 1.0,
               max_completion_length: Optional[int] = None,
               normalizer: Union[None, float, Tensor] = None,
-              backend: str = "auto") -> Tuple[Tensor, Dict[str, Tensor]]:
-    """GRPO policy loss and detached float32 metrics (means over the unmasked tokens).
+              sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05,
+              vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
+              vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+              kl_ratio_correction: bool = False, importance_weights: Optional[Tensor] = None,
+              off_policy_threshold: Optional[float] = None,
+              sampling_logprobs: Optional[Tensor] = None, top_entropy_quantile: float = 1.0,
+              entropy_coef: float = 0.0,
+              backend: str = "auto", process_group: Optional["ProcessGroup"] = None
+              ) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """GRPO-family policy loss and detached float32 metrics (means over the unmasked tokens).
 
-    ``mask`` holds 0s and 1s (or is bool); ``normalizer`` (``loss_type="dapo"`` only) is the
-    global count of unmasked tokens, a number or a one-element tensor; 0 is allowed when every
-    token is masked, and the loss is then 0.0 with a zero gradient.
+    ``mask`` holds 0s and 1s (or is bool); ``normalizer`` (``loss_type`` ``"dapo"``,
+    ``"cispo"``, ``"vespo"``) is the global count of unmasked tokens, a number or a one-element
+    tensor; 0 is allowed when every token is masked, and the loss is then 0.0 with a zero
+    gradient. The objectives and options follow TRL's ``GRPOTrainer._compute_loss``; README's
+    "Supported objectives" lists their formulas.
+
+    ``process_group`` (vocabulary parallel): ``logits`` hold this rank's contiguous vocabulary
+    shard, ``target`` global ids (``ops/vocab_parallel.py``).
     """
+    if process_group is not None:
+        from . import vocab_parallel
+
+        return vocab_parallel.grpo_loss(
+            logits, target, advantages, process_group=process_group, backend=backend, mask=mask,
+            old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta,
+            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
+            loss_type=loss_type, importance_sampling=importance_sampling,
+            temperature=temperature, max_completion_length=max_completion_length,
+            normalizer=normalizer, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
+            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+            vespo_lambda_neg=vespo_lambda_neg, kl_ratio_correction=kl_ratio_correction,
+            importance_weights=importance_weights, off_policy_threshold=off_policy_threshold,
+            sampling_logprobs=sampling_logprobs, top_entropy_quantile=top_entropy_quantile,
+            entropy_coef=entropy_coef)
     checked = plan(logits, target, advantages, mask=mask, old_logprobs=old_logprobs,
                    ref_logprobs=ref_logprobs, beta=beta, clip_eps_low=clip_eps_low,
                    clip_eps_high=clip_eps_high, delta=delta, loss_type=loss_type,
                    importance_sampling=importance_sampling, temperature=temperature,
                    max_completion_length=max_completion_length, normalizer=normalizer,
-                   backend=backend)
+                   importance_weights=importance_weights, sampling_logprobs=sampling_logprobs,
+                   backend=backend, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
+                   vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+                   vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+                   kl_ratio_correction=kl_ratio_correction,
+                   off_policy_threshold=off_policy_threshold,
+                   top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef)
     inputs, params = checked.inputs, checked.params
     if params.backend == "reference":
         from .. import reference
@@ -229,13 +381,15 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
             logits.float(), target, inputs.advantages, inputs.valid, inputs.old, inputs.ref,
             params.beta, params.clip_eps_low, params.clip_eps_high, params.delta or None,
             loss_type, importance_sampling, params.temperature, max_completion_length,
-            inputs.normalizer)
-    if importance_sampling == "sequence":
-        def logprobs_of(masked_target: Tensor) -> Tensor:
-            return token_logprobs(logits, masked_target, temperature=params.temperature,
-                                  backend=params.backend)
+            inputs.normalizer, importance_weights=inputs.importance_weights,
+            sampling_logprobs=inputs.sampling, **dataclasses.asdict(params.options))
+    if not checked.fused:
+        def logprobs_of(masked_target: Tensor, with_entropy: bool):
+            out = token_logprobs(logits, masked_target, temperature=params.temperature,
+                                 return_entropy=with_entropy, backend=params.backend)
+            return out if with_entropy else (out, None)
 
-        return sequence_level(logprobs_of, target, checked)
+        return from_logprobs(logprobs_of, target, checked)
     return _token_level(logits, target, checked)
 
 
@@ -244,12 +398,15 @@ def _token_weight(valid: Tensor, loss_type: str, max_completion_length: Optional
     """Each token's factor in the aggregated loss (0 on masked tokens), float32 ``[B, T]``."""
     batch, length = valid.shape
     mask = valid.to(torch.float32)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return mask / (mask.sum(-1, keepdim=True).clamp(min=1.0) * batch)
     if loss_type == "bnpo":
         return mask / mask.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         return mask / float(batch * (max_completion_length or length))
+    if loss_type == "luspo":
+        # mean over sequences of the sum over its tokens: a sequence weighs by its length
+        return mask / float(max(batch, 1))
     if normalizer is None:
         return mask / mask.sum().clamp(min=1.0)
     # A normalizer of 0 is valid only when every token is masked: divide by 1, on the device.
@@ -273,19 +430,29 @@ def _k3(logp: Tensor, ref: Optional[Tensor]) -> Tensor:
     return torch.exp(log_ratio) - log_ratio - 1.0
 
 
-def _metrics(ratio: Tensor, k3: Tensor, inputs: _Inputs,
-             params: GRPOParams) -> Dict[str, Tensor]:
-    valid, advantages = inputs.valid, inputs.advantages
+def _masked_mean(values: Tensor, valid: Tensor) -> Tensor:
     count = valid.sum().clamp(min=1).to(torch.float32)
-    low = (ratio < 1.0 - params.clip_eps_low) & (advantages < 0)
-    high = (ratio > 1.0 + params.clip_eps_high) & (advantages > 0)
+    return (torch.where(valid, values.float(), 0.0).sum() / count).detach()
 
-    def masked_mean(x: Tensor) -> Tensor:
-        return (torch.where(valid, x.float(), 0.0).sum() / count).detach()
 
-    return {"kl": masked_mean(k3), "ratio/mean": masked_mean(ratio),
-            "clip_ratio/low": masked_mean(low), "clip_ratio/high": masked_mean(high),
-            "clip_ratio/region": masked_mean(low | high)}
+def _metrics(ratio: Tensor, k3: Tensor, inputs: _Inputs, params: GRPOParams,
+             extra: Optional[Dict[str, Tensor]] = None) -> Dict[str, Tensor]:
+    """``kl`` and ``ratio/mean``; the clip shares of the loss type (``clip_ratio/low``,
+    ``/high``, ``/region`` for the clipped surrogate, ``clip_ratio/cispo`` for CISPO's cap);
+    then ``extra`` (already means)."""
+    valid, advantages = inputs.valid, inputs.advantages
+    metrics = {"kl": _masked_mean(k3, valid), "ratio/mean": _masked_mean(ratio, valid)}
+    if params.loss_type in CLIPPED_LOSS_TYPES:
+        low = (ratio < 1.0 - params.clip_eps_low) & (advantages < 0)
+        high = (ratio > 1.0 + params.clip_eps_high) & (advantages > 0)
+        metrics.update({"clip_ratio/low": _masked_mean(low, valid),
+                        "clip_ratio/high": _masked_mean(high, valid),
+                        "clip_ratio/region": _masked_mean(low | high, valid)})
+    elif params.loss_type == "cispo":
+        capped = (ratio > params.clip_eps_high) & (advantages > 0)
+        metrics["clip_ratio/cispo"] = _masked_mean(capped, valid)
+    metrics.update(extra or {})
+    return metrics
 
 
 def _token_level(logits: Tensor, target: Tensor,
@@ -314,22 +481,120 @@ def token_level_result(logp: Tensor, token_loss: Tensor,
     return value, _metrics(ratio, _k3(logp, inputs.ref), inputs, params)
 
 
-def sequence_level(logprobs_of: Callable[[Tensor], Tensor], target: Tensor,
-                   checked: GRPOPlan) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """GSPO: ``r_b = exp(mean over unmasked tokens of logp - old)``, one ratio per sequence,
-    its gradient reaching every unmasked token of the sequence. ``logprobs_of(masked_target)``
-    gives the differentiable token log-probs ``[B, T]`` (from logits or the fused head)."""
-    inputs, params, weight = checked.inputs, checked.params, checked.weight
+def _vespo_weight(token_log_ratio: Tensor, inputs: _Inputs, options: PolicyOptions) -> Tensor:
+    """VESPO's detached gamma weight ``phi(W) = exp(lambda + k log W - lambda W)`` of the
+    sequence ratio ``log W = sum_t (logp - old) + sum_t log(importance_weights)`` (each term and
+    ``log W`` clamped to ``[log 1e-8, 20]`` as TRL's ``get_gamma_weights``), ``k, lambda`` by
+    the sign of ``A``; ``[B, T]``. ``token_log_ratio`` is clamped to +-20 and 0 where masked."""
     valid = inputs.valid
-    masked_target = torch.where(valid, target, torch.full_like(target, -100))
-    logp = logprobs_of(masked_target)
-    old = logp.detach() if inputs.old is None else inputs.old
+    log_w = token_log_ratio.sum(-1, keepdim=True)
+    if inputs.importance_weights is not None:
+        log_weights = torch.log(inputs.importance_weights).clamp(VESPO_LOG_FLOOR,
+                                                                 LOG_RATIO_CLAMP)
+        log_w = log_w + torch.where(valid, log_weights, 0.0).sum(-1, keepdim=True)
+    log_w = log_w.clamp(VESPO_LOG_FLOOR, LOG_RATIO_CLAMP)
+    non_negative = inputs.advantages >= 0
+    k = torch.where(non_negative, options.vespo_k_pos, options.vespo_k_neg)
+    lam = torch.where(non_negative, options.vespo_lambda_pos, options.vespo_lambda_neg)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _policy_loss(logp: Tensor, ratio: Tensor, token_log_ratio: Tensor, inputs: _Inputs,
+                 params: GRPOParams) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """Each token's policy term ``[B, T]`` of the loss type (before masks and weights), and
+    the type's own metrics."""
+    advantages, options = inputs.advantages, params.options
+    if params.loss_type == "cispo":
+        capped = ratio.clamp(max=params.clip_eps_high).detach()
+        return -capped * advantages * logp, {}
+    if params.loss_type == "sapo":
+        tau = torch.where(advantages > 0, options.sapo_tau_pos, options.sapo_tau_neg)
+        return -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * advantages, {}
+    if params.loss_type == "vespo":
+        phi = _vespo_weight(token_log_ratio.detach(), inputs, options)
+        return -phi * advantages * logp, {"vespo/phi_mean": _masked_mean(phi, inputs.valid)}
+    return _surrogate(ratio, advantages, params), {}
+
+
+def _off_policy_keep(logp: Tensor, inputs: _Inputs, threshold: float) -> Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask: keep where ``A >= 0`` or the sequence's masked
+    mean of ``sampling - logp`` is at most ``threshold``. Without ``sampling_logprobs`` the old
+    log-probs stand in (then the current ones), as in TRL."""
+    valid = inputs.valid
+    sampling = inputs.sampling if inputs.sampling is not None else inputs.old
+    if sampling is None:
+        sampling = logp.detach()
     lengths = valid.sum(-1, keepdim=True).clamp(min=1).to(torch.float32)
-    seq_log_ratio = torch.where(valid, logp - old, 0.0).sum(-1, keepdim=True) / lengths
-    ratio = torch.exp(seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).expand_as(logp)
-    token_loss = _surrogate(ratio, inputs.advantages, params)
+    gap = torch.where(valid, sampling - logp.detach(), 0.0).sum(-1, keepdim=True) / lengths
+    return (inputs.advantages >= 0) | (gap <= threshold)
+
+
+def _top_entropy_keep(entropy: Tensor, valid: Tensor, quantile: float) -> Tensor:
+    """Unmasked tokens whose entropy is at or above the ``1 - quantile`` quantile of the
+    unmasked tokens' entropies (``torch.quantile``'s linear interpolation; no host sync)."""
+    if valid.numel() == 0:
+        return valid
+    entropy = entropy.detach()
+    ordered = torch.where(valid, entropy, float("inf")).reshape(-1).sort().values
+    rank = (1.0 - quantile) * (valid.sum() - 1).clamp(min=0).to(torch.float32)
+    # gather, not item indexing: the ranks stay on the device (no sync, traceable)
+    below, above = ordered.gather(0, torch.stack([rank.floor(), rank.ceil()]).long()).unbind()
+    threshold = torch.lerp(below, above, rank - rank.floor())
+    return valid & (entropy >= threshold)
+
+
+def from_logprobs(logprobs_of: Callable[[Tensor, bool], Tuple[Tensor, Optional[Tensor]]],
+                  target: Tensor, checked: GRPOPlan) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """Every call the single-pass kernel does not cover, as torch math on ``[B, T]``.
+    ``logprobs_of(masked_target, with_entropy)`` gives the differentiable token log-probs (and
+    entropies, or None) from logits or the fused head. GSPO's ratio
+    ``r_b = exp(masked mean of logp - old)`` is one per sequence, its gradient reaching every
+    unmasked token of the sequence."""
+    inputs, params, weight = checked.inputs, checked.params, checked.weight
+    options, valid = params.options, inputs.valid
+    masked_target = torch.where(valid, target, torch.full_like(target, -100))
+    logp, entropy = logprobs_of(masked_target, options.needs_entropy)
+    old = logp.detach() if inputs.old is None else inputs.old
+    token_log_ratio = torch.where(valid, logp - old, 0.0)
+    if params.importance_sampling == "sequence":
+        lengths = valid.sum(-1, keepdim=True).clamp(min=1).to(torch.float32)
+        log_ratio = (token_log_ratio.sum(-1, keepdim=True) / lengths).expand_as(logp)
+    else:
+        log_ratio = token_log_ratio
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    token_loss, extra = _policy_loss(
+        logp, ratio, token_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), inputs, params)
+    keep = valid
+    if options.off_policy_threshold is not None:
+        kept = _off_policy_keep(logp, inputs, options.off_policy_threshold)
+        keep = keep & kept
+        extra["mask/off_policy"] = _masked_mean(kept, valid)
+    entropy_keep = valid
+    if options.top_entropy_quantile < 1.0:
+        entropy_keep = _top_entropy_keep(entropy, valid, options.top_entropy_quantile)
+        keep = keep & entropy_keep
+        extra["mask/entropy"] = _masked_mean(entropy_keep, valid)
+    if inputs.importance_weights is not None and params.loss_type != "vespo":
+        token_loss = token_loss * inputs.importance_weights  # VESPO has them inside phi
+    token_loss = torch.where(keep, token_loss, 0.0)
     k3 = _k3(logp, inputs.ref)
+    if options.kl_ratio_correction:
+        k3 = k3 * ratio  # TRL's use_bias_correction_kl: k3 under the importance ratio
     if params.beta > 0:
         token_loss = token_loss + params.beta * k3
     loss = torch.where(valid, token_loss * weight, 0.0).sum()
-    return loss, _metrics(ratio.detach(), k3.detach(), inputs, params)
+    if entropy is not None:
+        extra["entropy"] = _masked_mean(entropy, valid)
+    if options.entropy_coef != 0.0:
+        loss = loss - options.entropy_coef * _entropy_bonus(entropy, entropy_keep, checked)
+    return loss, _metrics(ratio.detach(), k3.detach(), inputs, params, extra)
+
+
+def _entropy_bonus(entropy: Tensor, keep: Tensor, checked: GRPOPlan) -> Tensor:
+    """TRL's entropy term: the mean entropy over the kept tokens, or for the global-count loss
+    types the sum over them divided by that count (each token's aggregation weight)."""
+    if checked.params.loss_type in GLOBAL_COUNT_LOSS_TYPES:
+        return torch.where(keep, entropy * checked.weight, 0.0).sum()
+    count = keep.sum().clamp(min=1).to(torch.float32)
+    return torch.where(keep, entropy, 0.0).sum() / count

@@ -27,7 +27,7 @@ a float32 copy of the weight: there a bf16 GEMM is 10-100x slower than the fp32 
 """
 
 from dataclasses import dataclass
-from typing import Dict, Literal, Optional, Tuple, Union, overload
+from typing import TYPE_CHECKING, Dict, Literal, Optional, Tuple, Union, overload
 
 import torch
 from torch import Tensor
@@ -38,6 +38,9 @@ from . import logprobs as lp_op
 from ._backend import backend_module, resolve_backend
 from ._common import FLOAT_DTYPES, flat_target, scale_saved_grad
 from ._library import traceable_op
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}
 WEIGHT_COPY_SHARE = 4  # with a float32 copy of the weight, a chunk gets a quarter of the budget
@@ -411,12 +414,23 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                          reduction: str = "mean", label_smoothing: float = 0.0,
                          z_loss: float = 0.0, softcap: Optional[float] = None,
                          normalizer: Union[None, float, Tensor] = None,
-                         chunk_size: Optional[int] = None, backend: str = "auto") -> Tensor:
+                         chunk_size: Optional[int] = None, backend: str = "auto",
+                         process_group: Optional["ProcessGroup"] = None) -> Tensor:
     """Cross-entropy of ``hidden [..., H] @ weight[V, H].T + bias`` against ``target [...]``.
 
     Equals ``ak.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` (every keyword
-    means the same) without holding the ``[N, V]`` logits; float32 result.
+    means the same) without holding the ``[N, V]`` logits; float32 result. With
+    ``process_group`` the weight (and bias) hold this rank's vocabulary shard and the hidden
+    states' gradient is summed over the group (``ops/vocab_parallel.py``).
     """
+    if process_group is not None:
+        from . import vocab_parallel
+
+        return vocab_parallel.linear_cross_entropy(
+            hidden, weight, target, process_group=process_group, bias=bias,
+            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+            z_loss=z_loss, softcap=softcap, normalizer=normalizer, chunk_size=chunk_size,
+            backend=backend)
     hidden_rows = _check_head(hidden, weight, bias, chunk_size)
     backend = resolve_backend(backend, hidden.device)
     if backend == "reference":
@@ -457,26 +471,36 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
 def linear_token_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, *,
                           bias: Optional[Tensor] = ..., temperature: float = ...,
                           ignore_index: int = ..., return_entropy: Literal[False] = ...,
-                          chunk_size: Optional[int] = ..., backend: str = ...) -> Tensor: ...
+                          chunk_size: Optional[int] = ..., backend: str = ...,
+                          process_group: Optional["ProcessGroup"] = ...) -> Tensor: ...
 
 
 @overload
 def linear_token_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, *,
                           bias: Optional[Tensor] = ..., temperature: float = ...,
                           ignore_index: int = ..., return_entropy: Literal[True],
-                          chunk_size: Optional[int] = ..., backend: str = ...
+                          chunk_size: Optional[int] = ..., backend: str = ...,
+                          process_group: Optional["ProcessGroup"] = ...
                           ) -> Tuple[Tensor, Tensor]: ...
 
 
 def linear_token_logprobs(hidden, weight, target, *, bias=None, temperature=1.0,
                           ignore_index=-100, return_entropy=False, chunk_size=None,
-                          backend="auto"):
+                          backend="auto", process_group=None):
     """Log-probs of ``target`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
     float32 ``[...]`` (and the entropy with ``return_entropy=True``, differentiable). Under
     ``torch.no_grad()`` (or with no input requiring grad) it runs forward only and allocates no
-    gradient buffer: the way to compute old- and reference-policy log-probs.
+    gradient buffer: the way to compute old- and reference-policy log-probs. ``process_group``:
+    vocabulary parallel, as in ``linear_cross_entropy``.
     """
+    if process_group is not None:
+        from . import vocab_parallel
+
+        return vocab_parallel.linear_token_logprobs(
+            hidden, weight, target, process_group=process_group, bias=bias,
+            temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy,
+            chunk_size=chunk_size, backend=backend)
     hidden_rows = _check_head(hidden, weight, bias, chunk_size)
     backend = resolve_backend(backend, hidden.device)
     if backend == "reference":
@@ -523,15 +547,41 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
                      importance_sampling: str = "token", temperature: float = 1.0,
                      max_completion_length: Optional[int] = None,
                      normalizer: Union[None, float, Tensor] = None,
-                     chunk_size: Optional[int] = None, backend: str = "auto"
+                     sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05,
+                     vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
+                     vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+                     kl_ratio_correction: bool = False,
+                     importance_weights: Optional[Tensor] = None,
+                     off_policy_threshold: Optional[float] = None,
+                     sampling_logprobs: Optional[Tensor] = None,
+                     top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0,
+                     chunk_size: Optional[int] = None, backend: str = "auto",
+                     process_group: Optional["ProcessGroup"] = None
                      ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """GRPO loss and metrics of ``grpo_loss(F.linear(hidden, weight, bias), ...)``, fused.
 
     ``hidden [B, T, H]`` aligned with ``target [B, T]`` (the caller shifts); every keyword as in
-    ``ak.grpo_loss``. Token-level importance sampling computes all gradients in the forward's
-    single walk over the chunks; GSPO (``importance_sampling="sequence"``) differentiates
-    through ``linear_token_logprobs``.
+    ``ak.grpo_loss``. The clipped surrogate on token ratios computes all gradients in the
+    forward's single walk over the chunks; every other objective and option (GSPO, CISPO, SAPO,
+    VESPO, the masks, the entropy bonus) differentiates through ``linear_token_logprobs``.
+    ``process_group``: vocabulary parallel, as in ``linear_cross_entropy``.
     """
+    if process_group is not None:
+        from . import vocab_parallel
+
+        return vocab_parallel.linear_grpo_loss(
+            hidden, weight, target, advantages, process_group=process_group, bias=bias,
+            chunk_size=chunk_size, backend=backend, mask=mask, old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs, beta=beta, clip_eps_low=clip_eps_low,
+            clip_eps_high=clip_eps_high, delta=delta, loss_type=loss_type,
+            importance_sampling=importance_sampling, temperature=temperature,
+            max_completion_length=max_completion_length,
+            normalizer=normalizer, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
+            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+            vespo_lambda_neg=vespo_lambda_neg, kl_ratio_correction=kl_ratio_correction,
+            importance_weights=importance_weights, off_policy_threshold=off_policy_threshold,
+            sampling_logprobs=sampling_logprobs, top_entropy_quantile=top_entropy_quantile,
+            entropy_coef=entropy_coef)
     _check_head(hidden, weight, bias, chunk_size)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
@@ -539,19 +589,28 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
                    clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
                    loss_type=loss_type, importance_sampling=importance_sampling,
                    temperature=temperature, max_completion_length=max_completion_length,
-                   normalizer=normalizer)
+                   normalizer=normalizer, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
+                   vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+                   vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+                   kl_ratio_correction=kl_ratio_correction,
+                   importance_weights=importance_weights,
+                   off_policy_threshold=off_policy_threshold,
+                   sampling_logprobs=sampling_logprobs,
+                   top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef)
     backend = resolve_backend(backend, hidden.device)
     if backend == "reference":
         logits = torch.nn.functional.linear(hidden, weight, bias)
         return grpo_op.grpo_loss(logits, target, advantages, backend="reference", **options)
     plan = grpo_op.plan(_logits_like(hidden, weight), target, advantages, backend=backend,
                         **options)
-    if plan.params.importance_sampling == "sequence":
-        def logprobs_of(masked_target):
-            return linear_token_logprobs(hidden, weight, masked_target, bias=bias,
-                                         temperature=plan.params.temperature,
-                                         chunk_size=chunk_size, backend=plan.params.backend)
-        return grpo_op.sequence_level(logprobs_of, target, plan)
+    if not plan.fused:
+        def logprobs_of(masked_target, with_entropy):
+            out = linear_token_logprobs(hidden, weight, masked_target, bias=bias,
+                                        temperature=plan.params.temperature,
+                                        return_entropy=with_entropy, chunk_size=chunk_size,
+                                        backend=plan.params.backend)
+            return out if with_entropy else (out, None)
+        return grpo_op.from_logprobs(logprobs_of, target, plan)
     needs = _needs(hidden, weight, bias) if torch.is_grad_enabled() else (False,) * 3
     hidden_rows = hidden.reshape(-1, hidden.shape[-1])
     flat = plan.flat_rows()

@@ -11,11 +11,14 @@ The forward keeps one float32 ``lse`` (and entropy) per row; the backward recomp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Tuple, Union, overload
+from typing import TYPE_CHECKING, Literal, Optional, Tuple, Union, overload
 
 import torch
 
 from .. import reference
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 from . import _library
 from ._backend import backend_module, resolve_backend
 from ._common import (
@@ -110,13 +113,15 @@ def _forward_only(logits_rows, target_flat, params):
 @overload
 def token_logprobs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = ...,
                    ignore_index: int = ..., return_entropy: Literal[False] = ...,
-                   inplace_backward: bool = ..., backend: str = ...) -> torch.Tensor: ...
+                   inplace_backward: bool = ..., backend: str = ...,
+                   process_group: Optional[ProcessGroup] = ...) -> torch.Tensor: ...
 
 
 @overload
 def token_logprobs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = ...,
                    ignore_index: int = ..., return_entropy: Literal[True],
-                   inplace_backward: bool = ..., backend: str = ...
+                   inplace_backward: bool = ..., backend: str = ...,
+                   process_group: Optional[ProcessGroup] = ...
                    ) -> Tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -129,6 +134,7 @@ def token_logprobs(
     return_entropy: bool = False,
     inplace_backward: bool = False,
     backend: str = "auto",
+    process_group: Optional[ProcessGroup] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Log-probability of ``target`` under ``softmax(logits / temperature)``, float32 ``[...]``.
 
@@ -141,7 +147,18 @@ def token_logprobs(
     ``logits`` slice a contiguous tensor that requires grad (``x[:, :-1]``), that tensor's
     whole buffer becomes its gradient (the rest zeroed). The logits are kept, and the gradient
     is a new buffer, under ``torch.compile`` and in a backward that retains the graph.
+
+    ``process_group`` (vocabulary parallel): ``logits`` hold this rank's contiguous shard of the
+    vocabulary (shards in rank order), ``target`` global ids; every rank gets the
+    full-vocabulary result and its shard's gradient (``ops/vocab_parallel.py``).
     """
+    if process_group is not None:
+        from . import vocab_parallel
+
+        return vocab_parallel.token_logprobs(
+            logits, target, process_group=process_group, temperature=temperature,
+            ignore_index=ignore_index, return_entropy=return_entropy,
+            inplace_backward=inplace_backward, backend=backend)
     params = checked_params(logits, target, temperature, ignore_index, return_entropy,
                              inplace_backward, backend)
     lead_shape = target.shape

@@ -27,6 +27,11 @@ when the model returns an ``aux_loss``, and keeps the seed's extension points
   reference log-probs are forward-only and computed before the policy's forward, so their
   logits are freed before the policy's exist. ``SEQStrategy``/``SFTStrategy`` also take
   ``inplace_backward=True`` (the logits' gradient overwrites the logits buffer).
+  When a model exposes its final hidden states and output embedding (:mod:`.head`:
+  ``TinyCausalLM.forward_hidden``, or a transformers causal LM), each model's part of the loss
+  (policy, old and reference log-probs) runs through the ``linear_*`` ops instead
+  (``ak.linear_cross_entropy``, ``ak.linear_sequence_logprobs``, ``ak.linear_token_logprobs``,
+  ``ak.linear_grpo_loss``) and no logits exist at all; ``fused_head=False`` keeps the logits.
 * ``"reference"``: the seed's own math (:mod:`astrai_kernels.naive`), through no op of this
   package: ``log_softmax(logits.float())`` + ``gather`` over the whole sequence,
   ``F.cross_entropy``, the clipped surrogate and the DPO sigmoid in plain torch. It exists for

@@ -3,6 +3,7 @@
 import inspect
 from abc import ABC, abstractmethod
 from typing import (
+    TYPE_CHECKING,
     Any,
     Callable,
     Dict,
@@ -20,6 +21,9 @@ import torch.nn as nn
 from torch import Tensor
 
 from .rollout import RolloutResult, RolloutRunner
+
+if TYPE_CHECKING:  # head.py imports this module
+    from .head import ModelHead
 
 try:
     from typing import TypedDict
@@ -200,6 +204,10 @@ class BaseStrategy(ABC):
     * ``executor``: an object with ``unwrap_model(model) -> state_dict`` and ``use_distributed``
       (see :class:`~astrai_kernels.strategies.executor.Executor`); optional.
     * ``moe_aux_loss_coef`` (0.01): weight of the model's ``aux_loss`` output, when it has one.
+    * ``fused_head`` (None): with a fused ``loss_backend`` and a model that exposes its final
+      hidden states and output embedding (:mod:`astrai_kernels.strategies.head`), the losses are
+      computed with the ``linear_*`` ops and no logits exist; ``False`` keeps the logits path,
+      ``True`` requires the fused one.
 
     Other keywords are kept in ``self.extra_kwargs`` for subclasses.
     """
@@ -216,6 +224,10 @@ class BaseStrategy(ABC):
         if self.loss_backend not in LOSS_BACKENDS:
             raise ValueError(f"{type(self).__name__}: loss_backend must be one of "
                              f"{LOSS_BACKENDS}, got {self.loss_backend!r}")
+        self.fused_head = kwargs.pop("fused_head", None)
+        if self.fused_head not in (None, True, False):
+            raise ValueError(f"{type(self).__name__}: fused_head must be None (auto), True or "
+                             f"False, got {self.fused_head!r}")
         self.executor = kwargs.pop("executor", None)
         self.moe_aux_loss_coef = kwargs.pop("moe_aux_loss_coef", 0.01)
         self.extra_kwargs = kwargs
@@ -225,6 +237,15 @@ class BaseStrategy(ABC):
     def uses_reference(self) -> bool:
         """True when the losses are computed with the seed's naive math."""
         return self.loss_backend == "reference"
+
+    def model_head(self, model: Model) -> "Optional[ModelHead]":
+        """``model``'s fused head (:mod:`.head`), or None for the logits path (always None with
+        ``loss_backend="reference"``, the seed's math on the logits)."""
+        if self.uses_reference:
+            return None
+        from .head import model_head
+
+        return model_head(model, self.fused_head, type(self).__name__)
 
     def _reference_only(self, **options) -> None:
         """Reject options the seed's math (``loss_backend="reference"``) does not have."""

@@ -1,6 +1,6 @@
 """Direct Preference Optimization (``dpo``, ``online_dpo``)."""
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -47,11 +47,15 @@ class DPOStrategy(BaseStrategy):
 
     The sequence log-prob of each side is the sum (``reduction="sum"``, the seed's default) or the
     mean (``"mean"``) of its masked token log-probs. ``ref_model=None`` is reference-free DPO.
-    ``loss_type`` and ``label_smoothing`` are those of ``ak.dpo_loss`` (``"sigmoid"`` and 0 are the
-    seed's loss; the others need a fused ``loss_backend``).
+    ``loss_type`` (one of ``ak.dpo_loss``'s types, or a list of them with ``loss_weights``:
+    MPO), ``label_smoothing``, ``discopop_tau`` and ``bco_delta`` are those of ``ak.dpo_loss``
+    (``"sigmoid"`` and 0 are the seed's loss; the others need a fused ``loss_backend``) and are
+    checked at construction (``bco_delta`` a number here). ``sigmoid_norm`` divides each side's
+    summed log-ratio by its count of scored tokens, so it needs ``reduction="sum"``.
 
     Metrics: ``dpo_loss``, ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracy``,
-    ``rewards/margin`` (rewards are ``beta * (log pi - log ref)``, batch means), ``loss``.
+    ``rewards/margin`` (rewards are ``beta * (log pi - log ref)``, batch means), ``loss``, and
+    with a list of loss types ``loss/<type>`` (each type's unweighted mean).
     """
 
     def __init__(
@@ -61,8 +65,11 @@ class DPOStrategy(BaseStrategy):
         ref_model: Optional[nn.Module],
         beta: float = 0.1,
         reduction: str = "sum",
-        loss_type: str = "sigmoid",
+        loss_type: Union[str, Sequence[str]] = "sigmoid",
         label_smoothing: float = 0.0,
+        loss_weights: Optional[Sequence[float]] = None,
+        discopop_tau: Optional[float] = None,
+        bco_delta: Optional[float] = None,
         **kwargs,
     ):
         super().__init__(model, device, **kwargs)
@@ -74,8 +81,23 @@ class DPOStrategy(BaseStrategy):
         self.reduction = reduction
         self.loss_type = loss_type
         self.label_smoothing = label_smoothing
+        self.dpo_options = dict(loss_type=loss_type, label_smoothing=label_smoothing,
+                                loss_weights=loss_weights, discopop_tau=discopop_tau,
+                                bco_delta=bco_delta)
         self._reference_only(loss_type=(loss_type, "sigmoid"),
-                             label_smoothing=(label_smoothing, 0.0))
+                             label_smoothing=(label_smoothing, 0.0),
+                             loss_weights=(loss_weights, None),
+                             discopop_tau=(discopop_tau, None), bco_delta=(bco_delta, None))
+        types = [loss_type] if isinstance(loss_type, str) else loss_type
+        self.needs_lengths = isinstance(types, (list, tuple)) and "sigmoid_norm" in types
+        if self.needs_lengths and reduction != "sum":
+            raise ValueError("DPOStrategy: loss_type 'sigmoid_norm' divides summed log-ratios by "
+                             "the token counts; it needs reduction='sum'")
+        if not self.uses_reference:  # every option checked now, on a one-pair stand-in batch
+            one = torch.zeros(1)
+            lengths = dict(chosen_lengths=torch.ones(1), rejected_lengths=torch.ones(1))
+            ak.dpo_loss(one, one, one, one, beta=beta, **self.dpo_options,
+                        **(lengths if self.needs_lengths else {}))
 
     def compute_loss(self, batch: Dict[str, Tensor]) -> Tensor:
         return self.compute_loss_output(batch)["loss"]
@@ -120,6 +142,14 @@ class DPOStrategy(BaseStrategy):
         inputs = ids[:, :-1]
         input_mask, position_ids = model_inputs(
             None if key_mask is None else key_mask[:, :-1], inputs)
+        head = self.model_head(model)
+        if head is not None:
+            outputs = head.hidden(type(self).__name__, input_ids=inputs, input_mask=input_mask,
+                                  position_ids=position_ids)
+            logprobs = ak.linear_sequence_logprobs(
+                outputs["hidden_states"], head.weight, ids[:, 1:], loss_mask[:, 1:],
+                bias=head.bias, average=self.reduction == "mean", backend=self.loss_backend)
+            return logprobs, outputs.get("aux_loss")
         outputs = model_outputs(model, type(self).__name__, input_ids=inputs,
                                 input_mask=input_mask, position_ids=position_ids)
         logits, target, mask = outputs["logits"], ids[:, 1:], loss_mask[:, 1:]
@@ -150,9 +180,12 @@ class DPOStrategy(BaseStrategy):
             dpo_loss, metrics = naive.dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected,
                                                self.beta)
         else:
+            lengths = {}
+            if self.needs_lengths:
+                counts = loss_mask[:, 1:].sum(-1)
+                lengths = dict(chosen_lengths=counts[:n_pairs], rejected_lengths=counts[n_pairs:])
             dpo_loss, metrics = ak.dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected,
-                                            beta=self.beta, loss_type=self.loss_type,
-                                            label_smoothing=self.label_smoothing)
+                                            beta=self.beta, **self.dpo_options, **lengths)
         metrics = {"dpo_loss": dpo_loss, **metrics}  # a new dict: the ops' own is not changed
         return self._loss_output(dpo_loss, metrics, aux_loss)
 

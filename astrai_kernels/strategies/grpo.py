@@ -21,7 +21,7 @@ from .base import (
     require_keys,
 )
 from .executor import Executor, broadcast_state_dict, unwrap_module
-from .logprobs import token_logprobs
+from .logprobs import IGNORE_INDEX, token_logprobs
 from .masks import left_align, model_inputs
 from .rollout import RolloutResult
 
@@ -53,7 +53,12 @@ class GRPOStrategy(BaseStrategy):
     tokens of the batch (the seed's aggregation, ``loss_type="bnpo"`` of ``ak.grpo_loss``). With a
     fused ``loss_backend``, ``loss_type`` (``"grpo"``, ``"dr_grpo"``, ``"dapo"``),
     ``clip_eps_high`` (DAPO's clip-higher), ``delta``, ``importance_sampling="sequence"`` (GSPO),
-    ``temperature`` (that of the sampler) and ``advantage_scale`` pass through to the ops.
+    ``temperature`` (that of the sampler) and ``advantage_scale`` pass through to the ops, and
+    so do the GRPO-family objectives and options of ``ak.grpo_loss`` (``loss_type`` ``"luspo"``,
+    ``"cispo"`` with ``clip_eps_high`` as the cap, ``"sapo"`` with ``sapo_tau_pos``/``_neg``,
+    ``"vespo"`` with ``vespo_k_pos``, ``vespo_lambda_pos``, ``vespo_k_neg``,
+    ``vespo_lambda_neg``; ``kl_ratio_correction``, ``off_policy_threshold`` (against the old
+    policy's log-probs), ``top_entropy_quantile``, ``entropy_coef``).
 
     Metrics: ``policy_loss``, ``kl_loss`` (``kl_coef * kl``), ``kl`` (mean k3), ``ratio/mean``,
     ``clip_ratio/low``, ``clip_ratio/high``, ``clip_ratio/region``, ``reward/mean``,
@@ -77,6 +82,16 @@ class GRPOStrategy(BaseStrategy):
         max_completion_length: Optional[int] = None,
         advantage_scale: str = "group",
         advantage_eps: float = 1e-8,
+        sapo_tau_pos: float = 1.0,
+        sapo_tau_neg: float = 1.05,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
+        kl_ratio_correction: bool = False,
+        off_policy_threshold: Optional[float] = None,
+        top_entropy_quantile: float = 1.0,
+        entropy_coef: float = 0.0,
         **kwargs,
     ):
         super().__init__(model, device, **kwargs)
@@ -96,10 +111,23 @@ class GRPOStrategy(BaseStrategy):
         self.max_completion_length = max_completion_length
         self.advantage_scale = advantage_scale
         self.advantage_eps = advantage_eps
+        # ak.grpo_loss's GRPO-family keywords, passed through as given
+        self.policy_options = dict(
+            sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg, vespo_k_pos=vespo_k_pos,
+            vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+            vespo_lambda_neg=vespo_lambda_neg, kl_ratio_correction=kl_ratio_correction,
+            off_policy_threshold=off_policy_threshold,
+            top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef)
         self._reference_only(
             clip_eps_high=(clip_eps_high, None), loss_type=(loss_type, "bnpo"),
             importance_sampling=(importance_sampling, "token"), delta=(delta, None),
-            temperature=(temperature, 1.0), advantage_scale=(advantage_scale, "group"))
+            temperature=(temperature, 1.0), advantage_scale=(advantage_scale, "group"),
+            sapo_tau_pos=(sapo_tau_pos, 1.0), sapo_tau_neg=(sapo_tau_neg, 1.05),
+            vespo_k_pos=(vespo_k_pos, 2.0), vespo_lambda_pos=(vespo_lambda_pos, 3.0),
+            vespo_k_neg=(vespo_k_neg, 3.0), vespo_lambda_neg=(vespo_lambda_neg, 2.0),
+            kl_ratio_correction=(kl_ratio_correction, False),
+            off_policy_threshold=(off_policy_threshold, None),
+            top_entropy_quantile=(top_entropy_quantile, 1.0), entropy_coef=(entropy_coef, 0.0))
 
     # ------------------------------------------------------------ old policy
 
@@ -171,7 +199,11 @@ class GRPOStrategy(BaseStrategy):
         inputs = full_sequences[:, :-1]
         input_mask, position_ids = model_inputs(key_mask[:, :-1], inputs)
 
-        def forward(model):
+        def forward(model, head=None):
+            """The model's logits outputs, or with a fused ``head`` its hidden states."""
+            if head is not None:
+                return head.hidden(type(self).__name__, input_ids=inputs, input_mask=input_mask,
+                                   position_ids=position_ids)
             return model_outputs(model, type(self).__name__, input_ids=inputs,
                                  input_mask=input_mask, position_ids=position_ids)
 
@@ -191,15 +223,24 @@ class GRPOStrategy(BaseStrategy):
 
     def _fused_loss(self, forward, prompt_len, responses, masks, rewards):
         """``ak.grpo_loss`` on the response slice of the policy logits (a view: no copy, and
-        nothing is computed for the prompt positions). The no-grad old and reference forwards
-        run first, so their logits are freed before the policy's exist."""
+        nothing is computed for the prompt positions), or ``ak.linear_grpo_loss`` on the response
+        slice of the hidden states when the model has a fused head (no logits at all). The
+        no-grad old and reference forwards run first, so their logits are freed before the
+        policy's exist."""
         backend = self.loss_backend
         mask = masks.float()
         old_logprobs = ref_logprobs = None
 
         def response_logprobs(model):
-            logits = forward(model)["logits"][:, prompt_len - 1:]
-            return token_logprobs(logits, responses, mask, backend, self.temperature)
+            head = self.model_head(model)
+            if head is None:
+                logits = forward(model)["logits"][:, prompt_len - 1:]
+                return token_logprobs(logits, responses, mask, backend, self.temperature)
+            hidden = forward(model, head)["hidden_states"][:, prompt_len - 1:]
+            return ak.linear_token_logprobs(
+                hidden, head.weight, responses.masked_fill(mask == 0, IGNORE_INDEX),
+                bias=head.bias, temperature=self.temperature, ignore_index=IGNORE_INDEX,
+                backend=backend)
 
         with torch.no_grad():
             if self.old_model is not None and self.old_model is not self.model:
@@ -208,20 +249,28 @@ class GRPOStrategy(BaseStrategy):
                 ref_logprobs = response_logprobs(self.ref_model)
             advantages = ak.group_advantages(rewards.float(), scale=self.advantage_scale,
                                              eps=self.advantage_eps)
-        policy_out = forward(self.model)
-        # logits[:, t] predicts token t + 1, so the response (tokens prompt_len..S-1) is
-        # predicted by positions prompt_len-1 .. S-2.
-        response_logits = policy_out["logits"][:, prompt_len - 1:]
-        loss, op_metrics = ak.grpo_loss(
-            response_logits, responses, advantages.reshape(-1),
+        options = dict(
             mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
             beta=float(self.kl_coef), clip_eps_low=self.clip_eps,
             clip_eps_high=self.clip_eps_high, delta=self.delta, loss_type=self.loss_type,
             importance_sampling=self.importance_sampling, temperature=self.temperature,
-            max_completion_length=self.max_completion_length, backend=backend)
+            max_completion_length=self.max_completion_length, backend=backend,
+            **self.policy_options)
+        head = self.model_head(self.model)
+        policy_out = forward(self.model, head)
+        # Position t predicts token t + 1, so the response (tokens prompt_len..S-1) is
+        # predicted by positions prompt_len-1 .. S-2.
+        if head is None:
+            loss, op_metrics = ak.grpo_loss(policy_out["logits"][:, prompt_len - 1:], responses,
+                                            advantages.reshape(-1), **options)
+        else:
+            loss, op_metrics = ak.linear_grpo_loss(
+                policy_out["hidden_states"][:, prompt_len - 1:], head.weight, responses,
+                advantages.reshape(-1), bias=head.bias, **options)
         metrics = dict(op_metrics)
         kl_loss = self.kl_coef * metrics["kl"]
-        if self.loss_type == "bnpo" or not self.kl_coef:
+        if (self.loss_type == "bnpo" or not self.kl_coef) and not self.policy_options[
+                "entropy_coef"]:
             # bnpo: loss = mean(pg) + kl_coef * mean(k3), both over all response tokens.
             metrics["policy_loss"] = loss.detach() - kl_loss
         metrics["kl_loss"] = kl_loss

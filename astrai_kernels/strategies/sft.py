@@ -46,7 +46,8 @@ class SEQStrategy(BaseStrategy):
     Batch: ``input_ids [B, T]`` and ``target_ids [B, T]`` (already shifted by the data pipeline;
     targets equal to -100 are ignored). ``inplace_backward=True`` lets the fused op write the
     logits' gradient into the logits buffer (no second ``[N, V]`` tensor); use it only when
-    nothing else reads the logits after the loss (ignored with ``loss_backend="reference"``).
+    nothing else reads the logits after the loss (ignored with ``loss_backend="reference"``, and
+    on the fused head, where there are no logits).
     """
 
     def __init__(
@@ -66,6 +67,14 @@ class SEQStrategy(BaseStrategy):
 
     def compute_loss_output(self, batch: Dict[str, Tensor]) -> LossOutput:
         model_kwargs, target_ids = self._model_inputs(batch)
+        head = self.model_head(self.model)
+        if head is not None:
+            outputs = head.hidden(type(self).__name__, **model_kwargs)
+            loss = ak.linear_cross_entropy(
+                outputs["hidden_states"], head.weight, target_ids, bias=head.bias,
+                ignore_index=IGNORE_INDEX, label_smoothing=self.label_smoothing,
+                backend=self.loss_backend)
+            return self._loss_output(loss, {"task_loss": loss}, outputs.get("aux_loss"))
         outputs = model_outputs(self.model, type(self).__name__, **model_kwargs)
         loss = _cross_entropy(self, outputs["logits"], target_ids)
         return self._loss_output(loss, {"task_loss": loss}, outputs.get("aux_loss"))

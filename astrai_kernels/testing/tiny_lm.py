@@ -2,7 +2,9 @@
 
 :class:`TinyCausalLM` follows the model contract of the strategies: ``model(input_ids,
 input_mask=None, position_ids=None)`` returns ``{"logits": [B, T, V]}`` (plus ``"aux_loss"``, a
-differentiable scalar, when built with ``n_experts > 0``). ``input_mask`` may be a 4-D boolean
+differentiable scalar, when built with ``n_experts > 0``); ``forward_hidden`` (same arguments)
+returns the final hidden states instead of the logits, and ``get_output_embeddings()`` the LM
+head, so the strategies can use the fused head. ``input_mask`` may be a 4-D boolean
 attention mask ``[B, 1 or H, T, T]`` (``True`` = attend, used as given: compose causality into
 it), or a 2-D ``[B, T]`` key-padding mask (combined with the causal mask); ``None`` is causal.
 Weights come from ``seed`` alone, so two models built with the same arguments are identical and
@@ -130,8 +132,20 @@ class TinyCausalLM(nn.Module):
         raise ValueError(f"TinyCausalLM: input_mask must be [B, T] or [B, 1|H, T, T] with "
                          f"T = {length}, got {tuple(input_mask.shape)}")
 
+    def get_output_embeddings(self) -> nn.Linear:
+        """The LM head (``logits = hidden @ weight.T``), as transformers models name it."""
+        return self.lm_head
+
     def forward(self, input_ids: Tensor, input_mask: Optional[Tensor] = None,
                 position_ids: Optional[Tensor] = None) -> Dict[str, Tensor]:
+        out = self.forward_hidden(input_ids, input_mask, position_ids)
+        out["logits"] = self.lm_head(out.pop("hidden_states"))
+        return out
+
+    def forward_hidden(self, input_ids: Tensor, input_mask: Optional[Tensor] = None,
+                       position_ids: Optional[Tensor] = None) -> Dict[str, Tensor]:
+        """The final hidden states ``{"hidden_states": [B, T, d_model]}`` (after ``ln_f``, what
+        the LM head takes; plus ``"aux_loss"``): what the fused-head strategies use."""
         if input_ids.dim() != 2:
             raise ValueError(f"TinyCausalLM: input_ids must be [B, T], got "
                              f"{tuple(input_ids.shape)}")
@@ -150,7 +164,7 @@ class TinyCausalLM(nn.Module):
             x, aux = block(x, mask)
             if aux is not None:
                 aux_losses.append(aux)
-        out = {"logits": self.lm_head(self.ln_f(x))}
+        out = {"hidden_states": self.ln_f(x)}
         if aux_losses:
             out["aux_loss"] = torch.stack(aux_losses).mean()
         return out

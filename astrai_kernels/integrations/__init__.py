@@ -1,0 +1,6 @@
+"""Bridges to the libraries users train with.
+
+``astrai_kernels.integrations.transformers`` (the optional extra ``transformers``) makes a Hugging
+Face causal LM compute its training loss through the fused LM head. This package imports nothing
+from those libraries itself; each bridge imports its library when it is used.
+"""

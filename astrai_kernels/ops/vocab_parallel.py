@@ -1,0 +1,591 @@
+"""Vocabulary-parallel losses: each rank of ``process_group`` holds a contiguous vocabulary shard.
+
+Contract (DESIGN.md, "Distributed"): rank ``r`` of the group passes logits ``[..., V_r]`` (or a
+weight ``[V_r, H]``) holding the vocabulary ids ``[start_r, start_r + V_r)``, shards in rank
+order, sizes free; targets hold global ids. Every rank gets the full-vocabulary result and the
+gradient of its own shard; the ``linear_*`` forms also sum the hidden states' gradient over
+the group (as Megatron's vocab-parallel cross-entropy does).
+
+How: each rank runs its backend's existing forward primitive on its shard with local targets
+(a row whose target lies in another shard points at column 0, its value unused), giving per row
+the shard's ``lse_r``, the owner's ``log p_r(y)`` and the shard entropy ``H_r``. Two all-reduces
+combine them, a max then one sum of a few floats per row::
+
+    M = max_r lse_r;   w_r = exp(lse_r - M);   W = sum_r w_r;   lse = M + log W
+    logp = (logp_owner + lse_owner - M) - log W
+    H = sum_r c_r (H_r - log c_r),  c_r = w_r / W      (the entropy of a mixture of softmaxes)
+
+so a row costs 4 bytes (the max) plus 8 to 16 (a sum of 2 floats; 3 with label smoothing, 4
+with entropy) on the wire, never a logits row; the ``linear_*`` backward adds the all-reduce of
+the hidden states' gradient (``H`` floats per row, as in Megatron). The gradient needs the
+group's ``lse`` and no collective: the backend primitive ``vocab_shard_backward``
+(``ops/_backend.py``) writes ``p_j (alpha + beta log p_j) + gamma d_jy + delta`` per row, times
+the chain rule of the temperature and the softcap. GRPO is the token log-probs followed by its
+per-token surrogate in torch (O(B*T)); the fused single-pass GRPO kernel cannot be used, since
+``dL/dlogp`` needs the group's ``logp`` before the gradient pass.
+
+The shard sizes are all-gathered once per call (one host sync, like the target check). The
+vocab-parallel paths are eager only (no ``torch.compile`` tracing). ``backend="reference"``
+all-gathers the full logits and runs the naive spec on them (a test oracle, not a path to use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import cross_entropy as ce_op
+from . import grpo as grpo_op
+from . import logprobs as lp_op
+from ._backend import backend_module
+from ._common import (
+    check_logits,
+    check_no_overlap,
+    finish_inplace_grad,
+    flat_target,
+    graph_is_retained,
+    rows_view,
+)
+
+# Local targets handed to the primitives: a row ignored by the caller, and (backward only) a
+# counted row whose target lies in another rank's shard. Local ids are >= 0, so neither can
+# collide with a real target, whatever the caller's ignore_index is.
+LOCAL_IGNORE = -1
+NOT_IN_SHARD = -2
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    group: object
+    vocab_start: int
+    vocab_local: int
+    vocab_total: int
+
+
+def shard_layout(process_group, vocab_local: int, device: torch.device) -> ShardLayout:
+    """This rank's vocabulary range, from the shard sizes all-gathered over the group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("process_group is set but torch.distributed is not initialized "
+                         "(call torch.distributed.init_process_group first)")
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got "
+                        f"{type(process_group).__name__}")
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise ValueError("this process is not a member of process_group")
+    world = dist.get_world_size(process_group)
+    local = torch.tensor([vocab_local], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(sizes, local, group=process_group)
+    sizes = torch.cat(sizes).tolist()
+    return ShardLayout(process_group, sum(sizes[:rank]), vocab_local, sum(sizes))
+
+
+def global_stand_in(like: Tensor, lead_shape, layout: ShardLayout) -> Tensor:
+    """A zero-byte tensor of the full-vocabulary logits' shape, for the ops' shared checks."""
+    return like.new_zeros(()).expand(*lead_shape, layout.vocab_total)
+
+
+class LocalTargets(NamedTuple):
+    valid: Tensor  # the caller's counted rows
+    owned: Tensor  # counted rows whose target lies in this shard
+    forward: Tensor  # every counted row in range (the forward primitives read a target)
+    backward: Tensor  # NOT_IN_SHARD where the target lies elsewhere
+
+
+def local_targets(target_flat: Tensor, ignore_index: int, layout: ShardLayout) -> LocalTargets:
+    valid = target_flat != ignore_index
+    local = target_flat.long() - layout.vocab_start
+    owned = valid & (local >= 0) & (local < layout.vocab_local)
+    ignored = torch.full_like(local, LOCAL_IGNORE)
+    forward = torch.where(owned, local, torch.where(valid, torch.zeros_like(local), ignored))
+    elsewhere = torch.full_like(local, NOT_IN_SHARD)
+    backward = torch.where(owned, local, torch.where(valid, elsewhere, ignored))
+    return LocalTargets(valid, owned, forward.contiguous(), backward.contiguous())
+
+
+def shard_backend(backend: str, resolved: str, needs_grad: bool) -> str:
+    """The backend serving a vocab-parallel call: the gradient needs ``vocab_shard_backward``,
+    which ``auto`` finds in ``torch`` when the backend it resolved to lacks it."""
+    if resolved == "reference" or not needs_grad:
+        return resolved
+    if hasattr(backend_module(resolved), "vocab_shard_backward"):
+        return resolved
+    if backend == "auto":
+        return "torch"
+    raise NotImplementedError(
+        f"backend {resolved!r} has no vocab_shard_backward primitive, so it cannot compute a "
+        f"vocabulary-parallel gradient (process_group=) yet; pass backend='torch' or 'auto'")
+
+
+def _all_reduce(tensor: Tensor, op, group) -> Tensor:
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def _group_weights(lse_r: Tensor, group) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(M, log w_r, w_r)`` with ``M = max_r lse_r`` over the group (one all-reduce)."""
+    top = _all_reduce(lse_r.clone(), dist.ReduceOp.MAX, group)
+    shifted = lse_r - top
+    return top, shifted, torch.exp(shifted)
+
+
+def combine_logprobs(logp_r, entropy_r, lse_r, targets: LocalTargets, group, with_entropy):
+    """``(logp, entropy, lse)`` of the full vocabulary from each shard's (see module doc)."""
+    top, shifted, weight = _group_weights(lse_r, group)
+    parts = [weight, torch.where(targets.owned, logp_r + shifted, 0.0)]
+    if with_entropy:
+        parts += [weight * entropy_r, weight * shifted]
+    sums = _all_reduce(torch.stack(parts), dist.ReduceOp.SUM, group)
+    log_total = torch.log(sums[0])
+    valid = targets.valid
+    logp = torch.where(valid, sums[1] - log_total, 0.0)
+    lse = torch.where(valid, top + log_total, 0.0)
+    entropy = logp.new_empty(0)
+    if with_entropy:
+        entropy = torch.where(valid, (sums[2] - sums[3]) / sums[0] + log_total, 0.0)
+    return logp, entropy, lse
+
+
+def combine_cross_entropy(nll_r, smooth_r, lse_r, targets: LocalTargets, layout: ShardLayout,
+                          params) -> Tuple[Tensor, Tensor]:
+    """``(loss, lse)`` per row: ``nll_r = lse_r - z_y`` (owner), ``smooth_r = lse_r - mean z``
+    over the shard; ``lse - mean z = sum_r (V_r / V) (smooth_r - log w_r) + log W``."""
+    eps = params.label_smoothing
+    top, shifted, weight = _group_weights(lse_r, layout.group)
+    parts = [weight, torch.where(targets.owned, shifted - nll_r, 0.0)]
+    if eps:
+        parts.append((layout.vocab_local / layout.vocab_total) * (smooth_r - shifted))
+    sums = _all_reduce(torch.stack(parts), dist.ReduceOp.SUM, layout.group)
+    log_total = torch.log(sums[0])
+    lse = top + log_total
+    loss = (1.0 - eps) * (log_total - sums[1]) + params.z_loss * lse * lse
+    if eps:
+        loss = loss + eps * (sums[2] + log_total)
+    valid = targets.valid
+    return torch.where(valid, loss, 0.0), torch.where(valid, lse, 0.0)
+
+
+def _row_floats(n_rows: int, device) -> Tensor:
+    return torch.empty(n_rows, dtype=torch.float32, device=device)
+
+
+def logprobs_stats(kernels, chunks, targets: LocalTargets, temperature, with_entropy, n_rows,
+                   device):
+    """The shard's ``(logp_r, entropy_r, lse_r)`` over ``chunks`` of ``(start, stop, logits)``."""
+    logp, lse = _row_floats(n_rows, device), _row_floats(n_rows, device)
+    entropy = _row_floats(n_rows if with_entropy else 0, device)
+    for start, stop, logits in chunks:
+        rows = slice(start, stop)
+        logp[rows], chunk_entropy, lse[rows] = kernels.logprobs_forward(
+            logits, targets.forward[rows], temperature, LOCAL_IGNORE, with_entropy)
+        if with_entropy:
+            entropy[rows] = chunk_entropy
+    return logp, entropy, lse
+
+
+def cross_entropy_stats(kernels, chunks, targets: LocalTargets, params, n_rows, device):
+    """The shard's ``(lse_r - z_y, lse_r - mean_j z_j, lse_r)`` of the softcapped logits; the
+    second (label smoothing only) costs a second pass of the forward primitive."""
+    nll, lse = _row_floats(n_rows, device), _row_floats(n_rows, device)
+    smooth = _row_floats(n_rows if params.label_smoothing else 0, device)
+    for start, stop, logits in chunks:
+        rows = slice(start, stop)
+        nll[rows], lse[rows] = kernels.cross_entropy_forward(
+            logits, targets.forward[rows], LOCAL_IGNORE, 0.0, 0.0, params.softcap, None, None)
+        if params.label_smoothing:
+            smooth[rows], _ = kernels.cross_entropy_forward(
+                logits, targets.forward[rows], LOCAL_IGNORE, 1.0, 0.0, params.softcap, None,
+                None)
+    return nll, smooth, lse
+
+
+class Coefficients(NamedTuple):
+    """Per row: ``dL/ds_j = p_j (alpha + beta log p_j) + gamma d_jy + delta`` (None: 0)."""
+    alpha: Tensor
+    beta: Optional[Tensor]
+    gamma: Tensor
+    delta: Optional[Tensor]
+
+    def rows(self, rows: slice) -> "Coefficients":
+        return Coefficients(*(None if c is None else c[rows] for c in self))
+
+
+def logprobs_coefficients(grad_logp: Tensor, grad_entropy: Optional[Tensor],
+                          entropy: Tensor) -> Coefficients:
+    """``dL/ds_j = g_lp (d_jy - p_j) - g_H p_j (log p_j + H)``."""
+    if grad_entropy is None:
+        return Coefficients(-grad_logp, None, grad_logp, None)
+    return Coefficients(-(grad_logp + grad_entropy * entropy), -grad_entropy, grad_logp, None)
+
+
+def cross_entropy_coefficients(row_scale: Tensor, lse: Tensor, params,
+                               vocab_total: int) -> Coefficients:
+    """``dL/dz_j = g ((1 + 2 z_loss lse) p_j - (1 - eps) d_jy - eps / V)``."""
+    eps = params.label_smoothing
+    alpha = row_scale * (1.0 + 2.0 * params.z_loss * lse)
+    delta = row_scale * (-eps / vocab_total) if eps else None
+    return Coefficients(alpha, None, row_scale * (eps - 1.0), delta)
+
+
+def shard_grad(kernels, logits_rows, targets: LocalTargets, lse, coefficients: Coefficients,
+               temperature, softcap, grad_rows) -> None:
+    kernels.vocab_shard_backward(logits_rows, targets.backward, lse, *coefficients, temperature,
+                                 softcap, LOCAL_IGNORE, grad_rows)
+
+
+def _write_grad(logits, kernels, targets, lse, coefficients, temperature, softcap, inplace):
+    """The shard's logits gradient: over the logits' own buffer when ``inplace`` allows."""
+    logits_rows = rows_view(logits)
+    if (inplace and not graph_is_retained() and not torch.compiler.is_compiling()
+            and logits_rows.data_ptr() == logits.data_ptr()):
+        shard_grad(kernels, logits_rows, targets, lse, coefficients, temperature, softcap,
+                   logits_rows)
+        return finish_inplace_grad(logits, None, logits.shape)
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    shard_grad(kernels, logits_rows, targets, lse, coefficients, temperature, softcap,
+               rows_view(grad))
+    return grad
+
+
+def _dense(grad: Optional[Tensor], like: Tensor) -> Tensor:
+    return lp_op._dense(grad, like)
+
+
+class _ShardLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, params, layout):
+        kernels = backend_module(params.backend)
+        n_rows = targets.valid.numel()
+        chunks = ((0, n_rows, rows_view(logits)),)
+        stats = logprobs_stats(kernels, chunks, targets, params.temperature, params.with_entropy,
+                               n_rows, logits.device)
+        logp, entropy, lse = combine_logprobs(*stats, targets, layout.group, params.with_entropy)
+        ctx.save_for_backward(logits, lse, entropy)
+        ctx.targets, ctx.params = targets, params
+        return logp, entropy if params.with_entropy else torch.zeros_like(logp)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, lse, entropy = ctx.saved_tensors
+        params = ctx.params
+        grad_entropy = _dense(grad_entropy, lse) if params.with_entropy else None
+        coefficients = logprobs_coefficients(_dense(grad_logp, lse), grad_entropy, entropy)
+        grad = _write_grad(logits, backend_module(params.backend), ctx.targets, lse,
+                           coefficients, params.temperature, 0.0, params.inplace_backward)
+        return grad, None, None, None
+
+
+class _ShardCrossEntropy(torch.autograd.Function):
+    """Per-row losses; the backward writes the shard's gradient with the upstream row grads."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, params, layout):
+        kernels = backend_module(params.backend)
+        n_rows = targets.valid.numel()
+        chunks = ((0, n_rows, rows_view(logits)),)
+        stats = cross_entropy_stats(kernels, chunks, targets, params, n_rows, logits.device)
+        loss, lse = combine_cross_entropy(*stats, targets, layout, params)
+        ctx.save_for_backward(logits, lse)
+        ctx.targets, ctx.params, ctx.vocab_total = targets, params, layout.vocab_total
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        logits, lse = ctx.saved_tensors
+        params = ctx.params
+        coefficients = cross_entropy_coefficients(_dense(grad_rows, lse), lse, params,
+                                                  ctx.vocab_total)
+        grad = _write_grad(logits, backend_module(params.backend), ctx.targets, lse,
+                           coefficients, 1.0, params.softcap, params.inplace_backward)
+        return grad, None, None, None
+
+
+def _gathered_logits(logits: Tensor, layout: ShardLayout) -> Tensor:
+    """The full-vocabulary logits (the reference path): the other ranks' shards all-gathered
+    (padded to the largest shard) and detached, this rank's shard differentiable in place."""
+    group = layout.group
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    sizes = [torch.empty(1, dtype=torch.int64, device=logits.device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([layout.vocab_local], device=logits.device), group=group)
+    sizes = torch.cat(sizes).tolist()
+    padded = logits.detach().new_zeros(*logits.shape[:-1], max(sizes))
+    padded[..., :layout.vocab_local] = logits.detach()
+    shards = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(shards, padded.contiguous(), group=group)
+    pieces = [logits if r == rank else shard[..., :size]
+              for r, (shard, size) in enumerate(zip(shards, sizes))]
+    return torch.cat(pieces, dim=-1)
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; the backward all-reduces the gradient (the hidden states feed every
+    rank's shard of the LM head)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.contiguous().clone(), dist.ReduceOp.SUM, ctx.group), None
+
+
+def _check_inplace(logits, inplace_backward):
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
+    if inplace_backward:
+        check_no_overlap(logits)
+
+
+def token_logprobs(logits, target, *, process_group, temperature, ignore_index, return_entropy,
+                   inplace_backward, backend):
+    check_logits(logits)
+    layout = shard_layout(process_group, logits.shape[-1], logits.device)
+    params = lp_op.checked_params(global_stand_in(logits, logits.shape[:-1], layout), target,
+                                  temperature, ignore_index, return_entropy, False, backend)
+    _check_inplace(logits, inplace_backward)
+    if params.backend == "reference":
+        return lp_op.token_logprobs(_gathered_logits(logits, layout), target,
+                                    temperature=temperature, ignore_index=ignore_index,
+                                    return_entropy=return_entropy, backend="reference")
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    params = replace(params, inplace_backward=inplace_backward,
+                     backend=shard_backend(backend, params.backend, needs_grad))
+    targets = local_targets(flat_target(target), params.ignore_index, layout)
+    if needs_grad:
+        logp, entropy = _ShardLogprobs.apply(logits, targets, params, layout)
+    else:
+        n_rows = target.numel()
+        stats = logprobs_stats(backend_module(params.backend), ((0, n_rows, rows_view(logits)),),
+                               targets, params.temperature, return_entropy, n_rows,
+                               logits.device)
+        logp, entropy, _ = combine_logprobs(*stats, targets, process_group, return_entropy)
+    logp = logp.view(target.shape)
+    return (logp, entropy.view(target.shape)) if return_entropy else logp
+
+
+def cross_entropy(logits, target, *, process_group, ignore_index, reduction, label_smoothing,
+                  z_loss, softcap, normalizer, inplace_backward, backend):
+    check_logits(logits)
+    layout = shard_layout(process_group, logits.shape[-1], logits.device)
+    params, normalizer_t = ce_op.checked_params(
+        global_stand_in(logits, logits.shape[:-1], layout), target, ignore_index, reduction,
+        label_smoothing, z_loss, softcap, normalizer, False, backend)
+    _check_inplace(logits, inplace_backward)
+    if params.backend == "reference":
+        return ce_op.cross_entropy(_gathered_logits(logits, layout), target,
+                                   ignore_index=ignore_index, reduction=reduction,
+                                   label_smoothing=label_smoothing, z_loss=z_loss,
+                                   softcap=softcap, normalizer=normalizer, backend="reference")
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    params = replace(params, inplace_backward=inplace_backward,
+                     backend=shard_backend(backend, params.backend, needs_grad))
+    target_flat = flat_target(target)
+    targets = local_targets(target_flat, params.ignore_index, layout)
+    if needs_grad:
+        rows_loss = _ShardCrossEntropy.apply(logits, targets, params, layout)
+    else:
+        n_rows = target.numel()
+        stats = cross_entropy_stats(backend_module(params.backend),
+                                    ((0, n_rows, rows_view(logits)),), targets, params, n_rows,
+                                    logits.device)
+        rows_loss, _ = combine_cross_entropy(*stats, targets, layout, params)
+    if reduction == "none":
+        return rows_loss.view(target.shape)
+    return ce_op._reduce(rows_loss, ce_op._grad_scale(target_flat, params, normalizer_t), params)
+
+
+def grpo_loss(logits, target, advantages, *, process_group, backend, **options):
+    check_logits(logits)
+    if logits.dim() != 3:
+        raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
+    layout = shard_layout(process_group, logits.shape[-1], logits.device)
+    checked = grpo_op.plan(global_stand_in(logits, logits.shape[:-1], layout), target,
+                           advantages, backend=backend, **options)
+    if checked.params.backend == "reference":
+        return grpo_op.grpo_loss(_gathered_logits(logits, layout), target, advantages,
+                                 backend="reference", **options)
+
+    def logprobs_of(masked_target, with_entropy):
+        out = token_logprobs(logits, masked_target, process_group=process_group,
+                             temperature=checked.params.temperature, ignore_index=-100,
+                             return_entropy=with_entropy, inplace_backward=False,
+                             backend=backend)
+        return out if with_entropy else (out, None)
+
+    return grpo_op.from_logprobs(logprobs_of, target, checked)
+
+
+def _head_gradients(ctx, kernels, lse, coefficients, temperature, softcap):
+    """The fused head's backward on this shard: chunk logits, their gradient over the chunk
+    buffer, folded into hidden/weight/bias; the hidden states' gradient summed over the group.
+    ``ctx`` saved ``(hidden_rows, weight, bias, ...)`` and holds the call's fields."""
+    from . import linear as lin_op
+
+    hidden, weight, bias = ctx.saved_tensors[:3]
+    needs = tuple(ctx.needs_input_grad[:3])
+    head = lin_op._ChunkedHead(hidden, weight, bias, ctx.chunk_size, needs)
+    for start, stop, logits in head.chunks():
+        rows = slice(start, stop)
+        kernels.vocab_shard_backward(logits, ctx.targets.backward[rows], lse[rows],
+                                     *coefficients.rows(rows), temperature, softcap,
+                                     LOCAL_IGNORE, logits)
+        head.fold(start, stop, logits)
+    grads = head.gradients()
+    if needs[0]:
+        _all_reduce(grads[0], dist.ReduceOp.SUM, ctx.layout.group)
+    return tuple(grad if need else None for grad, need in zip(grads, needs))
+
+
+def _head_chunks(hidden_rows, weight, bias, chunk_size):
+    from . import linear as lin_op
+
+    return lin_op._ChunkedHead(hidden_rows, weight, bias, chunk_size).chunks()
+
+
+class _ShardHeadLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_rows, weight, bias, targets, params, chunk_size, layout):
+        kernels = backend_module(params.backend)
+        n_rows = hidden_rows.shape[0]
+        stats = logprobs_stats(kernels, _head_chunks(hidden_rows, weight, bias, chunk_size),
+                               targets, params.temperature, params.with_entropy, n_rows,
+                               hidden_rows.device)
+        logp, entropy, lse = combine_logprobs(*stats, targets, layout.group, params.with_entropy)
+        ctx.save_for_backward(hidden_rows, weight, bias, lse, entropy)
+        ctx.targets, ctx.params, ctx.chunk_size, ctx.layout = targets, params, chunk_size, layout
+        return logp, entropy if params.with_entropy else torch.zeros_like(logp)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        lse, entropy = ctx.saved_tensors[3:]
+        params = ctx.params
+        grad_entropy = _dense(grad_entropy, lse) if params.with_entropy else None
+        coefficients = logprobs_coefficients(_dense(grad_logp, lse), grad_entropy, entropy)
+        grads = _head_gradients(ctx, backend_module(params.backend), lse,
+                                coefficients, params.temperature, 0.0)
+        return (*grads, None, None, None, None)
+
+
+class _ShardHeadCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_rows, weight, bias, targets, params, chunk_size, layout):
+        kernels = backend_module(params.backend)
+        n_rows = hidden_rows.shape[0]
+        stats = cross_entropy_stats(kernels, _head_chunks(hidden_rows, weight, bias, chunk_size),
+                                    targets, params, n_rows, hidden_rows.device)
+        loss, lse = combine_cross_entropy(*stats, targets, layout, params)
+        ctx.save_for_backward(hidden_rows, weight, bias, lse)
+        ctx.targets, ctx.params, ctx.chunk_size, ctx.layout = targets, params, chunk_size, layout
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        lse = ctx.saved_tensors[3]
+        params = ctx.params
+        coefficients = cross_entropy_coefficients(_dense(grad_rows, lse), lse, params,
+                                                  ctx.layout.vocab_total)
+        grads = _head_gradients(ctx, backend_module(params.backend), lse,
+                                coefficients, 1.0, params.softcap)
+        return (*grads, None, None, None, None)
+
+
+def _head_setup(hidden, weight, bias, chunk_size, process_group):
+    from . import linear as lin_op
+
+    hidden_rows = lin_op._check_head(hidden, weight, bias, chunk_size)
+    layout = shard_layout(process_group, weight.shape[0], hidden.device)
+    needs = lin_op._needs(hidden, weight, bias) if torch.is_grad_enabled() else (False,) * 3
+    return hidden_rows, layout, any(needs)
+
+
+def _reference_logits(hidden, weight, bias, process_group):
+    return torch.nn.functional.linear(_SumGradOverGroup.apply(hidden, process_group), weight,
+                                      bias)
+
+
+def linear_token_logprobs(hidden, weight, target, *, process_group, bias, temperature,
+                          ignore_index, return_entropy, chunk_size, backend):
+    hidden_rows, layout, needs_grad = _head_setup(hidden, weight, bias, chunk_size,
+                                                  process_group)
+    params = lp_op.checked_params(global_stand_in(hidden, hidden.shape[:-1], layout), target,
+                                  temperature, ignore_index, return_entropy, False, backend)
+    if params.backend == "reference":
+        return token_logprobs(_reference_logits(hidden, weight, bias, process_group), target,
+                              process_group=process_group, temperature=temperature,
+                              ignore_index=ignore_index, return_entropy=return_entropy,
+                              inplace_backward=False, backend="reference")
+    params = replace(params, backend=shard_backend(backend, params.backend, needs_grad))
+    targets = local_targets(flat_target(target), params.ignore_index, layout)
+    if needs_grad:
+        logp, entropy = _ShardHeadLogprobs.apply(hidden_rows, weight, bias, targets, params,
+                                                 chunk_size, layout)
+    else:
+        stats = logprobs_stats(backend_module(params.backend),
+                               _head_chunks(hidden_rows, weight, bias, chunk_size), targets,
+                               params.temperature, return_entropy, hidden_rows.shape[0],
+                               hidden.device)
+        logp, entropy, _ = combine_logprobs(*stats, targets, process_group, return_entropy)
+    logp = logp.view(target.shape)
+    return (logp, entropy.view(target.shape)) if return_entropy else logp
+
+
+def linear_cross_entropy(hidden, weight, target, *, process_group, bias, ignore_index,
+                         reduction, label_smoothing, z_loss, softcap, normalizer, chunk_size,
+                         backend):
+    hidden_rows, layout, needs_grad = _head_setup(hidden, weight, bias, chunk_size,
+                                                  process_group)
+    params, normalizer_t = ce_op.checked_params(
+        global_stand_in(hidden, hidden.shape[:-1], layout), target, ignore_index, reduction,
+        label_smoothing, z_loss, softcap, normalizer, False, backend)
+    if params.backend == "reference":
+        return cross_entropy(_reference_logits(hidden, weight, bias, process_group), target,
+                             process_group=process_group, ignore_index=ignore_index,
+                             reduction=reduction, label_smoothing=label_smoothing,
+                             z_loss=z_loss, softcap=softcap, normalizer=normalizer,
+                             inplace_backward=False, backend="reference")
+    params = replace(params, backend=shard_backend(backend, params.backend, needs_grad))
+    target_flat = flat_target(target)
+    targets = local_targets(target_flat, params.ignore_index, layout)
+    if needs_grad:
+        rows_loss = _ShardHeadCrossEntropy.apply(hidden_rows, weight, bias, targets, params,
+                                                 chunk_size, layout)
+    else:
+        stats = cross_entropy_stats(backend_module(params.backend),
+                                    _head_chunks(hidden_rows, weight, bias, chunk_size),
+                                    targets, params, hidden_rows.shape[0], hidden.device)
+        rows_loss, _ = combine_cross_entropy(*stats, targets, layout, params)
+    if reduction == "none":
+        return rows_loss.view(target.shape)
+    return ce_op._reduce(rows_loss, ce_op._grad_scale(target_flat, params, normalizer_t), params)
+
+
+def linear_grpo_loss(hidden, weight, target, advantages, *, process_group, bias, chunk_size,
+                     backend, **options):
+    from . import linear as lin_op
+
+    lin_op._check_head(hidden, weight, bias, chunk_size)
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
+    layout = shard_layout(process_group, weight.shape[0], hidden.device)
+    checked = grpo_op.plan(global_stand_in(hidden, hidden.shape[:-1], layout), target,
+                           advantages, backend=backend, **options)
+    if checked.params.backend == "reference":
+        return grpo_loss(_reference_logits(hidden, weight, bias, process_group), target,
+                         advantages, process_group=process_group, backend="reference",
+                         **options)
+
+    def logprobs_of(masked_target, with_entropy):
+        out = linear_token_logprobs(hidden, weight, masked_target, process_group=process_group,
+                                    bias=bias, temperature=checked.params.temperature,
+                                    ignore_index=-100, return_entropy=with_entropy,
+                                    chunk_size=chunk_size, backend=backend)
+        return out if with_entropy else (out, None)
+
+    return grpo_op.from_logprobs(logprobs_of, target, checked)

@@ -1,0 +1,118 @@
+"""Vocabulary-parallel forward+backward at 2 gloo CPU ranks against one process.
+
+    python bench/bench_vocab_parallel.py [--rows 512] [--vocab 32000] [--repeats 3]
+
+Each op (``cross_entropy``, ``token_logprobs`` with entropy, the fused head
+``linear_cross_entropy``) runs forward+backward on ``[rows, V]`` logits (``[rows, H]`` hidden
+states and a ``[V, H]`` weight) in one process, then with ``process_group=`` on 2 ranks that
+each hold half of the vocabulary, one torch thread per process. Reported per op: the fastest
+step of ``repeats`` (rank 0; ranks are in lock-step through the collectives), and the bytes
+each rank hands to ``all_reduce`` per row, counted by wrapping ``torch.distributed.all_reduce``
+(a ring all-reduce of ``b`` bytes sends about ``2 (W - 1) / W * b`` per rank: ``b`` at W = 2).
+The sharded forward needs two passes (statistics, then the gradient with the group's
+log-sum-exp) where the single-process fused op needs one, so on one machine the 2-rank step is
+not twice as fast; the point is that a row costs a few floats on the wire, not a logits row.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: this checkout's package
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import astrai_kernels as ak  # noqa: E402
+from astrai_kernels.testing.multiprocess import spawn_ranks  # noqa: E402
+
+OPS = ("cross_entropy", "token_logprobs", "linear_cross_entropy")
+HIDDEN = 256
+
+
+def _inputs(rows, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    hidden = torch.randn(rows, HIDDEN, generator=g)
+    weight = torch.randn(vocab, HIDDEN, generator=g) * HIDDEN ** -0.5
+    return logits, target, hidden, weight
+
+
+def _step(op, logits, target, hidden, weight, group, backend):
+    kwargs = dict(process_group=group, backend=backend)
+    if op == "cross_entropy":
+        x = logits.detach().requires_grad_(True)
+        ak.cross_entropy(x, target, **kwargs).backward()
+    elif op == "token_logprobs":
+        x = logits.detach().requires_grad_(True)
+        logp, entropy = ak.token_logprobs(x, target, return_entropy=True, **kwargs)
+        (logp.sum() + entropy.sum()).backward()
+    else:
+        h, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+        ak.linear_cross_entropy(h, w, target, **kwargs).backward()
+
+
+def _time(op, tensors, group, backend, repeats):
+    _step(op, *tensors, group, backend)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        if group is not None:
+            dist.barrier(group)
+        start = time.perf_counter()
+        _step(op, *tensors, group, backend)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _sharded_worker(rank, world_size, rows, vocab, repeats, backend):
+    logits, target, hidden, weight = _inputs(rows, vocab)
+    bounds = [vocab * r // world_size for r in range(world_size + 1)]
+    shard = slice(bounds[rank], bounds[rank + 1])
+    tensors = (logits[:, shard].contiguous(), target, hidden, weight[shard].contiguous())
+    sent = {"bytes": 0}
+    all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        sent["bytes"] += tensor.numel() * tensor.element_size()
+        return all_reduce(tensor, *args, **kwargs)
+
+    results = {}
+    for op in OPS:
+        seconds = _time(op, tensors, dist.group.WORLD, backend, repeats)
+        dist.all_reduce = counting_all_reduce
+        sent["bytes"] = 0
+        _step(op, *tensors, dist.group.WORLD, backend)
+        dist.all_reduce = all_reduce
+        # the fused head also all-reduces the hidden states' gradient ([rows, H] floats)
+        results[op] = {"seconds": seconds, "allreduce_bytes_per_row": sent["bytes"] / rows}
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--backend", default="auto")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    tensors = _inputs(args.rows, args.vocab)
+    single = {op: _time(op, tensors, None, args.backend, args.repeats) for op in OPS}
+    sharded = spawn_ranks(_sharded_worker, 2, (args.rows, args.vocab, args.repeats,
+                                               args.backend), timeout=900.0)[0]
+    print(f"rows={args.rows} V={args.vocab} H={HIDDEN} fp32, 1 thread per process, "
+          f"backend={args.backend}")
+    print(f"{'op':<22}{'1 process s':>13}{'2 ranks s':>11}{'all_reduce B/row/rank':>24}")
+    for op in OPS:
+        print(f"{op:<22}{single[op]:>13.4f}{sharded[op]['seconds']:>11.4f}"
+              f"{sharded[op]['allreduce_bytes_per_row']:>24.0f}")
+    print(json.dumps({"single": single, "two_ranks": sharded}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""Vocabulary-parallel ops (``process_group=``) on 2 and 3 gloo CPU ranks against the
+single-process op on the concatenated vocabulary: values and each rank's shard gradient (the
+hidden states' gradient too for the fused head), float32 and bfloat16, unequal shards, ignored
+rows and targets in every shard.
+
+One spawn of 3 processes runs every case: on the world (3 ranks, shards 5/2/4 of V=11) and on
+a 2-rank subgroup (shards 4/7). Each case's outcome per rank comes back to a test of its own.
+"""
+
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import astrai_kernels as ak
+from astrai_kernels import reference
+from astrai_kernels.ops import grpo as grpo_op
+from astrai_kernels.testing import assert_close, assert_close_elementwise, spec
+from astrai_kernels.testing.multiprocess import spawn_ranks
+
+VOCAB = 11
+SHARDS = {2: (4, 7), 3: (5, 2, 4)}
+BATCH, LENGTH, HIDDEN = 2, 6, 8
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _target():
+    # ids 0, 7, 3, 10, 6, 2, 9, 5, 1, 8, 4, 0: every shard of both layouts holds targets
+    target = (torch.arange(BATCH * LENGTH) * 7 % VOCAB).reshape(BATCH, LENGTH)
+    target[0, 2] = target[1, 4] = -100
+    return target
+
+
+def _logits(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(BATCH, LENGTH, VOCAB, generator=g) * 3).to(dtype)
+
+
+def _upstream(seed):
+    return torch.randn(BATCH, LENGTH, generator=torch.Generator().manual_seed(seed))
+
+
+def _shard_leaf(full, start, stop):
+    return full[..., start:stop].detach().clone().requires_grad_(True)
+
+
+def case_token_logprobs(group, start, stop, dtype):
+    full, target = _logits(dtype), _target()
+    temperature, g_lp, g_h = 0.7, _upstream(1), _upstream(2)
+    expected, naive = spec.expected_and_naive(
+        spec.logprobs, full, target.reshape(-1), temperature, -100, True, g_lp.reshape(-1),
+        g_h.reshape(-1))
+    shard = _shard_leaf(full, start, stop)
+    logp, entropy = ak.token_logprobs(shard, target, temperature=temperature,
+                                      return_entropy=True, process_group=group)
+    (logp * g_lp + entropy * g_h).sum().backward()
+    shape = target.shape
+    assert_close(logp, expected["logp"].reshape(shape), "value", dtype, "logp",
+                 naive=naive["logp"].reshape(shape))
+    assert_close(entropy, expected["entropy"].reshape(shape), "value", dtype, "entropy",
+                 naive=naive["entropy"].reshape(shape),
+                 scale=expected["entropy_terms"].reshape(shape))
+    assert shard.grad.dtype == dtype
+    assert_close(shard.grad, expected["grad"][..., start:stop], "grad", dtype, "grad",
+                 naive=naive["grad"][..., start:stop],
+                 scale=expected["grad_terms"][..., start:stop])
+    with torch.no_grad():  # forward only (old / reference policy log-probs), on auto's backend
+        again = ak.token_logprobs(shard, target, temperature=temperature, process_group=group)
+    assert_close(again, expected["logp"].reshape(shape), "value", dtype, "forward-only logp",
+                 naive=naive["logp"].reshape(shape))
+
+
+def _check_cross_entropy(group, start, stop, dtype, options, reduction):
+    full, target = _logits(dtype, seed=3), _target()
+    valid = target != -100
+    if reduction == "none":
+        upstream = _upstream(4)
+    else:
+        upstream = torch.full(target.shape, 1.0 / float(valid.sum()))
+    expected, naive = spec.expected_and_naive(
+        spec.cross_entropy, full, target.reshape(-1), -100, options.get("label_smoothing", 0.0),
+        options.get("z_loss", 0.0), options.get("softcap", 0.0), upstream.reshape(-1))
+    shard = _shard_leaf(full, start, stop)
+    loss = ak.cross_entropy(shard, target, reduction=reduction, process_group=group, **options)
+    if reduction == "none":
+        assert_close(loss, expected["loss"].reshape(target.shape), "value", dtype, "loss",
+                     naive=naive["loss"].reshape(target.shape))
+        (loss * upstream).sum().backward()
+    else:
+        assert_close(loss, (expected["loss"] * upstream.reshape(-1).double()).sum(), "value",
+                     dtype, "loss")
+        loss.backward()
+    assert_close(shard.grad, expected["grad"][..., start:stop], "grad", dtype, "grad",
+                 naive=naive["grad"][..., start:stop],
+                 scale=expected["grad_terms"][..., start:stop])
+
+
+def case_cross_entropy_mean_options(group, start, stop, dtype):
+    _check_cross_entropy(group, start, stop, dtype,
+                         {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 5.0}, "mean")
+
+
+def case_cross_entropy_rows(group, start, stop, dtype):
+    _check_cross_entropy(group, start, stop, dtype, {"label_smoothing": 0.2}, "none")
+
+
+def case_cross_entropy_inplace(group, start, stop, dtype):
+    """``inplace_backward`` writes the same gradient over the shard's logits."""
+    full, target = _logits(dtype, seed=5), _target()
+    plain = _shard_leaf(full, start, stop)
+    ak.cross_entropy(plain, target, z_loss=1e-3, process_group=group).backward()
+    leaf = _shard_leaf(full, start, stop)
+    buffer = leaf * 1
+    ak.cross_entropy(buffer, target, z_loss=1e-3, inplace_backward=True,
+                     process_group=group).backward()
+    assert torch.equal(leaf.grad, plain.grad)
+    assert torch.equal(buffer.detach(), plain.grad)
+
+
+GRPO_OPTIONS = {
+    "token": dict(beta=0.04, clip_eps_low=0.2, clip_eps_high=0.28, delta=1.5, temperature=0.8,
+                  loss_type="dapo", normalizer=7.0),
+    "sequence": dict(importance_sampling="sequence", loss_type="grpo", temperature=1.3),
+    # the GRPO family's torch math on the group's log-probs and entropies
+    "family": dict(loss_type="cispo", clip_eps_high=4.0, beta=0.04, kl_ratio_correction=True,
+                   entropy_coef=0.01, top_entropy_quantile=0.5, temperature=0.9),
+}
+
+
+def _grpo_inputs(dtype):
+    g = torch.Generator().manual_seed(6)
+    full, target = _logits(dtype, seed=7), _target()
+    mask = target != -100
+    target = torch.where(mask, target, 0)  # masked targets are never read
+    advantages = torch.randn(BATCH, generator=g)
+    old = torch.randn(BATCH, LENGTH, generator=g) * 0.3 - 2.5
+    ref = torch.randn(BATCH, LENGTH, generator=g) * 0.3 - 2.5
+    return full, target, mask, advantages, old, ref
+
+
+def _check_grpo(group, start, stop, dtype, name):
+    full, target, mask, advantages, old, ref = _grpo_inputs(dtype)
+    options = dict(GRPO_OPTIONS[name], mask=mask, old_logprobs=old, ref_logprobs=ref)
+    if name == "token":
+        checked = grpo_op.plan(full, target, advantages, **options)
+        params, weight = checked.params, checked.flat_rows().weight
+        expected, naive = spec.expected_and_naive(
+            spec.grpo, full, target.reshape(-1), params.temperature,
+            checked.flat_rows().advantages, old.reshape(-1), ref.reshape(-1), weight,
+            params.clip_eps_low, params.clip_eps_high, params.delta, params.beta)
+        want = (expected["loss"] * weight.double()).sum()
+        want_grad, naive_grad = expected["grad"], naive["grad"]
+        scale = expected["grad_terms"][..., start:stop]
+    else:  # the reference op itself, float64 and the dtype's naive path
+        results = {}
+        for precision in (torch.float64, dtype):
+            x = full.detach().to(precision).requires_grad_(True)
+            value, _ = reference.grpo_loss(x, target, advantages, **options)
+            value.backward()
+            results[precision] = (value.detach(), x.grad)
+        want, want_grad = results[torch.float64]
+        naive_grad, scale = results[dtype][1], None
+    shard = _shard_leaf(full, start, stop)
+    loss, metrics = ak.grpo_loss(shard, target, advantages, process_group=group, **options)
+    _, single_metrics = ak.grpo_loss(full.float(), target, advantages, backend="torch",
+                                     **options)
+    assert_close(loss, want, "value", dtype, "loss")
+    for key, value in single_metrics.items():
+        assert_close(metrics[key], value, "value", torch.float32, key)
+    loss.backward()
+    assert_close(shard.grad, want_grad[..., start:stop], "grad", dtype, "grad",
+                 naive=naive_grad[..., start:stop], scale=scale)
+
+
+def case_grpo_token(group, start, stop, dtype):
+    _check_grpo(group, start, stop, dtype, "token")
+
+
+def case_grpo_sequence(group, start, stop, dtype):
+    _check_grpo(group, start, stop, dtype, "sequence")
+
+
+def case_grpo_family(group, start, stop, dtype):
+    _check_grpo(group, start, stop, dtype, "family")
+
+
+def _head_inputs(dtype):
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(BATCH, LENGTH, HIDDEN, generator=g).to(dtype)
+    weight = (torch.randn(VOCAB, HIDDEN, generator=g) * HIDDEN ** -0.5 * 3).to(dtype)
+    bias = (torch.randn(VOCAB, generator=g) * 0.5).to(dtype)
+    return hidden, weight, bias
+
+
+def _check_head(group, start, stop, dtype, fused_fn, logits_fn, upstream, grad_logits_terms=None):
+    """``fused_fn(h, w_shard, b_shard)`` against ``logits_fn(F.linear(h, w, b))`` on the whole
+    vocabulary: the output, the hidden states' gradient (summed over the group) and the
+    shard's rows of the weight's and bias's gradients. ``grad_logits_terms(logits)``: the
+    sizes of the terms forming each logit's gradient where that gradient itself cancels."""
+    tensors = _head_inputs(dtype)
+    fused_in = [t.detach().clone().requires_grad_(True) for t in tensors]
+    out = fused_fn(fused_in[0], fused_in[1][start:stop], fused_in[2][start:stop])
+    got = torch.autograd.grad(out, fused_in, upstream)
+    results = {}
+    for precision in {torch.float64, torch.float32, dtype}:
+        inputs = [t.detach().to(precision).requires_grad_(True) for t in tensors]
+        logits = F.linear(*inputs)
+        value = logits_fn(logits if precision == torch.float64 else logits.float())
+        grads = torch.autograd.grad(value, inputs + [logits], upstream.to(value.dtype))
+        results[precision] = (value.detach(), grads, inputs)
+    exact, grads64, inputs64 = results[torch.float64]
+    assert_close_elementwise(out, exact, results[torch.float32][0], dtype=torch.float32,
+                             name="output")
+    dz = grads64[3] if grad_logits_terms is None else grad_logits_terms(grads64[3], inputs64)
+    dz = dz.abs().reshape(-1, VOCAB)
+    rows = inputs64[0].detach().abs().reshape(-1, HIDDEN)
+    scales = ((dz @ inputs64[1].detach().abs()).reshape(tensors[0].shape), dz.t() @ rows,
+              dz.sum(0))
+    shard = (slice(None), slice(start, stop), slice(start, stop))
+    for name, g, want, naive, scale, part in zip(("hidden", "weight", "bias"), got, grads64,
+                                                 results[dtype][1], scales, shard):
+        assert g.dtype == dtype, name
+        assert_close_elementwise(g[part] if name != "hidden" else g, want[part], naive[part],
+                                 scale=scale[part], dtype=dtype, name=f"grad {name}")
+
+
+def case_linear_token_logprobs(group, start, stop, dtype):
+    target = _target()
+
+    def fused(h, w, b):
+        logp, entropy = ak.linear_token_logprobs(h, w, target, bias=b, temperature=0.9,
+                                                 return_entropy=True, chunk_size=5,
+                                                 process_group=group)
+        return torch.stack([logp, entropy])
+
+    def logits_fn(logits):
+        return torch.stack(reference.token_logprobs(logits, target, 0.9))
+
+    upstream = torch.stack([_upstream(9), _upstream(10)])
+
+    def grad_logits_terms(_, inputs64):
+        # the entropy's gradient cancels within a logit: judge by the terms forming it
+        logits = F.linear(*(t.detach() for t in inputs64))
+        return spec.logprobs(logits, target.reshape(-1), 0.9, -100, True, upstream[0].reshape(-1),
+                             upstream[1].reshape(-1))["grad_terms"]
+
+    _check_head(group, start, stop, dtype, fused, logits_fn, upstream, grad_logits_terms)
+
+
+def case_linear_cross_entropy(group, start, stop, dtype):
+    target = _target()
+    options = dict(label_smoothing=0.1, z_loss=1e-3, softcap=4.0)
+
+    def fused(h, w, b):
+        return ak.linear_cross_entropy(h, w, target, bias=b, reduction="none", chunk_size=5,
+                                       process_group=group, **options)
+
+    def logits_fn(logits):
+        return reference.cross_entropy(logits, target, reduction="none", **options)
+
+    _check_head(group, start, stop, dtype, fused, logits_fn, _upstream(11))
+
+
+def case_linear_grpo(group, start, stop, dtype):
+    _, target, mask, advantages, old, ref = _grpo_inputs(dtype)
+    options = dict(GRPO_OPTIONS["token"], mask=mask, old_logprobs=old, ref_logprobs=ref)
+
+    def fused(h, w, b):
+        return ak.linear_grpo_loss(h, w, target, advantages, bias=b, chunk_size=5,
+                                   process_group=group, **options)[0]
+
+    def logits_fn(logits):
+        return reference.grpo_loss(logits, target, advantages, **options)[0]
+
+    def grad_logits_terms(_, inputs64):
+        # dL/dlogp is formed from exps of log-prob differences: judge by spec.grpo's terms
+        logits = F.linear(*(t.detach() for t in inputs64))
+        checked = grpo_op.plan(logits.float(), target, advantages, **options)
+        rows, params = checked.flat_rows(), checked.params
+        return spec.grpo(logits, target.reshape(-1), params.temperature, rows.advantages,
+                         rows.old, rows.ref, rows.weight, params.clip_eps_low,
+                         params.clip_eps_high, params.delta, params.beta)["grad_terms"]
+
+    _check_head(group, start, stop, dtype, fused, logits_fn, torch.tensor(1.0),
+                grad_logits_terms)
+
+
+def case_reference_backend(group, start, stop, dtype):
+    """``backend="reference"`` gathers the full logits: same values, same shard gradient."""
+    full, target = _logits(dtype, seed=12), _target()
+    results = []
+    for backend in ("reference", "torch"):
+        shard = _shard_leaf(full, start, stop)
+        loss = ak.cross_entropy(shard, target, label_smoothing=0.1, process_group=group,
+                                backend=backend)
+        loss.backward()
+        results.append((loss.detach(), shard.grad))
+    (ref_loss, ref_grad), (loss, grad) = results
+    assert_close(loss, ref_loss.double(), "value", dtype, "loss")
+    assert_close(grad, ref_grad.double(), "grad", dtype, "grad",
+                 naive=ref_grad, scale=ref_grad.double().abs() + 1.0 / VOCAB)
+
+
+def case_backends_and_errors(group, start, stop, dtype):
+    """A backend without ``vocab_shard_backward`` serves forward-only calls and names itself
+    when a gradient is asked for; bad input raises before any collective hangs."""
+    full, target = _logits(dtype, seed=13), _target()
+    shard = _shard_leaf(full, start, stop)
+    torch_logp = ak.token_logprobs(shard.detach(), target, process_group=group, backend="torch")
+    if "cpp" in ak.available_backends("cpu"):
+        cpp_logp = ak.token_logprobs(shard.detach(), target, process_group=group, backend="cpp")
+        assert_close(cpp_logp, torch_logp.double(), "value", dtype, "cpp logp")
+        with pytest.raises(NotImplementedError, match="'cpp'"):
+            ak.token_logprobs(shard, target, process_group=group, backend="cpp")
+    with pytest.raises(ValueError, match="target holds 11"):
+        ak.cross_entropy(shard, torch.full_like(target, VOCAB), process_group=group)
+    with pytest.raises(TypeError, match="process_group"):
+        ak.cross_entropy(shard, target, process_group="world")
+
+
+def case_empty_and_all_ignored(group, start, stop, dtype):
+    """No rows, and every row ignored: zeros, zero gradients, no NaN."""
+    full = _logits(dtype, seed=14)
+    shard = _shard_leaf(full, start, stop)
+    ignored = torch.full(full.shape[:-1], -100)
+    loss = ak.cross_entropy(shard, ignored, z_loss=1e-3, process_group=group)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.count_nonzero(shard.grad) == 0
+    empty = shard[:, :0].detach().requires_grad_(True)
+    logp = ak.token_logprobs(empty, ignored[:, :0], process_group=group)
+    logp.sum().backward()
+    assert logp.shape == (BATCH, 0) and empty.grad.shape == empty.shape
+
+
+CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items())
+         if name.startswith("case_")}
+
+
+def _worker(rank, world_size):
+    """Every case on every group this rank belongs to; ``{case id: error or None}``."""
+    groups = {3: dist.group.WORLD, 2: dist.new_group([0, 1])}
+    outcome = {}
+    for size, group in groups.items():
+        if rank >= size:
+            continue
+        sizes = SHARDS[size]
+        start = sum(sizes[:rank])
+        stop = start + sizes[rank]
+        for name, case in CASES.items():
+            for dtype_id, dtype in DTYPES.items():
+                try:
+                    case(group, start, stop, dtype)
+                    outcome[f"{name}-{size}ranks-{dtype_id}"] = None
+                except Exception:  # reported by the test of this case
+                    outcome[f"{name}-{size}ranks-{dtype_id}"] = traceback.format_exc()
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return spawn_ranks(_worker, 3, timeout=600.0)
+
+
+@pytest.mark.parametrize("dtype_id", list(DTYPES))
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("name", list(CASES))
+def test_vocab_parallel(outcomes, name, size, dtype_id):
+    key = f"{name}-{size}ranks-{dtype_id}"
+    failures = [f"rank {rank}:\n{result[key]}" for rank, result in enumerate(outcomes[:size])
+                if result[key] is not None]
+    assert not failures, "\n".join(failures)
