@@ -3,6 +3,7 @@
 from . import nn
 from .ops._backend import available_backends
 from .ops.cross_entropy import cross_entropy
+from .ops.distill import distill_loss
 from .ops.grpo import grpo_loss
 from .ops.linear import (
     linear_cross_entropy,
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "available_backends",
     "cross_entropy",
+    "distill_loss",
     "dpo_loss",
     "grpo_loss",
     "linear_cross_entropy",

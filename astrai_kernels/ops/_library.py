@@ -184,3 +184,79 @@ def grpo_forward(logits, target, temperature, advantages, old_logprobs, ref_logp
     if backend == "triton" and TRITON_OPS:
         return _triton_grpo_forward(*args)
     return _grpo_forward(*args, backend)
+
+
+@torch.library.custom_op("astrai_kernels::distill_forward", mutates_args=())
+def _distill_forward(student: Tensor, teacher: Tensor, target: Tensor, ignore_index: int,
+                     beta: float, temperature: float, hard_weight: float, backend: str
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return backend_module(backend).distill_forward(student, teacher, target, ignore_index, beta,
+                                                   temperature, hard_weight)
+
+
+@_distill_forward.register_fake
+def _(student, teacher, target, ignore_index, beta, temperature, hard_weight, backend):
+    n_rows = _rows(target)
+    f32 = dict(dtype=torch.float32, device=student.device)
+    return (*(student.new_empty(n_rows, **f32) for _ in range(4)),
+            student.new_empty(n_rows if hard_weight else 0, **f32))
+
+
+@torch.library.custom_op("astrai_kernels::distill_backward", mutates_args=())
+def _distill_backward(student: Tensor, teacher: Tensor, target: Tensor, ignore_index: int,
+                      beta: float, temperature: float, hard_weight: float, student_lse: Tensor,
+                      teacher_lse: Tensor, student_kl: Tensor, hard_lse: Tensor,
+                      grad_loss: Tensor, backend: str) -> Tensor:
+    grad = _grad_like(student)
+    backend_module(backend).distill_backward(student, teacher, target, ignore_index, beta,
+                                             temperature, hard_weight, student_lse, teacher_lse,
+                                             student_kl, hard_lse, grad_loss, grad)
+    return grad
+
+
+@_distill_backward.register_fake
+def _(student, teacher, target, ignore_index, beta, temperature, hard_weight, student_lse,
+      teacher_lse, student_kl, hard_lse, grad_loss, backend):
+    return _fake_grad_like(student)
+
+
+if TRITON_OPS:
+    @torch.library.triton_op("astrai_kernels::triton_distill_forward", mutates_args=())
+    def _triton_distill_forward(student: Tensor, teacher: Tensor, target: Tensor,
+                                ignore_index: int, beta: float, temperature: float,
+                                hard_weight: float
+                                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return _triton().distill_forward(student, teacher, target, ignore_index, beta,
+                                         temperature, hard_weight)
+
+    @torch.library.triton_op("astrai_kernels::triton_distill_backward", mutates_args=())
+    def _triton_distill_backward(student: Tensor, teacher: Tensor, target: Tensor,
+                                 ignore_index: int, beta: float, temperature: float,
+                                 hard_weight: float, student_lse: Tensor, teacher_lse: Tensor,
+                                 student_kl: Tensor, hard_lse: Tensor, grad_loss: Tensor
+                                 ) -> Tensor:
+        grad = torch.empty_like(student)
+        _triton().distill_backward(student, teacher, target, ignore_index, beta, temperature,
+                                   hard_weight, student_lse, teacher_lse, student_kl, hard_lse,
+                                   grad_loss, grad)
+        return grad
+
+
+def distill_forward(student, teacher, target, ignore_index, beta, temperature, hard_weight,
+                    backend):
+    """``(loss, student_lse, teacher_lse, student_kl, hard_lse)``: ``ops/_backend.py``'s
+    primitive as a traceable op."""
+    args = (student, teacher, target, ignore_index, beta, temperature, hard_weight)
+    if backend == "triton" and TRITON_OPS:
+        return _triton_distill_forward(*args)
+    return _distill_forward(*args, backend)
+
+
+def distill_backward(student, teacher, target, ignore_index, beta, temperature, hard_weight,
+                     student_lse, teacher_lse, student_kl, hard_lse, grad_loss, backend):
+    """The gradient w.r.t. ``student``, a new tensor: ``ops/_backend.py``'s primitive."""
+    args = (student, teacher, target, ignore_index, beta, temperature, hard_weight, student_lse,
+            teacher_lse, student_kl, hard_lse, grad_loss)
+    if backend == "triton" and TRITON_OPS:
+        return _triton_distill_backward(*args)
+    return _distill_backward(*args, backend)
