@@ -214,7 +214,7 @@ def _kl_terms(log_p: Tensor, log_q: Tensor) -> Tensor:
     """``p * (log p - log q)`` per element (``F.kl_div(log_q, log_p, log_target=True)``), 0
     where ``p = 0``: the convention 0 log 0 = 0 (kl_div itself gives NaN for ``log p = -inf``)."""
     p = log_p.exp()
-    return torch.where(p > 0, p * (log_p - log_q), 0.0)
+    return torch.where(p == 0, 0.0, p * (log_p - log_q))
 
 
 def distill_loss(student: Tensor, teacher: Tensor, target: Optional[Tensor] = None,

@@ -377,7 +377,7 @@ def _distill_mixture(a, b, log_w_s, log_w_t, out):
 def _kl_rows(log_p, log_m, buf):
     """``sum_j p_j (log p_j - log m_j)`` per row, terms with ``p_j = 0`` as 0."""
     p = torch.exp(log_p, out=buf)
-    terms = torch.where(p > 0, p * (log_p - log_m), 0.0)
+    terms = torch.where(p == 0, 0.0, p * (log_p - log_m))  # NaN stays NaN
     return terms.sum(-1)
 
 
@@ -447,7 +447,7 @@ def distill_backward(student, teacher, target, ignore_index, beta, temperature, 
             m = _distill_mixture(a, b, log_w_s, log_w_t, bufs[2])
             p = torch.exp(a)
             diff = (a - m).sub_(student_kl[n0:n1].unsqueeze(1))
-            g = torch.where(p > 0, p * diff, 0.0).mul_(row_coef * w_s)
+            g = torch.where(p == 0, 0.0, p * diff).mul_(row_coef * w_s)
         if hard_weight:
             hard_coef = (coef[n0:n1] * hard_weight).unsqueeze(1)
             p1 = torch.softmax(_scaled(block, 1.0, bufs[2]), -1)

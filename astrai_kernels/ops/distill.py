@@ -12,7 +12,7 @@ writes the student's gradient: the only ``[N, V]`` tensor. The teacher gets no g
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -20,7 +20,8 @@ from torch import Tensor
 from .. import reference
 from . import _library
 from . import cross_entropy as ce_op
-from ._backend import resolve_backend
+from . import linear as linear_op
+from ._backend import backend_module, resolve_backend
 from ._common import (
     check_choice,
     check_in_range,
@@ -125,6 +126,22 @@ def row_targets(target, n_rows, device):
     return torch.zeros(n_rows, dtype=torch.int64, device=device)
 
 
+def row_grad_scale(target_flat, params, normalizer, vocab):
+    """``d loss / d row_loss`` of the scalar reductions, a 1-element float32 tensor: 1 for
+    ``sum``; else the inverse of the normalizer, or of the counted rows (at least 1) for
+    ``batchmean``, of counted rows * V for ``mean`` (0 for a count of 0)."""
+    if params.reduction == "sum":
+        return torch.ones(1, dtype=torch.float32, device=target_flat.device)
+    if normalizer is not None:
+        return ce_op._inverse_or_zero(normalizer).reshape(1)
+    if params.has_target:
+        count = (target_flat != params.ignore_index).sum().to(torch.float32)
+    else:
+        count = torch.full((), float(target_flat.numel()), device=target_flat.device)
+    count = count.clamp(min=1.0) if params.reduction == "batchmean" else count * vocab
+    return ce_op._inverse_or_zero(count).reshape(1)
+
+
 def reduce_rows(rows_loss, target_flat, params, normalizer, vocab, lead_shape):
     """TRL's reductions of the per-row losses (see ``reference.distill_loss``)."""
     if params.reduction == "none":
@@ -132,17 +149,7 @@ def reduce_rows(rows_loss, target_flat, params, normalizer, vocab, lead_shape):
     total = rows_loss.sum()
     if params.reduction == "sum":
         return total
-    if normalizer is not None:
-        return total * ce_op._inverse_or_zero(normalizer)
-    if params.has_target:
-        count = (target_flat != params.ignore_index).sum().to(torch.float32)
-    else:
-        count = torch.tensor(float(target_flat.numel()), device=rows_loss.device)
-    if params.reduction == "batchmean":
-        count = count.clamp(min=1.0)
-    else:
-        count = count * vocab
-    return total * ce_op._inverse_or_zero(count)
+    return total * row_grad_scale(target_flat, params, normalizer, vocab).reshape(())
 
 
 def distill_loss(
@@ -190,3 +197,139 @@ def distill_loss(
             params.temperature, params.hard_weight, params.backend)[0]
     return reduce_rows(rows_loss, target_flat, params, normalizer_t, student_logits.shape[-1],
                        lead_shape)
+
+
+def _linear_distill_walk(student_head, teacher_head, target_flat, params, grad_rows):
+    """Walk both heads' chunks: per-row losses and, when ``grad_rows`` (float32, 1 or N
+    elements: d loss / d row loss) is given, the student head's gradients folded per chunk
+    (the chunk's logit gradient is written over its logits buffer)."""
+    kernels = backend_module(params.backend)
+    n_rows = target_flat.numel()
+    loss = torch.empty(n_rows, dtype=torch.float32, device=target_flat.device)
+    args = (params.ignore_index, params.beta, params.temperature, params.hard_weight)
+    for (start, stop, student), (_, _, teacher) in zip(student_head.chunks(),
+                                                       teacher_head.chunks()):
+        rows = target_flat[start:stop]
+        loss[start:stop], *stats = kernels.distill_forward(student, teacher, rows, *args)
+        if grad_rows is None:
+            continue
+        upstream = (grad_rows.expand(stop - start) if grad_rows.numel() == 1
+                    else grad_rows[start:stop]).contiguous()
+        kernels.distill_backward(student, teacher, rows, *args, *stats, upstream, student)
+        student_head.fold(start, stop, student)
+    return (loss, *student_head.gradients())
+
+
+def _heads(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+           teacher_bias, chunk_size, needs):
+    """The student's head (gradients as ``needs``) and the teacher's, walked in the same
+    chunks (each holds one chunk of logits)."""
+    student_head = linear_op._ChunkedHead(student_hidden, student_weight, student_bias,
+                                          chunk_size, needs)
+    teacher_head = linear_op._ChunkedHead(teacher_hidden, teacher_weight, teacher_bias,
+                                          student_head.chunk)
+    return student_head, teacher_head
+
+
+class _LinearDistillRows(torch.autograd.Function):
+    """``reduction="none"``: per-row losses; backward walks the chunks with per-row grads."""
+
+    @staticmethod
+    def forward(ctx, student_hidden, student_weight, student_bias, teacher_hidden,
+                teacher_weight, teacher_bias, target_flat, params, chunk_size):
+        heads = _heads(student_hidden, student_weight, student_bias, teacher_hidden,
+                       teacher_weight, teacher_bias, chunk_size, (False,) * 3)
+        loss = _linear_distill_walk(*heads, target_flat, params, None)[0]
+        ctx.save_for_backward(student_hidden, student_weight, student_bias, teacher_hidden,
+                              teacher_weight, teacher_bias, target_flat)
+        ctx.params, ctx.chunk_size = params, chunk_size
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        *tensors, target_flat = ctx.saved_tensors
+        heads = _heads(*tensors, ctx.chunk_size, ctx.needs_input_grad[:3])
+        _, grad_hidden, grad_weight, grad_bias = _linear_distill_walk(
+            *heads, target_flat, ctx.params, grad_rows.reshape(-1).float().contiguous())
+        return (linear_op._or_none(grad_hidden), linear_op._or_none(grad_weight),
+                linear_op._or_none(grad_bias), None, None, None, None, None, None)
+
+
+def linear_distill_loss(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    target: Optional[Tensor] = None,
+    *,
+    student_bias: Optional[Tensor] = None,
+    teacher_bias: Optional[Tensor] = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    reduction: str = "batchmean",
+    normalizer: Union[None, float, Tensor] = None,
+    hard_weight: float = 0.0,
+    chunk_size: Optional[int] = None,
+    backend: str = "auto",
+) -> Tensor:
+    """``distill_loss(F.linear(student_hidden, student_weight, student_bias),
+    F.linear(teacher_hidden, teacher_weight, teacher_bias), target, ...)`` without either
+    ``[N, V]`` logits: the rows are walked in chunks (``ops/linear.py``'s chunk rule; both
+    heads hold one chunk of logits each). The vocabularies must match; the hidden sizes and
+    dtypes of the two heads may differ. Only the student's tensors get gradients; with a
+    scalar reduction they are produced in the forward's single walk.
+    """
+    student_rows = linear_op._check_head(student_hidden, student_weight, student_bias,
+                                         chunk_size)
+    try:
+        teacher_rows = linear_op._check_head(teacher_hidden, teacher_weight, teacher_bias,
+                                             chunk_size)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"teacher head: {exc}") from None
+    if teacher_weight.shape[0] != student_weight.shape[0]:
+        raise ValueError(f"teacher_weight must have the student's vocabulary size "
+                         f"{student_weight.shape[0]}, got {tuple(teacher_weight.shape)}")
+    if tuple(teacher_hidden.shape[:-1]) != tuple(student_hidden.shape[:-1]):
+        raise ValueError(f"teacher_hidden must have student_hidden's leading shape "
+                         f"{tuple(student_hidden.shape[:-1])}, got "
+                         f"{tuple(teacher_hidden.shape[:-1])}")
+    backend = resolve_backend(backend, student_hidden.device)
+    options = dict(beta=beta, temperature=temperature, ignore_index=ignore_index,
+                   reduction=reduction, normalizer=normalizer, hard_weight=hard_weight)
+    if backend == "reference":
+        linear = torch.nn.functional.linear
+        return distill_loss(linear(student_hidden, student_weight, student_bias),
+                            linear(teacher_hidden, teacher_weight, teacher_bias), target,
+                            backend="reference", **options)
+    params, normalizer_t = checked_params(
+        linear_op._logits_like(student_hidden, student_weight),
+        linear_op._logits_like(teacher_hidden, teacher_weight), target, beta, temperature,
+        ignore_index, reduction, normalizer, hard_weight, backend)
+    teacher_args = (teacher_rows.detach(), teacher_weight.detach(),
+                    None if teacher_bias is None else teacher_bias.detach())
+    lead_shape = student_hidden.shape[:-1]
+    target_flat = row_targets(target, lead_shape.numel(), student_hidden.device)
+    vocab = student_weight.shape[0]
+    needs = (linear_op._needs(student_hidden, student_weight, student_bias)
+             if torch.is_grad_enabled() else (False,) * 3)
+    if reduction == "none":
+        if any(needs):
+            loss = _LinearDistillRows.apply(student_rows, student_weight, student_bias,
+                                            *teacher_args, target_flat, params, chunk_size)
+        else:
+            heads = _heads(student_rows, student_weight, student_bias, *teacher_args,
+                           chunk_size, needs)
+            loss = _linear_distill_walk(*heads, target_flat, params, None)[0]
+        return loss.view(lead_shape)
+    scale = row_grad_scale(target_flat, params, normalizer_t, vocab)
+    with torch.no_grad():
+        heads = _heads(student_rows, student_weight, student_bias, *teacher_args, chunk_size,
+                       needs)
+        loss, grad_hidden, grad_weight, grad_bias = _linear_distill_walk(
+            *heads, target_flat, params, scale if any(needs) else None)
+        value = reduce_rows(loss, target_flat, params, normalizer_t, vocab, lead_shape)
+    if not any(needs):
+        return value
+    return linear_op._AttachHeadGrads.apply(student_rows, student_weight, student_bias, value,
+                                            grad_hidden, grad_weight, grad_bias)
