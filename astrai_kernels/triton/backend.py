@@ -252,7 +252,8 @@ def distill_forward(student, teacher, target, ignore_index, beta, temperature, h
             (student, teacher, target, loss, lse_s, lse_t, kl, hard_lse if hard else loss,
              n_rows, inner, vocab, *student.stride(), *teacher.stride(), float(temperature),
              int(ignore_index), w_t, w_s, log2_w_s, log2_w_t, float(hard_weight)),
-            dict(BLOCK_V=cfg.block_v, FORWARD_KL=float(beta) == 0.0, HARD=hard), cfg.num_warps)
+            dict(BLOCK_V=cfg.block_v, FORWARD_KL=float(beta) == 0.0, HARD=hard,
+                 HARD_OWN_STATS=hard and float(temperature) != 1.0), cfg.num_warps)
     return loss, lse_s, lse_t, kl, hard_lse
 
 
@@ -380,7 +381,8 @@ def _representative_calls(logits, grad):
                              grad if has_grad else None)
     for beta in (0.0, 0.5, 1.0):
         for hard_weight in (0.0, 0.5):
-            distill_forward(logits, logits, target, -100, beta, 1.0, hard_weight)
+            for temperature in (1.0, 0.7) if hard_weight else (1.0,):
+                distill_forward(logits, logits, target, -100, beta, temperature, hard_weight)
             distill_backward(logits, logits, target, -100, beta, 1.0, hard_weight, rows, rows,
                              rows, rows if hard_weight else rows[:0], rows, grad)
     scale_grad_(grad, torch.empty((), dtype=torch.float32, device=device))

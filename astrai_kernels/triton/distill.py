@@ -37,7 +37,8 @@ def mixture_log2(la2, lb2, log2_w_s, log2_w_t):
     lo = tl.minimum(u, v)
     e = tl.exp2(lo - hi)
     one_plus = 1.0 + e
-    return hi + tl.log2(one_plus) - ((one_plus - 1.0) - e) / one_plus * LOG2E
+    # the correction is below 2^-24: an approximate division (no slow-path call) serves
+    return hi + tl.log2(one_plus) - tl.fdiv((one_plus - 1.0) - e, one_plus) * LOG2E
 
 
 @triton.jit
@@ -53,7 +54,9 @@ def distill_fwd_kernel(
     n_rows, inner, V, s_stride0, s_stride1, s_stride_v, t_stride0, t_stride1, t_stride_v,
     temperature, ignore_index, w_t, w_s, log2_w_s, log2_w_t, hard_weight,
     BLOCK_V: tl.constexpr, FORWARD_KL: tl.constexpr, HARD: tl.constexpr,
+    HARD_OWN_STATS: tl.constexpr,
 ):
+    """``HARD_OWN_STATS``: the hard term's temperature-1 log-sum needs its own pass (T != 1)."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     scale = LOG2E / temperature
@@ -71,7 +74,7 @@ def distill_fwd_kernel(
             acc_s = tl.zeros([BLOCK_V], dtype=tl.float32)
             for start in range(0, V, BLOCK_V):
                 xs, cols, mask = load_tile(s_row, start, V, s_stride_v, BLOCK_V)
-                xt, _, _ = load_tile(t_row, start, V, t_stride_v, BLOCK_V)
+                xt, t_cols, t_mask = load_tile(t_row, start, V, t_stride_v, BLOCK_V)
                 la2 = log2_probs(xs.to(tl.float32), m_s, scale, log2_s_s)
                 lb2 = log2_probs(xt.to(tl.float32), m_t, scale, log2_s_t)
                 pt = tl.exp2(lb2)
@@ -91,11 +94,12 @@ def distill_fwd_kernel(
             lse_s = tl.where(m_s == POS_INF, m_s, m_s * inv_t + log2_s_s * LN2)
             if HARD:
                 x_target = tl.load(s_row + target * s_stride_v).to(tl.float32)
-                m_h = m_s
-                log2_s_h = log2_s_s
-                if temperature != 1.0:
+                if HARD_OWN_STATS:
                     m_h, log2_s_h, _, _ = row_stats(s_row, V, s_stride_v, LOG2E, 1.0, 0.0,
                                                     BLOCK_V, False, False, False)
+                else:
+                    m_h = m_s
+                    log2_s_h = log2_s_s
                 loss += hard_weight * ((m_h - x_target) + log2_s_h * LN2)
                 tl.store(hard_lse_ptr + row, tl.where(m_h == POS_INF, m_h,
                                                       m_h + log2_s_h * LN2))
@@ -163,7 +167,7 @@ def distill_bwd_kernel(
                 hard_coef = upstream * hard_weight
             for start in range(0, V, BLOCK_V):
                 xs, cols, mask = load_tile(s_row, start, V, s_stride_v, BLOCK_V)
-                xt, _, _ = load_tile(t_row, start, V, t_stride_v, BLOCK_V)
+                xt, t_cols, t_mask = load_tile(t_row, start, V, t_stride_v, BLOCK_V)
                 xs = xs.to(tl.float32)
                 la2 = log2_probs(xs, ref_s, scale, log2_s_s)
                 lb2 = log2_probs(xt.to(tl.float32), ref_t, scale, log2_s_t)
