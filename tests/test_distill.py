@@ -398,3 +398,17 @@ def test_linear_distill_bad_heads():
         ak.linear_distill_loss(sh, sw, th, tw[:, :-1], target)
     with pytest.raises(ValueError, match="leading shape"):
         ak.linear_distill_loss(sh, sw, th[:, :-1], tw, target)
+
+
+def test_cpp_log1p_unit_is_accurate():
+    """The C++ kernels' log1p on [0, 1] (the JSD mixture's softplus tail): within 2 ulp."""
+    from astrai_kernels.cpu import cpp_backend
+
+    if cpp_backend.unavailable_reason("cpu") is not None:
+        pytest.skip(cpp_backend.unavailable_reason("cpu"))
+    e = torch.cat([torch.rand(20000, generator=torch.Generator().manual_seed(14)),
+                   torch.logspace(-30, 0, 2000), torch.tensor([0.0, 1.0, 2.0 ** -24])])
+    got = cpp_backend.load_extension()._log1p_unit(e).double()
+    want = torch.log1p(e.double())
+    ulp = torch.finfo(torch.float32).eps * want.abs().clamp(min=torch.finfo(torch.float32).tiny)
+    assert float(((got - want).abs() / ulp).max()) <= 2.0

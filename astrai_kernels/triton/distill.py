@@ -19,7 +19,7 @@ from .helpers import (
     LOG2E,
     POS_INF,
     load_tile,
-    row_offset,
+    row_parts,
     row_stats,
     store_tile,
     zero_row,
@@ -64,8 +64,9 @@ def distill_fwd_kernel(
     for row in range(pid, n_rows, n_programs):
         target = tl.load(target_ptr + row).to(tl.int64)
         if target != ignore_index:
-            s_row = student_ptr + row_offset(row, inner, s_stride0, s_stride1)
-            t_row = teacher_ptr + row_offset(row, inner, t_stride0, t_stride1)
+            outer, row_in = row_parts(row, inner)
+            s_row = student_ptr + outer * s_stride0 + row_in * s_stride1
+            t_row = teacher_ptr + outer * t_stride0 + row_in * t_stride1
             m_s, log2_s_s, _, _ = row_stats(s_row, V, s_stride_v, scale, 1.0, 0.0, BLOCK_V,
                                             False, False, False)
             m_t, log2_s_t, _, _ = row_stats(t_row, V, t_stride_v, scale, 1.0, 0.0, BLOCK_V,
@@ -146,10 +147,11 @@ def distill_bwd_kernel(
     inv_t = 1.0 / temperature
     for row in range(pid, n_rows, n_programs):
         target = tl.load(target_ptr + row).to(tl.int64)
-        g_row = grad_ptr + row_offset(row, inner, g_stride0, g_stride1)
+        outer, row_in = row_parts(row, inner)
+        g_row = grad_ptr + outer * g_stride0 + row_in * g_stride1
         if target != ignore_index:
-            s_row = student_ptr + row_offset(row, inner, s_stride0, s_stride1)
-            t_row = teacher_ptr + row_offset(row, inner, t_stride0, t_stride1)
+            s_row = student_ptr + outer * s_stride0 + row_in * s_stride1
+            t_row = teacher_ptr + outer * t_stride0 + row_in * t_stride1
             ref_s, log2_s_s = saved_or_fresh(s_row, V, s_stride_v, tl.load(lse_s_ptr + row),
                                              inv_t, BLOCK_V)
             ref_t, log2_s_t = saved_or_fresh(t_row, V, t_stride_v, tl.load(lse_t_ptr + row),
