@@ -412,3 +412,22 @@ def test_cpp_log1p_unit_is_accurate():
     want = torch.log1p(e.double())
     ulp = torch.finfo(torch.float32).eps * want.abs().clamp(min=torch.finfo(torch.float32).tiny)
     assert float(((got - want).abs() / ulp).max()) <= 2.0
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_torch_compile_fullgraph(backend):
+    student, teacher, target = make_pair((2, 5, 40), torch.float32, seed=15)
+
+    def loss_fn(x):
+        return ak.distill_loss(x, teacher, target, beta=0.5, temperature=0.9, hard_weight=0.1,
+                               backend=backend) * 2.0
+
+    eager = student.clone().requires_grad_(True)
+    expected = loss_fn(eager)
+    expected.backward()
+    compiled = student.clone().requires_grad_(True)
+    value = torch.compile(loss_fn, fullgraph=True)(compiled)
+    value.backward()
+    assert_close(value, expected.detach().double(), "value", torch.float32, "compiled loss")
+    assert_close(compiled.grad, eager.grad.double(), "grad", torch.float32, "compiled grad",
+                 scale=eager.grad.abs() + 1e-6)

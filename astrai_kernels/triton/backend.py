@@ -276,7 +276,8 @@ def distill_backward(student, teacher, target, ignore_index, beta, temperature, 
              hard_lse, _rows_f32(grad_loss), grad, n_rows, inner, vocab, *student.stride(),
              *teacher.stride(), *grad.stride(), float(temperature), int(ignore_index), w_s,
              log2_w_s, log2_w_t, float(hard_weight)),
-            dict(BLOCK_V=cfg.block_v, FORWARD_KL=float(beta) == 0.0, HARD=hard), cfg.num_warps)
+            dict(BLOCK_V=cfg.block_v, FORWARD_KL=float(beta) == 0.0, HARD=hard,
+                 HARD_OWN_STATS=hard and float(temperature) != 1.0), cfg.num_warps)
     return None
 
 
@@ -383,8 +384,8 @@ def _representative_calls(logits, grad):
         for hard_weight in (0.0, 0.5):
             for temperature in (1.0, 0.7) if hard_weight else (1.0,):
                 distill_forward(logits, logits, target, -100, beta, temperature, hard_weight)
-            distill_backward(logits, logits, target, -100, beta, 1.0, hard_weight, rows, rows,
-                             rows, rows if hard_weight else rows[:0], rows, grad)
+                distill_backward(logits, logits, target, -100, beta, temperature, hard_weight,
+                                 rows, rows, rows, rows if hard_weight else rows[:0], rows, grad)
     scale_grad_(grad, torch.empty((), dtype=torch.float32, device=device))
 
 

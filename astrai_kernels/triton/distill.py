@@ -140,7 +140,10 @@ def distill_bwd_kernel(
     g_stride0, g_stride1, g_stride_v,
     temperature, ignore_index, w_s, log2_w_s, log2_w_t, hard_weight,
     BLOCK_V: tl.constexpr, FORWARD_KL: tl.constexpr, HARD: tl.constexpr,
+    HARD_OWN_STATS: tl.constexpr,
 ):
+    """``HARD_OWN_STATS``: the hard term's temperature-1 probabilities differ from the
+    student's (T != 1); at T = 1 they are the student's own."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     scale = LOG2E / temperature
@@ -164,9 +167,10 @@ def distill_bwd_kernel(
                 coef = upstream * inv_t * w_s
                 kl = tl.load(kl_ptr + row)
             if HARD:
-                ref_h, log2_s_h = saved_or_fresh(s_row, V, s_stride_v,
-                                                 tl.load(hard_lse_ptr + row), 1.0, BLOCK_V)
                 hard_coef = upstream * hard_weight
+                if HARD_OWN_STATS:
+                    ref_h, log2_s_h = saved_or_fresh(s_row, V, s_stride_v,
+                                                     tl.load(hard_lse_ptr + row), 1.0, BLOCK_V)
             for start in range(0, V, BLOCK_V):
                 xs, cols, mask = load_tile(s_row, start, V, s_stride_v, BLOCK_V)
                 xt, t_cols, t_mask = load_tile(t_row, start, V, t_stride_v, BLOCK_V)
@@ -180,7 +184,10 @@ def distill_bwd_kernel(
                     mix2 = mixture_log2(la2, lb2, log2_w_s, log2_w_t)
                     g = tl.where(ps != 0.0, ps * ((la2 - mix2) * LN2 - kl), 0.0) * coef
                 if HARD:
-                    g += tl.exp2(log2_probs(xs, ref_h, LOG2E, log2_s_h)) * hard_coef
+                    if HARD_OWN_STATS:
+                        g += tl.exp2(log2_probs(xs, ref_h, LOG2E, log2_s_h)) * hard_coef
+                    else:
+                        g += ps * hard_coef
                     g -= tl.where(cols == target, hard_coef, 0.0)
                 store_tile(g_row, cols, mask, g_stride_v, g)
         else:
