@@ -72,6 +72,7 @@ student_lse, teacher_lse, student_kl, hard_lse, grad_loss, grad)`` -> None
     writes the student's gradient ``grad_j = g / T * (p_s,j - p_t,j)`` (``beta = 0``), else
     ``g / T * (1 - beta') * p_s,j * (a_j - m_j - student_kl)`` (``beta' = 0`` at ``beta = 1``),
     plus ``g * hard_weight * (softmax(student)_j - d_jy)``; ``g`` the row's ``grad_loss``.
+    ``grad`` may be ``student`` itself (the fused head writes over its logits chunk).
 
 ``reference.py`` states the same math naively; ``cpu/torch_backend.py`` is the readable
 chunked implementation of these primitives.
