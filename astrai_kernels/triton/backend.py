@@ -216,12 +216,12 @@ def grpo_forward(logits, target, temperature, advantages, old_logprobs, ref_logp
 
 
 def _distill_launch(student, teacher, grad=None):
-    """Tile config for a distill kernel: from the wider of the two dtypes, unit stride only if
-    every operand has it."""
+    """Tile config for a distill kernel: two rows (student, teacher) per tile, from the wider of
+    the two dtypes, unit stride only if every operand has it."""
     operands = (student, teacher) if grad is None else (student, teacher, grad)
     unit = all(t.stride(-1) == 1 or t.shape[-1] <= 1 for t in operands)
     wide = max(student, teacher, key=lambda t: t.element_size())
-    return config.tile_config(student.shape[-1], wide.dtype, unit_stride=unit)
+    return config.tile_config(student.shape[-1], wide.dtype, unit_stride=unit, rows=2)
 
 
 def _distill_weights(beta):
