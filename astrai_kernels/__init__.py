@@ -3,6 +3,7 @@
 from . import distributed, nn
 from .ops._backend import available_backends
 from .ops.cross_entropy import cross_entropy
+from .ops.distill import distill_loss, linear_distill_loss
 from .ops.grpo import grpo_loss
 from .ops.linear import (
     linear_cross_entropy,
@@ -20,9 +21,11 @@ __all__ = [
     "cpo_loss",
     "cross_entropy",
     "distributed",
+    "distill_loss",
     "dpo_loss",
     "grpo_loss",
     "linear_cross_entropy",
+    "linear_distill_loss",
     "linear_grpo_loss",
     "linear_sequence_logprobs",
     "linear_token_logprobs",

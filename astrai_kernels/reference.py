@@ -387,3 +387,64 @@ def group_advantages(rewards: Tensor, scale: str = "group", eps: float = 1e-6) -
     else:
         std = rewards.std(unbiased=False)
     return torch.where(tied, 0.0, centred / (std + eps))
+
+
+def _kl_terms(log_p: Tensor, log_q: Tensor) -> Tensor:
+    """``p * (log p - log q)`` per element (``F.kl_div(log_q, log_p, log_target=True)``), 0
+    where ``p = 0``: the convention 0 log 0 = 0 (kl_div itself gives NaN for ``log p = -inf``)."""
+    p = log_p.exp()
+    return torch.where(p == 0, 0.0, p * (log_p - log_q))
+
+
+def distill_loss(student: Tensor, teacher: Tensor, target: Optional[Tensor] = None,
+                 beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
+                 reduction: str = "batchmean", normalizer: Union[None, float, Tensor] = None,
+                 hard_weight: float = 0.0) -> Tensor:
+    """TRL's ``GKDTrainer.generalized_jsd_loss`` over ``[..., V]`` logits, plus an optional
+    hard-label term ``hard_weight * cross_entropy(student, target)`` (at temperature 1).
+
+    ``a = log_softmax(student / T)``, ``b = log_softmax(teacher / T)``; per row,
+    ``beta = 0``: KL(teacher || student) = ``sum p_t (b - a)``; ``beta = 1``: KL(student ||
+    teacher); else, with ``m = log((1 - beta) p_s + beta p_t)``,
+    ``beta * sum p_t (b - m) + (1 - beta) * sum p_s (a - m)``. Rows whose target is
+    ``ignore_index`` do not count. ``batchmean``: sum over counted rows / their number (at least
+    1); ``sum``; ``mean``: sum / (counted rows * V), 0 with none; ``none``: per-row losses
+    ``[...]`` (0 on ignored rows). ``normalizer`` (``batchmean``/``mean``): sum / normalizer, 0
+    when it is 0. The teacher is computed in the student's dtype."""
+    vocab = student.shape[-1]
+    s = student.reshape(-1, vocab)
+    t = teacher.reshape(-1, vocab).to(s.dtype)
+    if target is None:
+        valid = torch.ones(s.shape[0], dtype=torch.bool, device=s.device)
+        y = torch.zeros(s.shape[0], dtype=torch.long, device=s.device)
+    else:
+        valid = target.reshape(-1) != ignore_index
+        y = torch.where(valid, target.reshape(-1), 0).long()
+    s = torch.where(valid.unsqueeze(-1), s, 0.0)
+    t = torch.where(valid.unsqueeze(-1), t, 0.0)
+    a = torch.log_softmax(s / temperature, dim=-1)
+    b = torch.log_softmax(t / temperature, dim=-1)
+    if beta == 0:
+        elements = _kl_terms(b, a)
+    elif beta == 1:
+        elements = _kl_terms(a, b)
+    else:
+        beta_t = torch.tensor(beta, dtype=a.dtype, device=a.device)
+        m = torch.logsumexp(torch.stack([a + torch.log1p(-beta_t), b + torch.log(beta_t)]), 0)
+        elements = beta * _kl_terms(b, m) + (1 - beta) * _kl_terms(a, m)
+    rows = elements.sum(-1)
+    if hard_weight:
+        rows = rows + hard_weight * F.cross_entropy(s, y, reduction="none")
+    rows = torch.where(valid, rows, 0.0)
+    if reduction == "none":
+        return rows.reshape(student.shape[:-1])
+    total = rows.sum()
+    if reduction == "sum":
+        return total
+    if normalizer is not None:
+        count = normalizer
+    elif reduction == "batchmean":
+        count = valid.sum().clamp(min=1)
+    else:
+        count = valid.sum() * vocab
+    return _divide_or_zero(total, torch.as_tensor(count, dtype=total.dtype, device=total.device))

@@ -221,6 +221,84 @@ py::tuple grpo_forward(const Tensor& logits, const Tensor& target, double temper
   return py::make_tuple(logp, loss);
 }
 
+// The shared part of the distill kernels' arguments: both row views, targets, hyperparameters.
+DistillArgs distill_args(const Tensor& student, const Tensor& teacher, const Tensor& target,
+                         int64_t ignore_index, double beta, double temperature,
+                         double hard_weight) {
+  TORCH_CHECK(temperature > 0, "temperature must be > 0, got ", temperature);
+  TORCH_CHECK(beta >= 0 && beta <= 1, "beta must be in [0, 1], got ", beta);
+  DistillArgs a{};
+  a.x = rows_of(student);
+  a.t = rows_of(teacher);
+  TORCH_CHECK(a.t.A == a.x.A && a.t.B == a.x.B && a.t.V == a.x.V,
+              "teacher must be an [A, B, V] view of the student's sizes ", student.sizes(),
+              ", got ", teacher.sizes());
+  a.dtype = dtype_of(student, "student");
+  a.teacher_dtype = dtype_of(teacher, "teacher");
+  a.y = targets_of(target, a.x.rows());
+  a.inv_t = static_cast<float>(1.0 / temperature);
+  a.ignore_index = ignore_index;
+  a.forward_kl = beta == 0.0;
+  if (beta == 1.0) {  // reverse KL: m = b
+    a.w_t = 0.0f;
+    a.w_s = 1.0f;
+    a.log_w_s = -kInf;
+    a.log_w_t = 0.0f;
+  } else if (beta > 0.0) {
+    a.w_t = static_cast<float>(beta);
+    a.w_s = static_cast<float>(1.0 - beta);
+    a.log_w_s = static_cast<float>(std::log1p(-beta));
+    a.log_w_t = static_cast<float>(std::log(beta));
+  }
+  a.hard_weight = static_cast<float>(hard_weight);
+  return a;
+}
+
+py::tuple distill_forward(const Tensor& student, const Tensor& teacher, const Tensor& target,
+                          int64_t ignore_index, double beta, double temperature,
+                          double hard_weight) {
+  DistillArgs a = distill_args(student, teacher, target, ignore_index, beta, temperature,
+                               hard_weight);
+  const int64_t n = a.x.rows();
+  Tensor loss = new_rows(n), lse_s = new_rows(n), lse_t = new_rows(n), kl_s = new_rows(n);
+  Tensor hard_lse = new_rows(hard_weight > 0 ? n : 0);
+  a.loss = loss.data_ptr<float>();
+  a.lse_s = lse_s.data_ptr<float>();
+  a.lse_t = lse_t.data_ptr<float>();
+  a.kl_s = kl_s.data_ptr<float>();
+  a.hard_lse = hard_weight > 0 ? hard_lse.data_ptr<float>() : nullptr;
+  BadRow bad;
+  a.bad = &bad;
+  {
+    py::gil_scoped_release no_gil;
+    distill_forward_kernel(a, kernel_threads());
+  }
+  raise_if_bad(bad, a.x.V, "distill_forward");
+  return py::make_tuple(loss, lse_s, lse_t, kl_s, hard_lse);
+}
+
+void distill_backward(const Tensor& student, const Tensor& teacher, const Tensor& target,
+                      int64_t ignore_index, double beta, double temperature, double hard_weight,
+                      const Tensor& lse_s, const Tensor& lse_t, const Tensor& kl_s,
+                      const Tensor& hard_lse, const Tensor& grad_loss, const Tensor& grad) {
+  DistillArgs a = distill_args(student, teacher, target, ignore_index, beta, temperature,
+                               hard_weight);
+  const int64_t n = a.x.rows();
+  a.saved_lse_s = rows_f32(lse_s, n, "student_lse");
+  a.saved_lse_t = rows_f32(lse_t, n, "teacher_lse");
+  a.saved_kl_s = rows_f32(kl_s, n, "student_kl");
+  if (hard_weight > 0) a.saved_hard_lse = rows_f32(hard_lse, n, "hard_lse");
+  a.grad_loss = rows_f32(grad_loss, n, "grad_loss");
+  a.grad = grad_of(grad, student);
+  BadRow bad;
+  a.bad = &bad;
+  {
+    py::gil_scoped_release no_gil;
+    distill_backward_kernel(a, kernel_threads());
+  }
+  raise_if_bad(bad, a.x.V, "distill_backward");
+}
+
 // Elementwise fast_exp / fast_tanh of a float32 tensor, for accuracy tests.
 template <float (*F)(float)>
 Tensor elementwise(const Tensor& x) {
@@ -235,6 +313,7 @@ Tensor elementwise(const Tensor& x) {
 
 float exp_fn(float x) { return fast_exp(x); }
 float tanh_fn(float x) { return fast_tanh(x); }
+float log1p_fn(float x) { return log1p_unit(x); }
 
 Isa parse_isa(const std::string& name) {
   if (name == "avx512") return Isa::Avx512;
@@ -259,6 +338,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("temperature"), py::arg("advantages"), py::arg("old_logprobs"),
         py::arg("ref_logprobs"), py::arg("token_weight"), py::arg("clip_low"),
         py::arg("clip_high"), py::arg("delta"), py::arg("beta"), py::arg("grad"));
+  m.def("distill_forward", &distill_forward, py::arg("student"), py::arg("teacher"),
+        py::arg("target"), py::arg("ignore_index"), py::arg("beta"), py::arg("temperature"),
+        py::arg("hard_weight"));
+  m.def("distill_backward", &distill_backward, py::arg("student"), py::arg("teacher"),
+        py::arg("target"), py::arg("ignore_index"), py::arg("beta"), py::arg("temperature"),
+        py::arg("hard_weight"), py::arg("student_lse"), py::arg("teacher_lse"),
+        py::arg("student_kl"), py::arg("hard_lse"), py::arg("grad_loss"), py::arg("grad"));
+  m.def("_log1p_unit", &elementwise<log1p_fn>, "log1p_unit elementwise (for tests)");
   m.def("_fast_exp", &elementwise<exp_fn>, "fast_exp elementwise (for tests)");
   m.def("_fast_tanh", &elementwise<tanh_fn>, "fast_tanh elementwise (for tests)");
   m.def("_set_keep_exps", [](bool on) { return keep_exps_enabled().exchange(on); },

@@ -216,6 +216,28 @@ ASTRAI_INLINE float fast_tanh(float x) {
   return select(a > 0.625f, big, small);
 }
 
+// log1p(e) for e in [0, 1] (the softplus tail of a logaddexp): the Cephes logf polynomial on
+// u = 1 + e (halved above sqrt 2), corrected by the rounding of u, -((u - 1) - e) / u, which is
+// exact; about 1 ulp. NaN gives NaN. Branch-free.
+ASTRAI_INLINE float log1p_unit(float e) {
+  const float u = 1.0f + e;
+  const bool big = u > 1.41421356f;
+  const float x = select(big, u * 0.5f, u) - 1.0f;
+  const float k = select(big, 1.0f, 0.0f);
+  const float z = x * x;
+  float y = 7.0376836292e-2f;
+  y = y * x - 1.1514610310e-1f;
+  y = y * x + 1.1676998740e-1f;
+  y = y * x - 1.2420140846e-1f;
+  y = y * x + 1.4249322787e-1f;
+  y = y * x - 1.6668057665e-1f;
+  y = y * x + 2.0000714765e-1f;
+  y = y * x - 2.4999993993e-1f;
+  y = y * x + 3.3333331174e-1f;
+  y = y * x * z + k * -2.12194440e-4f - 0.5f * z;
+  return (x + y) + k * 0.693359375f - ((u - 1.0f) - e) / u;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Row geometry: an [A, B, V] tensor with arbitrary element strides; row n = [n / B, n % B]
 // ---------------------------------------------------------------------------------------------
@@ -664,9 +686,38 @@ struct GrpoArgs {
   BadRow* bad;
 };
 
+struct DistillArgs {
+  RowsView x;        // the student's logits
+  RowsView t;        // the teacher's (same A, B, V; own strides)
+  Targets y;
+  DType dtype, teacher_dtype;
+  float inv_t;
+  int64_t ignore_index;
+  bool forward_kl;   // beta == 0
+  float w_t, w_s;    // the mixture weights (beta, 1 - beta); (0, 1) for reverse KL
+  float log_w_s, log_w_t;
+  float hard_weight;
+  // forward outputs (null in the backward)
+  float* loss;
+  float* lse_s;
+  float* lse_t;
+  float* kl_s;
+  float* hard_lse;   // null without the hard term
+  // backward inputs (null in the forward)
+  const float* saved_lse_s;
+  const float* saved_lse_t;
+  const float* saved_kl_s;
+  const float* saved_hard_lse;
+  const float* grad_loss;
+  GradView grad;
+  BadRow* bad;
+};
+
 void logprobs_forward_kernel(const LogprobsFwdArgs& args, int nthreads);
 void logprobs_backward_kernel(const LogprobsBwdArgs& args, int nthreads);
 void cross_entropy_forward_kernel(const CrossEntropyArgs& args, int nthreads);
 void grpo_forward_kernel(const GrpoArgs& args, int nthreads);
+void distill_forward_kernel(const DistillArgs& args, int nthreads);
+void distill_backward_kernel(const DistillArgs& args, int nthreads);
 
 }  // namespace astrai

@@ -33,10 +33,11 @@ def test_every_kernel_compiles_without_spills():
     assert {row["arch"] for row in rows} == {"sm_80", "sm_90"}
     kernels = {row["kernel"] for row in rows}
     assert {"logprobs_fwd_kernel", "logprobs_bwd_kernel", "cross_entropy_fwd_kernel",
-            "grpo_fwd_kernel", "scale_kernel"} <= kernels
+            "grpo_fwd_kernel", "scale_kernel", "distill_fwd_kernel",
+            "distill_bwd_kernel"} <= kernels
     assert all(isinstance(row["registers"], int) and 0 < row["registers"] <= 255 for row in rows)
     for flag in ("ONE_TILE", "WITH_ENTROPY", "HAS_SMOOTHING", "HAS_SOFTCAP", "HAS_GRAD",
-                 "HAS_OLD", "HAS_REF"):
+                 "HAS_OLD", "HAS_REF", "FORWARD_KL", "HARD", "HARD_OWN_STATS"):
         assert any(row["config"].get(flag) is True for row in rows), flag
 
 

@@ -11,7 +11,7 @@ this package (``NAME:inplace`` for ``inplace_backward=True``) or a baseline (:da
 import json
 from dataclasses import asdict, dataclass
 
-LOGITS_OPS = ("token_logprobs", "cross_entropy", "grpo")
+LOGITS_OPS = ("token_logprobs", "cross_entropy", "grpo", "distill")
 LINEAR_OPS = ("linear_cross_entropy", "linear_token_logprobs", "linear_grpo")
 TENSOR_OPS = LOGITS_OPS + LINEAR_OPS  # the ops measured case by case (strategies are not)
 OPS = TENSOR_OPS + ("strategies",)
@@ -29,7 +29,9 @@ TORCH_LCE_BASELINES = ("torch_lce", "torch_lce_chunked")  # not for linear_grpo
 METHOD_NOTES = {
     "naive": "the seed's path: log_softmax(logits.float()).gather (token log-probs), "
              "F.cross_entropy(logits.float(), y), the seed's GRPO loss on three "
-             "log_softmax-gathers; for the linear ops F.linear(hidden, weight) first",
+             "log_softmax-gathers, TRL's generalized_jsd_loss on the student's and the "
+             "teacher's float logits (distill); for the linear ops F.linear(hidden, weight) "
+             "first",
     "compile": "torch.compile of the naive function (compiled in the warm-up)",
     "gemm": "the linear ops' floor: hidden @ weight.T, dlogits @ weight, dlogits.T @ hidden at "
             "the case's shapes and dtype into preallocated outputs (linear_grpo: also one "
@@ -44,7 +46,8 @@ METHOD_NOTES = {
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16",
                  "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16"}
-FLOOR_FACTOR = {"token_logprobs": 2, "cross_entropy": 2, "grpo": 4}  # x S bytes (logits ops)
+# x S bytes (logits ops); distill reads the student's and the teacher's logits, writes one grad
+FLOOR_FACTOR = {"token_logprobs": 2, "cross_entropy": 2, "grpo": 4, "distill": 3}
 GEMM_COUNT = {"linear_cross_entropy": 3, "linear_token_logprobs": 3, "linear_grpo": 5}
 GRPO_OPS = ("grpo", "linear_grpo")
 GRPO_BATCH = 8  # the GRPO step's B; T = rows / B (B=8, T=512 at N=4096)
@@ -67,15 +70,17 @@ LINEAR_WORKSPACE_BOUND = 96 * 2**20
 # every op's largest V first, then the strategies' steps, then torch.compile at the largest V,
 # then the smaller V; the deadline below skips whatever is left.
 CPU_DEFAULT_ROWS = {"token_logprobs": (4096,), "cross_entropy": (4096,), "grpo": (4096,),
+                    "distill": (2048,),
                     "linear_cross_entropy": (2048,), "linear_token_logprobs": (2048,),
                     "linear_grpo": (2048,)}
 CPU_DEFAULT_VOCABS = {"token_logprobs": (4096, 8192, 16384, 32768),
-                      "cross_entropy": (8192, 32768), "grpo": (32768,),
+                      "cross_entropy": (8192, 32768), "grpo": (32768,), "distill": (32768,),
                       "linear_cross_entropy": (8192, 32768), "linear_token_logprobs": (8192,),
                       "linear_grpo": (8192,), "strategies": (32768,)}
 DEFAULT_MIN_REPEATS = {op: 1 if op in LINEAR_OPS else 2 for op in TENSOR_OPS}
 CPU_DEFAULT_DTYPES = {"token_logprobs": ("fp32", "bf16"), "cross_entropy": ("fp32", "bf16"),
-                      "grpo": ("fp32", "bf16"), "linear_cross_entropy": ("fp32",),
+                      "grpo": ("fp32", "bf16"), "distill": ("fp32",),
+                      "linear_cross_entropy": ("fp32",),
                       "linear_token_logprobs": ("fp32",), "linear_grpo": ("fp32",)}
 DEFAULT_HIDDEN = 1024
 CPU_DEFAULT_DEADLINE_S = 510.0  # no case starts later: `make bench` ends within 10 minutes

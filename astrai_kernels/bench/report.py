@@ -254,9 +254,10 @@ def format_linear_table(results):
 
 LEGEND = ("median ms: forward+backward (GRPO: one step); n: timed calls; floor ms: the same-run "
           "copy_ of the logits (into a buffer already touched) scaled to the bytes the op must "
-          "move (2 S; GRPO 4 S); x floor / x naive / x compile: time over that (lower is "
-          "better); x fresh (CPU): time over the floor plus the first touch of one fresh S-sized "
-          "buffer (clone - copy_ of the logits), what any op returning a new gradient pays; "
+          "move (2 S; GRPO 4 S; distill 3 S); x floor / x naive / x compile: time over that "
+          "(lower is better); x fresh (CPU): time over the floor plus the first touch of one "
+          "fresh S-sized buffer (clone - copy_ of the logits), what any op returning a new "
+          "gradient pays; "
           "peak MiB: resident memory the call adds above its inputs (the gradient included); "
           "peak/S: that over the logits' bytes S.")
 LINEAR_LEGEND = (

@@ -3,7 +3,8 @@
 Every case is timed forward + backward (GRPO: policy forward + backward plus the old and
 reference forwards, one step). What a logits op must move (``S`` = bytes of one logits tensor)
 is its *floor*: ``2 S`` for token log-probs and cross-entropy (read the logits, write the
-gradient), ``4 S`` for the GRPO step (also read the old and the reference logits once). The
+gradient), ``4 S`` for the GRPO step (also read the old and the reference logits once), ``3 S``
+for distillation (read the student's and the teacher's logits, write the student's gradient). The
 linear ops' floor is a same-run GEMM case instead (:mod:`astrai_kernels.bench.linear`).
 """
 
@@ -39,6 +40,26 @@ def naive_grpo_step(policy, old_logits, ref_logits, target, advantages, mask,
     """The seed's GRPO step on logits: three log-softmax-gathers, then the loss."""
     return naive.grpo_step(policy, old_logits, ref_logits, target, advantages, mask, clip_eps,
                            kl_coef)
+
+
+DISTILL_BETA = 0.5
+
+
+def naive_distill(student, teacher, target, beta=DISTILL_BETA):
+    """TRL's ``generalized_jsd_loss`` (batchmean, labels) on the float logits."""
+    import torch
+    import torch.nn.functional as F
+
+    student_log_probs = F.log_softmax(student.float(), dim=-1)
+    teacher_log_probs = F.log_softmax(teacher.float(), dim=-1)
+    beta_t = torch.tensor(beta, dtype=student_log_probs.dtype, device=student.device)
+    mixture = torch.logsumexp(torch.stack([student_log_probs + torch.log1p(-beta_t),
+                                           teacher_log_probs + torch.log(beta_t)]), dim=0)
+    jsd = (beta * F.kl_div(mixture, teacher_log_probs, reduction="none", log_target=True)
+           + (1 - beta) * F.kl_div(mixture, student_log_probs, reduction="none",
+                                   log_target=True))
+    mask = target != -100
+    return jsd[mask].sum() / mask.sum().clamp_min(1)
 
 
 def grpo_batch(shape, device, gen):
@@ -127,6 +148,18 @@ def build_workload(case):
             def run():
                 op(x, y, backend=method, inplace_backward=inplace).sum().backward()
         policy = x
+    elif case.op == "distill":
+        policy, teacher, y = logits((rows,), True), logits((rows,), False), targets((rows,))
+        if method in ("naive", "compile"):
+            fn = wrap(naive_distill)
+
+            def run():
+                fn(policy, teacher, y).backward()
+        else:
+            import astrai_kernels as ak
+
+            def run():
+                ak.distill_loss(policy, teacher, y, beta=DISTILL_BETA, backend=method).backward()
     else:  # grpo
         if rows % GRPO_BATCH:
             raise ValueError(f"grpo needs rows divisible by B={GRPO_BATCH}, got {rows}")

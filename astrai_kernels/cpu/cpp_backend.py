@@ -36,7 +36,8 @@ BUILD_DIR_ENV = "ASTRAI_KERNELS_BUILD_DIR"
 ISA_ENV = "ASTRAI_KERNELS_CPU_ISA"
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast")
 LDFLAGS = ("-fopenmp",)
-SOURCES = ("common.h", "logprobs.cpp", "cross_entropy.cpp", "grpo.cpp", "bindings.cpp")
+SOURCES = ("common.h", "logprobs.cpp", "cross_entropy.cpp", "grpo.cpp", "distill.cpp",
+           "bindings.cpp")
 
 _LOCK = threading.Lock()
 _EXTENSION = None
@@ -365,3 +366,19 @@ def grpo_forward(logits, target, temperature, advantages, old_logprobs, ref_logp
         _rows_f32(old_logprobs), _rows_f32(ref_logprobs), _rows_f32(token_weight),
         float(clip_low), float(clip_high), float(delta or 0.0), float(beta), grad)
     return logp, loss
+
+
+def distill_forward(student, teacher, target, ignore_index, beta, temperature, hard_weight):
+    ext = load_extension()
+    return tuple(ext.distill_forward(student, teacher, _target(target), int(ignore_index),
+                                     float(beta), float(temperature), float(hard_weight)))
+
+
+def distill_backward(student, teacher, target, ignore_index, beta, temperature, hard_weight,
+                     student_lse, teacher_lse, student_kl, hard_lse, grad_loss, grad):
+    ext = load_extension()
+    hard = _rows_f32(hard_lse) if hard_weight else student_lse.new_empty(0, dtype=torch.float32)
+    ext.distill_backward(student, teacher, _target(target), int(ignore_index), float(beta),
+                         float(temperature), float(hard_weight), _rows_f32(student_lse),
+                         _rows_f32(teacher_lse), _rows_f32(student_kl), hard,
+                         _rows_f32(grad_loss), grad)

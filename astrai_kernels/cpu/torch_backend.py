@@ -12,6 +12,8 @@ the target-class entry (computed in float32) is scattered over it. The backward 
 ``p`` with ``torch.softmax`` rather than ``exp(s - lse)`` (cheaper, and equal up to rounding).
 """
 
+import math
+
 import torch
 
 CHUNK_ELEMENTS = 1 << 21
@@ -380,3 +382,110 @@ def vocab_shard_backward(logits, target, lse, alpha, beta, gamma, delta, tempera
         if softcap:  # dz/dx = 1 - t^2, t = tanh(x / c)
             g.mul_(t.square_().neg_().add_(1.0))
         _store_grad(_grad_block(grad, n0, n1), g, y[n0:n1], None, valid[n0:n1])
+
+
+def distill_weights(beta):
+    """``(w_t, w_s, log_w_s, log_w_t)`` of TRL's generalized JSD at ``beta`` (``beta`` in
+    (0, 1]): ``loss = w_t * sum p_t (b - m) + w_s * sum p_s (a - m)`` with
+    ``m = logaddexp(a + log_w_s, b + log_w_t)``; ``beta = 1`` (reverse KL) is ``m = b``,
+    ``w_t = 0``. ``beta = 0`` (forward KL) has no mixture and is not described here."""
+    if beta == 1.0:
+        return 0.0, 1.0, float("-inf"), 0.0
+    return beta, 1.0 - beta, math.log1p(-beta), math.log(beta)
+
+
+def _log_softmax_block(block, temperature, y, out):
+    """``(log_softmax(block / T), lse)`` of one float32 block, written into ``out``."""
+    s, offset = _tempered(block, temperature, out)
+    ls, ls_y, s_y = _log_softmax_rows(s, out, y)
+    return ls, _row_lse(s_y, ls_y, ls, block, temperature, offset)
+
+
+def _distill_mixture(a, b, log_w_s, log_w_t, out):
+    """``m = logaddexp(a + log_w_s, b + log_w_t)`` into ``out`` (``b`` itself when reverse)."""
+    if log_w_s == float("-inf"):
+        return b
+    torch.add(a, log_w_s, out=out)
+    return torch.logaddexp(out, b + log_w_t, out=out)
+
+
+def _kl_rows(log_p, log_m, buf):
+    """``sum_j p_j (log p_j - log m_j)`` per row, terms with ``p_j = 0`` as 0."""
+    p = torch.exp(log_p, out=buf)
+    terms = torch.where(p == 0, 0.0, p * (log_p - log_m))  # NaN stays NaN
+    return terms.sum(-1)
+
+
+def distill_forward(student, teacher, target, ignore_index, beta, temperature, hard_weight):
+    n_rows = target.numel()
+    loss, lse_s, lse_t, kl_s = (torch.zeros(n_rows, dtype=torch.float32, device=student.device)
+                                for _ in range(4))
+    hard_lse = torch.zeros_like(loss) if hard_weight else loss.new_empty(0)
+    if n_rows == 0:
+        return loss, lse_s, lse_t, kl_s, hard_lse
+    valid = target != ignore_index
+    safe_y = _safe_target(target, valid)
+    w_t, w_s, log_w_s, log_w_t = distill_weights(beta) if beta else (1.0, 0.0, 0.0, 0.0)
+    inner = student.shape[1]
+    for n0, n1, block, bufs in _row_blocks(student, 4):
+        y = safe_y[n0:n1]
+        a_idx, b0 = n0 // inner, n0 % inner
+        teacher_block = teacher[a_idx, b0:b0 + n1 - n0]
+        a, lse_s[n0:n1] = _log_softmax_block(block, temperature, y, bufs[0])
+        b, lse_t[n0:n1] = _log_softmax_block(teacher_block, temperature, y, bufs[1])
+        if beta == 0:
+            row_loss = _kl_rows(b, a, bufs[2])
+        else:
+            m = _distill_mixture(a, b, log_w_s, log_w_t, bufs[2])
+            row_kl = _kl_rows(a, m, bufs[3])
+            kl_s[n0:n1] = row_kl
+            row_loss = w_s * row_kl
+            if w_t:
+                row_loss = row_loss + w_t * _kl_rows(b, m, bufs[3])
+        if hard_weight:
+            if temperature == 1.0:
+                row_hard_lse = lse_s[n0:n1]
+            else:
+                row_hard_lse = torch.logsumexp(_scaled(block, 1.0, bufs[3]), -1)
+            hard_lse[n0:n1] = row_hard_lse
+            x_y = block.gather(1, y).squeeze(1).float()
+            row_loss = row_loss + hard_weight * (row_hard_lse - x_y)
+        loss[n0:n1] = row_loss
+    outputs = [loss, lse_s, lse_t, kl_s] + ([hard_lse] if hard_weight else [])
+    outputs = [torch.where(valid, out, 0.0) for out in outputs]
+    if not hard_weight:
+        outputs.append(hard_lse)
+    return tuple(outputs)
+
+
+def distill_backward(student, teacher, target, ignore_index, beta, temperature, hard_weight,
+                     student_lse, teacher_lse, student_kl, hard_lse, grad_loss, grad):
+    if target.numel() == 0:
+        return
+    valid = target != ignore_index
+    safe_y = _safe_target(target, valid)
+    coef = torch.where(valid, grad_loss, 0.0)
+    w_t, w_s, log_w_s, log_w_t = distill_weights(beta) if beta else (1.0, 0.0, 0.0, 0.0)
+    inner = student.shape[1]
+    for n0, n1, block, bufs in _row_blocks(student, 3):
+        y = safe_y[n0:n1]
+        a_idx, b0 = n0 // inner, n0 % inner
+        teacher_block = teacher[a_idx, b0:b0 + n1 - n0]
+        # the log-softmaxes are recomputed: exact whatever the size of the saved lses
+        a = torch.log_softmax(_tempered(block, temperature, bufs[0])[0], -1, out=bufs[0])
+        b = torch.log_softmax(_tempered(teacher_block, temperature, bufs[1])[0], -1,
+                              out=bufs[1])
+        row_coef = (coef[n0:n1] / temperature).unsqueeze(1)
+        if beta == 0:
+            g = torch.exp(a).sub_(torch.exp(b, out=bufs[1])).mul_(row_coef)
+        else:
+            m = _distill_mixture(a, b, log_w_s, log_w_t, bufs[2])
+            p = torch.exp(a)
+            diff = (a - m).sub_(student_kl[n0:n1].unsqueeze(1))
+            g = torch.where(p == 0, 0.0, p * diff).mul_(row_coef * w_s)
+        if hard_weight:
+            hard_coef = (coef[n0:n1] * hard_weight).unsqueeze(1)
+            p1 = torch.softmax(_scaled(block, 1.0, bufs[2]), -1)
+            g.add_(p1 * hard_coef)
+            g.scatter_add_(1, y, -hard_coef)
+        _store_grad(_grad_block(grad, n0, n1), g, y, None, valid[n0:n1])

@@ -55,6 +55,25 @@ token_weight, clip_low, clip_high, delta, beta, grad)`` -> ``(logp, loss)``
     the formula above, taking clamp's gradient as zero outside its range and, where the two
     branches of the min are equal, the unclipped branch.
 
+``distill_forward(student, teacher, target, ignore_index, beta, temperature, hard_weight)``
+    -> ``(loss, student_lse, teacher_lse, student_kl, hard_lse)``. ``teacher`` is an
+    ``[A, B, V]`` view of the same ``A, B, V`` as ``student`` (its own strides and dtype).
+    With ``a = log softmax(student / T)``, ``b = log softmax(teacher / T)`` (TRL's generalized
+    JSD): ``beta = 0``: ``loss = sum_j p_t (b - a)``; otherwise ``m = b`` when ``beta = 1``,
+    else ``m = log((1 - beta) p_s + beta p_t)``, ``student_kl = sum_j p_s (a - m)`` and
+    ``loss = beta * sum_j p_t (b - m) + (1 - beta) * student_kl`` (``loss = student_kl`` at
+    ``beta = 1``); terms with ``p = 0`` are 0. ``hard_weight > 0`` adds
+    ``hard_weight * (hard_lse - x_y)``, ``hard_lse = logsumexp(student)`` at temperature 1
+    (an empty tensor when ``hard_weight == 0``). The lses are those of ``z / T``. Ignored rows:
+    every output 0. ``student_kl`` is 0 when ``beta = 0``.
+
+``distill_backward(student, teacher, target, ignore_index, beta, temperature, hard_weight,
+student_lse, teacher_lse, student_kl, hard_lse, grad_loss, grad)`` -> None
+    writes the student's gradient ``grad_j = g / T * (p_s,j - p_t,j)`` (``beta = 0``), else
+    ``g / T * (1 - beta') * p_s,j * (a_j - m_j - student_kl)`` (``beta' = 0`` at ``beta = 1``),
+    plus ``g * hard_weight * (softmax(student)_j - d_jy)``; ``g`` the row's ``grad_loss``.
+    ``grad`` may be ``student`` itself (the fused head writes over its logits chunk).
+
 Optional primitive (vocabulary parallel, ``ops/vocab_parallel.py``; ``torch`` implements it,
 ``cpp`` and ``triton`` not yet: ``auto`` then runs a vocab-parallel gradient on ``torch``, and
 asking for them by name raises ``NotImplementedError``):

@@ -177,12 +177,48 @@ def _(logits, target, temperature, advantages, old_logprobs, ref_logprobs, token
             logits.new_empty(n_rows, dtype=torch.float32), grad)
 
 
+# hard_weight stays a Python float in the schema: the forward's outputs depend on whether it
+# is 0 (no hard-term statistics), which a fake implementation must know at trace time.
+@traceable_op("distill_forward", floats=("beta", "temperature"))
+def _distill_forward(student: Tensor, teacher: Tensor, target: Tensor, ignore_index: int,
+                     beta: float, temperature: float, hard_weight: float, backend: str
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return backend_module(backend).distill_forward(student, teacher, target, ignore_index, beta,
+                                                   temperature, hard_weight)
+
+
+@_distill_forward.register_fake
+def _(student, teacher, target, ignore_index, beta, temperature, hard_weight, backend):
+    n_rows = _rows(target)
+    f32 = dict(dtype=torch.float32, device=student.device)
+    return (*(student.new_empty(n_rows, **f32) for _ in range(4)),
+            student.new_empty(n_rows if hard_weight else 0, **f32))
+
+
+@traceable_op("distill_backward", floats=("beta", "temperature"))
+def _distill_backward(student: Tensor, teacher: Tensor, target: Tensor, ignore_index: int,
+                      beta: float, temperature: float, hard_weight: float, student_lse: Tensor,
+                      teacher_lse: Tensor, student_kl: Tensor, hard_lse: Tensor,
+                      grad_loss: Tensor, backend: str) -> Tensor:
+    grad = _grad_like(student)
+    backend_module(backend).distill_backward(student, teacher, target, ignore_index, beta,
+                                             temperature, hard_weight, student_lse, teacher_lse,
+                                             student_kl, hard_lse, grad_loss, grad)
+    return grad
+
+
+@_distill_backward.register_fake
+def _(student, teacher, target, ignore_index, beta, temperature, hard_weight, student_lse,
+      teacher_lse, student_kl, hard_lse, grad_loss, backend):
+    return _fake_grad_like(student)
+
+
 TRITON_OPS = hasattr(torch.library, "triton_op")
 _TRITON_TWINS = {}
 
 
 def _define_triton_twins():
-    """The ``triton_op`` twins of the four primitives, by primitive name."""
+    """The ``triton_op`` twins of the primitives, by primitive name."""
     def triton():
         return backend_module("triton")
 
@@ -221,8 +257,27 @@ def _define_triton_twins():
             clip_low, clip_high, delta, beta, grad if compute_grad else None)
         return logp, loss, grad
 
+    @torch.library.triton_op("astrai_kernels::triton_distill_forward", mutates_args=())
+    def distill_forward(student: Tensor, teacher: Tensor, target: Tensor, ignore_index: int,
+                        beta: float, temperature: float, hard_weight: float
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return triton().distill_forward(student, teacher, target, ignore_index, beta,
+                                        temperature, hard_weight)
+
+    @torch.library.triton_op("astrai_kernels::triton_distill_backward", mutates_args=())
+    def distill_backward(student: Tensor, teacher: Tensor, target: Tensor, ignore_index: int,
+                         beta: float, temperature: float, hard_weight: float,
+                         student_lse: Tensor, teacher_lse: Tensor, student_kl: Tensor,
+                         hard_lse: Tensor, grad_loss: Tensor) -> Tensor:
+        grad = torch.empty_like(student)
+        triton().distill_backward(student, teacher, target, ignore_index, beta, temperature,
+                                  hard_weight, student_lse, teacher_lse, student_kl, hard_lse,
+                                  grad_loss, grad)
+        return grad
+
     return dict(logprobs_forward=logprobs_forward, logprobs_backward=logprobs_backward,
-                cross_entropy_forward=cross_entropy_forward, grpo_forward=grpo_forward)
+                cross_entropy_forward=cross_entropy_forward, grpo_forward=grpo_forward,
+                distill_forward=distill_forward, distill_backward=distill_backward)
 
 
 def _use_triton_twins(backend, args):
@@ -278,3 +333,23 @@ def grpo_forward(logits, target, temperature, advantages, old_logprobs, ref_logp
     if _use_triton_twins(backend, args):
         return _TRITON_TWINS["grpo_forward"](*args)
     return _grpo_forward(*args, backend)
+
+
+def distill_forward(student, teacher, target, ignore_index, beta, temperature, hard_weight,
+                    backend):
+    """``(loss, student_lse, teacher_lse, student_kl, hard_lse)``: ``ops/_backend.py``'s
+    primitive as a traceable op."""
+    args = (student, teacher, target, ignore_index, beta, temperature, hard_weight)
+    if _use_triton_twins(backend, args):
+        return _TRITON_TWINS["distill_forward"](*args)
+    return _distill_forward(*args, backend)
+
+
+def distill_backward(student, teacher, target, ignore_index, beta, temperature, hard_weight,
+                     student_lse, teacher_lse, student_kl, hard_lse, grad_loss, backend):
+    """The gradient w.r.t. ``student``, a new tensor: ``ops/_backend.py``'s primitive."""
+    args = (student, teacher, target, ignore_index, beta, temperature, hard_weight, student_lse,
+            teacher_lse, student_kl, hard_lse, grad_loss)
+    if _use_triton_twins(backend, args):
+        return _TRITON_TWINS["distill_backward"](*args)
+    return _distill_backward(*args, backend)

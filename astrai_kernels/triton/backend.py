@@ -6,6 +6,7 @@ No primitive synchronizes with the host. Every launch goes through :func:`_launc
 how :func:`compile_configurations` lists what the compile-check must build.
 """
 
+import math
 import os
 
 import torch
@@ -16,6 +17,7 @@ try:
     import triton
 
     from . import cross_entropy as _ce
+    from . import distill as _distill
     from . import grpo as _grpo
     from . import helpers as _helpers
     from . import logprobs as _lp
@@ -213,6 +215,72 @@ def grpo_forward(logits, target, temperature, advantages, old_logprobs, ref_logp
     return logp, loss
 
 
+def _distill_launch(student, teacher, grad=None):
+    """Tile config for a distill kernel: two rows (student, teacher) per tile, from the wider of
+    the two dtypes, unit stride only if every operand has it."""
+    operands = (student, teacher) if grad is None else (student, teacher, grad)
+    unit = all(t.stride(-1) == 1 or t.shape[-1] <= 1 for t in operands)
+    wide = max(student, teacher, key=lambda t: t.element_size())
+    return config.tile_config(student.shape[-1], wide.dtype, unit_stride=unit, rows=2)
+
+
+def _distill_weights(beta):
+    """``(w_t, w_s, log2 w_s, log2 w_t)``; reverse KL (``beta = 1``) is ``m = b``, ``w_t = 0``;
+    forward KL (``beta = 0``) does not use them."""
+    if beta == 0.0:
+        return 1.0, 0.0, 0.0, 0.0
+    if beta == 1.0:
+        return 0.0, 1.0, float("-inf"), 0.0
+    return beta, 1.0 - beta, math.log1p(-beta) / math.log(2.0), math.log2(beta)
+
+
+def distill_forward(student, teacher, target, ignore_index, beta, temperature, hard_weight):
+    outer, inner, vocab = student.shape
+    n_rows = outer * inner
+    target = target.reshape(-1).contiguous()
+    loss, lse_s, lse_t, kl = (torch.empty(n_rows, dtype=torch.float32, device=student.device)
+                              for _ in range(4))
+    hard = bool(hard_weight)
+    hard_lse = torch.empty(n_rows if hard else 0, dtype=torch.float32, device=student.device)
+    if n_rows == 0:
+        return loss, lse_s, lse_t, kl, hard_lse
+    cfg = _distill_launch(student, teacher)
+    w_t, w_s, log2_w_s, log2_w_t = _distill_weights(float(beta))
+    programs = config.row_programs(n_rows, _row_bytes(student) + _row_bytes(teacher),
+                                   student.device, rereads=True)
+    _launch(_distill.distill_fwd_kernel, programs,
+            (student, teacher, target, loss, lse_s, lse_t, kl, hard_lse if hard else loss,
+             n_rows, inner, vocab, *student.stride(), *teacher.stride(), float(temperature),
+             int(ignore_index), w_t, w_s, log2_w_s, log2_w_t, float(hard_weight)),
+            dict(BLOCK_V=cfg.block_v, FORWARD_KL=float(beta) == 0.0, HARD=hard,
+                 HARD_OWN_STATS=hard and float(temperature) != 1.0), cfg.num_warps)
+    return loss, lse_s, lse_t, kl, hard_lse
+
+
+def distill_backward(student, teacher, target, ignore_index, beta, temperature, hard_weight,
+                     student_lse, teacher_lse, student_kl, hard_lse, grad_loss, grad):
+    outer, inner, vocab = student.shape
+    n_rows = outer * inner
+    if n_rows == 0 or vocab == 0:
+        return None
+    target = target.reshape(-1).contiguous()
+    hard = bool(hard_weight)
+    student_lse, teacher_lse = _rows_f32(student_lse), _rows_f32(teacher_lse)
+    hard_lse = _rows_f32(hard_lse) if hard else student_lse
+    cfg = _distill_launch(student, teacher, grad)
+    _, w_s, log2_w_s, log2_w_t = _distill_weights(float(beta))
+    programs = config.row_programs(n_rows, _row_bytes(student) + _row_bytes(teacher),
+                                   student.device, rereads=False)
+    _launch(_distill.distill_bwd_kernel, programs,
+            (student, teacher, target, student_lse, teacher_lse, _rows_f32(student_kl),
+             hard_lse, _rows_f32(grad_loss), grad, n_rows, inner, vocab, *student.stride(),
+             *teacher.stride(), *grad.stride(), float(temperature), int(ignore_index), w_s,
+             log2_w_s, log2_w_t, float(hard_weight)),
+            dict(BLOCK_V=cfg.block_v, FORWARD_KL=float(beta) == 0.0, HARD=hard,
+                 HARD_OWN_STATS=hard and float(temperature) != 1.0), cfg.num_warps)
+    return None
+
+
 def _as_rows(grad):
     """An ``[A, B, V]`` view of ``grad`` sharing its memory, or None when no such view exists."""
     if grad.is_contiguous():
@@ -312,6 +380,12 @@ def _representative_calls(logits, grad):
             for ref, beta in ((None, 0.0), (rows, 0.04)):
                 grpo_forward(logits, target, 1.0, rows, old, ref, rows, 0.2, 0.2, 0.0, beta,
                              grad if has_grad else None)
+    for beta in (0.0, 0.5, 1.0):
+        for hard_weight in (0.0, 0.5):
+            for temperature in (1.0, 0.7) if hard_weight else (1.0,):
+                distill_forward(logits, logits, target, -100, beta, temperature, hard_weight)
+                distill_backward(logits, logits, target, -100, beta, temperature, hard_weight,
+                                 rows, rows, rows, rows if hard_weight else rows[:0], rows, grad)
     scale_grad_(grad, torch.empty((), dtype=torch.float32, device=device))
 
 

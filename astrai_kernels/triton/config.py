@@ -5,6 +5,8 @@ Rule:
 
 * Each thread holds 32 bytes of a tile (two 16-byte vector loads): 16 elements of 16-bit logits,
   8 of fp32; with a vocabulary stride != 1 (no vector loads, 64-bit addresses per element) only 4.
+  Kernels that hold two rows' tiles at once (distillation: student and teacher) split those
+  32 bytes between them (half the tile).
 * ``BLOCK_V = min(next_pow2(V), 8 warps * 32 threads * elements per thread)``: 4096 for 16-bit,
   2048 for fp32 (8 KiB tiles either way), 1024 when strided.
 * ``num_warps = clamp(BLOCK_V // (32 * elements per thread), 1, 8)``. With the next tile
@@ -48,15 +50,18 @@ def next_power_of_2(n):
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def tile_config(vocab, dtype, unit_stride=True):
+def tile_config(vocab, dtype, unit_stride=True, rows=1):
     """``TileConfig`` for rows of ``vocab`` elements of ``dtype`` (the rule above).
 
     ``unit_stride``: the vocabulary dimension of the logits (and of the gradient) is contiguous.
+    ``rows``: tiles of that many rows are live at once (distillation's student and teacher):
+    each thread's share of the 32 bytes is split between them.
     """
     if unit_stride:
         per_thread = BYTES_PER_THREAD // torch.empty((), dtype=dtype).element_size()
     else:
         per_thread = STRIDED_ELEMENTS_PER_THREAD
+    per_thread = max(1, per_thread // rows)
     max_block = BLOCK_V_OVERRIDE or MAX_WARPS * 32 * per_thread
     block_v = min(next_power_of_2(max(int(vocab), 1)), max_block)
     num_warps = max(1, min(MAX_WARPS, block_v // (32 * per_thread)))

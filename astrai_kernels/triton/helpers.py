@@ -44,6 +44,16 @@ def row_offset(row, inner, stride0, stride1):
 
 
 @triton.jit
+def row_parts(row, inner):
+    """``(row // inner, row % inner)`` as int64, divided in ``row``'s own width (int32 for
+    fewer than 2**31 rows): one inline division instead of the 64-bit division subroutine,
+    whose call made kernels with several row pointers keep a value on the stack. Offsets
+    formed from the parts are int64 (``a * stride0 + b * stride1``)."""
+    outer = row // inner
+    return tl.cast(outer, tl.int64), tl.cast(row - outer * inner, tl.int64)
+
+
+@triton.jit
 def load_tile(row_ptr, start, V, stride_v, BLOCK_V: tl.constexpr):
     """Raw tile ``[start, start + BLOCK_V)`` of a row in the tensor's dtype, ``-inf`` past ``V``.
 

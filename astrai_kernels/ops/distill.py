@@ -1,0 +1,335 @@
+"""Distillation over the whole vocabulary: TRL's generalized JSD (forward / reverse KL at the
+ends) between the student's and the teacher's softmaxes, without an ``[N, V]`` copy.
+
+Semantics: ``GKDTrainer.generalized_jsd_loss`` (``trl/experimental/gkd/gkd_trainer.py``), see
+``reference.distill_loss``. Passes: the forward reads both rows once for their log-sum-exps (the
+online reduction) and once more for the row loss (the mixture ``log((1 - beta) p_s + beta p_t)``
+of JSD needs both lses before its first term); it keeps four floats per row (both lses, the
+student's KL to the mixture, the hard term's lse). The backward reads both rows once and
+writes the student's gradient: the only ``[N, V]`` tensor. The teacher gets no gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from .. import reference
+from . import _library
+from . import cross_entropy as ce_op
+from . import linear as linear_op
+from ._backend import backend_module, resolve_backend
+from ._common import (
+    check_choice,
+    check_in_range,
+    check_index,
+    check_logits,
+    check_positive,
+    check_target,
+    flat_target,
+    rows_view,
+)
+
+REDUCTIONS = ("batchmean", "sum", "mean", "none")
+
+
+@dataclass(frozen=True)
+class DistillParams:
+    beta: float
+    temperature: float
+    ignore_index: int
+    reduction: str
+    hard_weight: float
+    has_target: bool
+    backend: str
+
+
+def checked_params(student, teacher, target, beta, temperature, ignore_index, reduction,
+                   normalizer, hard_weight, backend):
+    """Validate every argument; ``(params, normalizer as a device tensor or None)``.
+
+    ``student`` and ``teacher`` may be zero-byte stand-ins of the logits (the fused head)."""
+    check_logits(student, "student_logits")
+    check_logits(teacher, "teacher_logits")
+    if tuple(teacher.shape) != tuple(student.shape):
+        raise ValueError(f"teacher_logits must have student_logits' shape "
+                         f"{tuple(student.shape)}, got {tuple(teacher.shape)}")
+    if teacher.device != student.device:
+        raise ValueError(f"teacher_logits are on {teacher.device} but student_logits are on "
+                         f"{student.device}")
+    ignore_index = check_index(ignore_index, "ignore_index")
+    if target is not None:
+        check_target(target, student, ignore_index)
+    beta = check_in_range(beta, "beta", 0.0, 1.0)
+    temperature = check_positive(temperature, "temperature")
+    check_choice(reduction, "reduction", REDUCTIONS)
+    hard_weight = check_in_range(hard_weight, "hard_weight", 0.0, float("inf"))
+    if hard_weight and target is None:
+        raise ValueError("hard_weight > 0 needs target (the hard labels)")
+    if normalizer is not None and reduction not in ("batchmean", "mean"):
+        raise ValueError(f"normalizer applies to reduction='batchmean' or 'mean' only, got "
+                         f"reduction={reduction!r}")
+    normalizer_t = ce_op._check_normalizer(normalizer, "mean", student.device)
+    if target is None:
+        ignore_index = -1  # the primitives then read zeros as targets: every row counts
+    params = DistillParams(beta, temperature, ignore_index, reduction, hard_weight,
+                           target is not None, resolve_backend(backend, student.device))
+    return params, normalizer_t
+
+
+def matching_rows(student, teacher):
+    """``[A, B, V]`` views of both with the same ``A, B`` (one of them copied only when both
+    have non-uniform row strides that group differently)."""
+    student_rows, teacher_rows = rows_view(student), rows_view(teacher)
+    if student_rows.shape == teacher_rows.shape:
+        return student_rows, teacher_rows
+    if teacher_rows.shape[0] == 1:  # uniform row stride: any [A, B] split is a view
+        return student_rows, teacher_rows.view(student_rows.shape)
+    if student_rows.shape[0] == 1:
+        return student_rows.view(teacher_rows.shape), teacher_rows
+    return student_rows, teacher_rows.reshape(student_rows.shape)
+
+
+class _DistillRows(torch.autograd.Function):
+    """Per-row losses; the backward writes the student's gradient from the saved row stats."""
+
+    @staticmethod
+    def forward(ctx, student, teacher, target_flat, params):
+        student_rows, teacher_rows = matching_rows(student, teacher)
+        loss, *stats = _library.distill_forward(
+            student_rows, teacher_rows, target_flat, params.ignore_index, params.beta,
+            params.temperature, params.hard_weight, params.backend)
+        ctx.save_for_backward(student, teacher, target_flat, *stats)
+        ctx.params = params
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        student, teacher, target_flat, *stats = ctx.saved_tensors
+        params = ctx.params
+        student_rows, teacher_rows = matching_rows(student, teacher)
+        grad = _library.distill_backward(
+            student_rows, teacher_rows, target_flat, params.ignore_index, params.beta,
+            params.temperature, params.hard_weight, *stats,
+            grad_loss.reshape(-1).float().contiguous(), params.backend)
+        return grad.view(student.shape), None, None, None
+
+
+def row_targets(target, n_rows, device):
+    """The flat targets the primitives read: ``target``, or zeros when there is none (then
+    ``params.ignore_index`` is -1: every row counts)."""
+    if target is not None:
+        return flat_target(target)
+    return torch.zeros(n_rows, dtype=torch.int64, device=device)
+
+
+def row_grad_scale(target_flat, params, normalizer, vocab):
+    """``d loss / d row_loss`` of the scalar reductions, a 1-element float32 tensor: 1 for
+    ``sum``; else the inverse of the normalizer, or of the counted rows (at least 1) for
+    ``batchmean``, of counted rows * V for ``mean`` (0 for a count of 0)."""
+    if params.reduction == "sum":
+        return torch.ones(1, dtype=torch.float32, device=target_flat.device)
+    if normalizer is not None:
+        return ce_op._inverse_or_zero(normalizer).reshape(1)
+    if params.has_target:
+        count = (target_flat != params.ignore_index).sum().to(torch.float32)
+    else:
+        count = torch.full((), float(target_flat.numel()), device=target_flat.device)
+    count = count.clamp(min=1.0) if params.reduction == "batchmean" else count * vocab
+    return ce_op._inverse_or_zero(count).reshape(1)
+
+
+def reduce_rows(rows_loss, target_flat, params, normalizer, vocab, lead_shape):
+    """TRL's reductions of the per-row losses (see ``reference.distill_loss``)."""
+    if params.reduction == "none":
+        return rows_loss.view(lead_shape)
+    total = rows_loss.sum()
+    if params.reduction == "sum":
+        return total
+    return total * row_grad_scale(target_flat, params, normalizer, vocab).reshape(())
+
+
+def distill_loss(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    target: Optional[Tensor] = None,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    reduction: str = "batchmean",
+    normalizer: Union[None, float, Tensor] = None,
+    hard_weight: float = 0.0,
+    backend: str = "auto",
+) -> Tensor:
+    """TRL's generalized JSD between ``softmax(student / T)`` and ``softmax(teacher / T)``.
+
+    ``beta = 0``: KL(teacher || student); ``beta = 1``: KL(student || teacher); between them
+    the JSD with mixture ``(1 - beta) p_s + beta p_t``. Rows whose ``target`` is
+    ``ignore_index`` do not count. ``reduction``: ``batchmean`` (sum over counted rows divided
+    by their number, at least 1), ``sum``, ``mean`` (divided by counted rows * V, as TRL's
+    element mean), ``none`` (per-row losses ``[...]``, 0 on ignored rows; TRL would return the
+    ``[rows, V]`` elements). ``normalizer`` (TRL's ``num_items_in_batch``; ``batchmean`` or
+    ``mean``): the sum divided by it (0 gives 0). ``hard_weight`` adds
+    ``hard_weight * cross_entropy(student_logits, target)`` per row (temperature 1). Only the
+    student gets a gradient; the teacher may have another float dtype. float32 result.
+    """
+    params, normalizer_t = checked_params(student_logits, teacher_logits, target, beta,
+                                          temperature, ignore_index, reduction, normalizer,
+                                          hard_weight, backend)
+    teacher_logits = teacher_logits.detach()
+    if params.backend == "reference":
+        return reference.distill_loss(
+            student_logits.float(), teacher_logits.float(), target, params.beta,
+            params.temperature, params.ignore_index, reduction,
+            normalizer_t, params.hard_weight)
+    lead_shape = student_logits.shape[:-1]
+    target_flat = row_targets(target, lead_shape.numel(), student_logits.device)
+    if torch.is_grad_enabled() and student_logits.requires_grad:
+        rows_loss = _DistillRows.apply(student_logits, teacher_logits, target_flat, params)
+    else:
+        student_rows, teacher_rows = matching_rows(student_logits, teacher_logits)
+        rows_loss = _library.distill_forward(
+            student_rows, teacher_rows, target_flat, params.ignore_index, params.beta,
+            params.temperature, params.hard_weight, params.backend)[0]
+    return reduce_rows(rows_loss, target_flat, params, normalizer_t, student_logits.shape[-1],
+                       lead_shape)
+
+
+def _linear_distill_walk(student_head, teacher_head, target_flat, params, grad_rows):
+    """Walk both heads' chunks: per-row losses and, when ``grad_rows`` (float32, 1 or N
+    elements: d loss / d row loss) is given, the student head's gradients folded per chunk
+    (the chunk's logit gradient is written over its logits buffer)."""
+    kernels = backend_module(params.backend)
+    n_rows = target_flat.numel()
+    loss = torch.empty(n_rows, dtype=torch.float32, device=target_flat.device)
+    args = (params.ignore_index, params.beta, params.temperature, params.hard_weight)
+    for (start, stop, student), (_, _, teacher) in zip(student_head.chunks(),
+                                                       teacher_head.chunks()):
+        rows = target_flat[start:stop]
+        loss[start:stop], *stats = kernels.distill_forward(student, teacher, rows, *args)
+        if grad_rows is None:
+            continue
+        upstream = (grad_rows.expand(stop - start) if grad_rows.numel() == 1
+                    else grad_rows[start:stop]).contiguous()
+        kernels.distill_backward(student, teacher, rows, *args, *stats, upstream, student)
+        student_head.fold(start, stop, student)
+    return (loss, *student_head.gradients())
+
+
+def _heads(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+           teacher_bias, chunk_size, needs):
+    """The student's head (gradients as ``needs``) and the teacher's, walked in the same
+    chunks (each holds one chunk of logits)."""
+    student_head = linear_op._ChunkedHead(student_hidden, student_weight, student_bias,
+                                          chunk_size, needs)
+    teacher_head = linear_op._ChunkedHead(teacher_hidden, teacher_weight, teacher_bias,
+                                          student_head.chunk)
+    return student_head, teacher_head
+
+
+class _LinearDistillRows(torch.autograd.Function):
+    """``reduction="none"``: per-row losses; backward walks the chunks with per-row grads."""
+
+    @staticmethod
+    def forward(ctx, student_hidden, student_weight, student_bias, teacher_hidden,
+                teacher_weight, teacher_bias, target_flat, params, chunk_size):
+        heads = _heads(student_hidden, student_weight, student_bias, teacher_hidden,
+                       teacher_weight, teacher_bias, chunk_size, (False,) * 3)
+        loss = _linear_distill_walk(*heads, target_flat, params, None)[0]
+        ctx.save_for_backward(student_hidden, student_weight, student_bias, teacher_hidden,
+                              teacher_weight, teacher_bias, target_flat)
+        ctx.params, ctx.chunk_size = params, chunk_size
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        *tensors, target_flat = ctx.saved_tensors
+        heads = _heads(*tensors, ctx.chunk_size, ctx.needs_input_grad[:3])
+        _, grad_hidden, grad_weight, grad_bias = _linear_distill_walk(
+            *heads, target_flat, ctx.params, grad_rows.reshape(-1).float().contiguous())
+        return (linear_op._or_none(grad_hidden), linear_op._or_none(grad_weight),
+                linear_op._or_none(grad_bias), None, None, None, None, None, None)
+
+
+def linear_distill_loss(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    target: Optional[Tensor] = None,
+    *,
+    student_bias: Optional[Tensor] = None,
+    teacher_bias: Optional[Tensor] = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    reduction: str = "batchmean",
+    normalizer: Union[None, float, Tensor] = None,
+    hard_weight: float = 0.0,
+    chunk_size: Optional[int] = None,
+    backend: str = "auto",
+) -> Tensor:
+    """``distill_loss(F.linear(student_hidden, student_weight, student_bias),
+    F.linear(teacher_hidden, teacher_weight, teacher_bias), target, ...)`` without either
+    ``[N, V]`` logits: the rows are walked in chunks (``ops/linear.py``'s chunk rule; both
+    heads hold one chunk of logits each). The vocabularies must match; the hidden sizes and
+    dtypes of the two heads may differ. Only the student's tensors get gradients; with a
+    scalar reduction they are produced in the forward's single walk.
+    """
+    student_rows = linear_op._check_head(student_hidden, student_weight, student_bias,
+                                         chunk_size)
+    try:
+        teacher_rows = linear_op._check_head(teacher_hidden, teacher_weight, teacher_bias,
+                                             chunk_size)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"teacher head: {exc}") from None
+    if teacher_weight.shape[0] != student_weight.shape[0]:
+        raise ValueError(f"teacher_weight must have the student's vocabulary size "
+                         f"{student_weight.shape[0]}, got {tuple(teacher_weight.shape)}")
+    if tuple(teacher_hidden.shape[:-1]) != tuple(student_hidden.shape[:-1]):
+        raise ValueError(f"teacher_hidden must have student_hidden's leading shape "
+                         f"{tuple(student_hidden.shape[:-1])}, got "
+                         f"{tuple(teacher_hidden.shape[:-1])}")
+    backend = resolve_backend(backend, student_hidden.device)
+    options = dict(beta=beta, temperature=temperature, ignore_index=ignore_index,
+                   reduction=reduction, normalizer=normalizer, hard_weight=hard_weight)
+    if backend == "reference":
+        linear = torch.nn.functional.linear
+        return distill_loss(linear(student_hidden, student_weight, student_bias),
+                            linear(teacher_hidden, teacher_weight, teacher_bias), target,
+                            backend="reference", **options)
+    params, normalizer_t = checked_params(
+        linear_op._logits_like(student_hidden, student_weight),
+        linear_op._logits_like(teacher_hidden, teacher_weight), target, beta, temperature,
+        ignore_index, reduction, normalizer, hard_weight, backend)
+    teacher_args = (teacher_rows.detach(), teacher_weight.detach(),
+                    None if teacher_bias is None else teacher_bias.detach())
+    lead_shape = student_hidden.shape[:-1]
+    target_flat = row_targets(target, lead_shape.numel(), student_hidden.device)
+    vocab = student_weight.shape[0]
+    needs = (linear_op._needs(student_hidden, student_weight, student_bias)
+             if torch.is_grad_enabled() else (False,) * 3)
+    if reduction == "none":
+        if any(needs):
+            loss = _LinearDistillRows.apply(student_rows, student_weight, student_bias,
+                                            *teacher_args, target_flat, params, chunk_size)
+        else:
+            heads = _heads(student_rows, student_weight, student_bias, *teacher_args,
+                           chunk_size, needs)
+            loss = _linear_distill_walk(*heads, target_flat, params, None)[0]
+        return loss.view(lead_shape)
+    scale = row_grad_scale(target_flat, params, normalizer_t, vocab)
+    with torch.no_grad():
+        heads = _heads(student_rows, student_weight, student_bias, *teacher_args, chunk_size,
+                       needs)
+        loss, grad_hidden, grad_weight, grad_bias = _linear_distill_walk(
+            *heads, target_flat, params, scale if any(needs) else None)
+        value = reduce_rows(loss, target_flat, params, normalizer_t, vocab, lead_shape)
+    if not any(needs):
+        return value
+    return linear_op._AttachHeadGrads.apply(student_rows, student_weight, student_bias, value,
+                                            grad_hidden, grad_weight, grad_bias)
