@@ -346,33 +346,24 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
     ``process_group`` (vocabulary parallel): ``logits`` hold this rank's contiguous vocabulary
     shard, ``target`` global ids (``ops/vocab_parallel.py``).
     """
-    if process_group is not None:
-        from . import vocab_parallel
-
-        return vocab_parallel.grpo_loss(
-            logits, target, advantages, process_group=process_group, backend=backend, mask=mask,
-            old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta,
-            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
-            loss_type=loss_type, importance_sampling=importance_sampling,
-            temperature=temperature, max_completion_length=max_completion_length,
-            normalizer=normalizer, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
-            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-            vespo_lambda_neg=vespo_lambda_neg, kl_ratio_correction=kl_ratio_correction,
-            importance_weights=importance_weights, off_policy_threshold=off_policy_threshold,
-            sampling_logprobs=sampling_logprobs, top_entropy_quantile=top_entropy_quantile,
-            entropy_coef=entropy_coef)
-    checked = plan(logits, target, advantages, mask=mask, old_logprobs=old_logprobs,
-                   ref_logprobs=ref_logprobs, beta=beta, clip_eps_low=clip_eps_low,
-                   clip_eps_high=clip_eps_high, delta=delta, loss_type=loss_type,
-                   importance_sampling=importance_sampling, temperature=temperature,
-                   max_completion_length=max_completion_length, normalizer=normalizer,
-                   importance_weights=importance_weights, sampling_logprobs=sampling_logprobs,
-                   backend=backend, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
+    options = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta,
+                   clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
+                   loss_type=loss_type, importance_sampling=importance_sampling,
+                   temperature=temperature, max_completion_length=max_completion_length,
+                   normalizer=normalizer, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
                    vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
                    vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
                    kl_ratio_correction=kl_ratio_correction,
+                   importance_weights=importance_weights,
                    off_policy_threshold=off_policy_threshold,
+                   sampling_logprobs=sampling_logprobs,
                    top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef)
+    if process_group is not None:
+        from . import vocab_parallel
+
+        return vocab_parallel.grpo_loss(logits, target, advantages, process_group=process_group,
+                                        backend=backend, **options)
+    checked = plan(logits, target, advantages, backend=backend, **options)
     inputs, params = checked.inputs, checked.params
     if params.backend == "reference":
         from .. import reference

@@ -566,25 +566,6 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
     VESPO, the masks, the entropy bonus) differentiates through ``linear_token_logprobs``.
     ``process_group``: vocabulary parallel, as in ``linear_cross_entropy``.
     """
-    if process_group is not None:
-        from . import vocab_parallel
-
-        return vocab_parallel.linear_grpo_loss(
-            hidden, weight, target, advantages, process_group=process_group, bias=bias,
-            chunk_size=chunk_size, backend=backend, mask=mask, old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs, beta=beta, clip_eps_low=clip_eps_low,
-            clip_eps_high=clip_eps_high, delta=delta, loss_type=loss_type,
-            importance_sampling=importance_sampling, temperature=temperature,
-            max_completion_length=max_completion_length,
-            normalizer=normalizer, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
-            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-            vespo_lambda_neg=vespo_lambda_neg, kl_ratio_correction=kl_ratio_correction,
-            importance_weights=importance_weights, off_policy_threshold=off_policy_threshold,
-            sampling_logprobs=sampling_logprobs, top_entropy_quantile=top_entropy_quantile,
-            entropy_coef=entropy_coef)
-    _check_head(hidden, weight, bias, chunk_size)
-    if hidden.dim() != 3:
-        raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
     options = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta,
                    clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
                    loss_type=loss_type, importance_sampling=importance_sampling,
@@ -597,6 +578,15 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
                    off_policy_threshold=off_policy_threshold,
                    sampling_logprobs=sampling_logprobs,
                    top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef)
+    if process_group is not None:
+        from . import vocab_parallel
+
+        return vocab_parallel.linear_grpo_loss(
+            hidden, weight, target, advantages, process_group=process_group, bias=bias,
+            chunk_size=chunk_size, backend=backend, **options)
+    _check_head(hidden, weight, bias, chunk_size)
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
     backend = resolve_backend(backend, hidden.device)
     if backend == "reference":
         logits = torch.nn.functional.linear(hidden, weight, bias)
