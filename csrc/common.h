@@ -155,14 +155,15 @@ struct F16T {
     const uint32_t w = float_to_bits(f);
     const uint32_t shl1_w = w + w;
     const uint32_t sign = w & 0x80000000u;
-    uint32_t bias = shl1_w & 0xFF000000u;
-    bias = bias < 0x71000000u ? 0x71000000u : bias;
+    const uint32_t bias = std::max(shl1_w & 0xFF000000u, 0x71000000u);
     const float base = bits_to_float((bias >> 1) + 0x07800000u) + base0;
     const uint32_t bits = float_to_bits(base);
     const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
     const uint32_t mantissa_bits = bits & 0x00000FFFu;
     const uint32_t nonsign = exp_bits + mantissa_bits;
-    return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+    // NaN -> 0x7E00 through a mask: an integer `?:` here keeps the store loops scalar
+    const uint32_t nan_mask = 0u - static_cast<uint32_t>(shl1_w > 0xFF000000u);
+    return uint16_t((sign >> 16) | (0x7E00u & nan_mask) | (nonsign & ~nan_mask));
   }
 };
 
@@ -198,7 +199,9 @@ ASTRAI_INLINE float fast_exp(float x) {
 
 // p = exp(d) for a log-prob d: clamped at d <= 0 first (NaN kept), so a rounding that leaves
 // d slightly positive, e.g. a contracted `x * inv_t - lse`, cannot leave fast_exp's domain.
-ASTRAI_INLINE float log_prob_exp(float d) { return fast_exp(d > 0.0f ? 0.0f : d); }
+// The clamp is an integer-mask select: a `?:` on floats here is not if-converted inside the
+// caller's `omp simd` loop, which then runs scalar (the 5x log-prob backward of a234fd3).
+ASTRAI_INLINE float log_prob_exp(float d) { return fast_exp(select(d > 0.0f, 0.0f, d)); }
 
 // tanh(x) (Cephes tanhf): an odd polynomial for |x| <= 0.625, (1 - e) / (1 + e) with
 // e = exp(-2|x|) above; about 2 ulp. tanh(+-inf) = +-1, NaN gives NaN.
