@@ -14,8 +14,8 @@ STAMP := $(VENV)/.astrai-kernels-installed
 # the CPU all the same; TORCH_CPU_PIP_ARGS can point pip at an index of CPU builds instead.
 # PIP_CONSTRAINT=/dev/null drops a machine-wide pip constraint file that caps torch's version.
 OLDEST_VENV ?= .venv-oldest
-OLDEST_TORCH_SPEC ?= torch==2.6.0
-OLDEST_TRITON_SPEC ?= triton==3.2.0
+OLDEST_TORCH_SPEC ?= torch==2.11.0
+OLDEST_TRITON_SPEC ?= triton==3.6.0
 NEWEST_VENV ?= .venv-newest
 NEWEST_TORCH_SPEC ?= torch==2.15.0
 NEWEST_TRITON_SPEC ?= triton==3.9.0
