@@ -19,7 +19,7 @@ OLDEST_TRITON_SPEC ?= triton==3.6.0
 NEWEST_VENV ?= .venv-newest
 NEWEST_TORCH_SPEC ?= torch==2.15.0
 NEWEST_TRITON_SPEC ?= triton==3.9.0
-PINNED_EXTRAS ?= test,transformers
+PINNED_EXTRAS ?= test,plot,transformers
 
 .PHONY: setup test test-oldest test-newest bench bench-pytest lint compile-check verify clean
 
