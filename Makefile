@@ -16,9 +16,13 @@ STAMP := $(VENV)/.astrai-kernels-installed
 OLDEST_VENV ?= .venv-oldest
 OLDEST_TORCH_SPEC ?= torch==2.11.0
 OLDEST_TRITON_SPEC ?= triton==3.6.0
+# Triton 3.6's interpreter (the CPU tests) calls int() on 1-element arrays, which NumPy 2.4 refuses
+OLDEST_NUMPY_SPEC ?= numpy<2.4
+OLDEST_PINS = "$(OLDEST_TORCH_SPEC)" "$(OLDEST_TRITON_SPEC)" "$(OLDEST_NUMPY_SPEC)"
 NEWEST_VENV ?= .venv-newest
 NEWEST_TORCH_SPEC ?= torch==2.15.0
 NEWEST_TRITON_SPEC ?= triton==3.9.0
+NEWEST_PINS = "$(NEWEST_TORCH_SPEC)" "$(NEWEST_TRITON_SPEC)"
 PINNED_EXTRAS ?= test,plot,transformers
 
 .PHONY: setup test test-oldest test-newest bench bench-pytest lint compile-check verify clean
@@ -39,18 +43,18 @@ endif
 test: $(STAMP)
 	$(PY) -m pytest tests -q
 
-# $(call pinned_venv,VENV,TORCH_SPEC,TRITON_SPEC): the venv's stamp, built with those pins
+# $(call pinned_venv,VENV,PINS): the venv's stamp, built with those (quoted) pins
 define pinned_venv
 $(1)/.astrai-kernels-installed: pyproject.toml Makefile
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install -q --upgrade pip
-	PIP_CONSTRAINT=/dev/null $(1)/bin/python -m pip install -q $(TORCH_CPU_PIP_ARGS) "$(2)" "$(3)"
+	PIP_CONSTRAINT=/dev/null $(1)/bin/python -m pip install -q $(TORCH_CPU_PIP_ARGS) $(2)
 	PIP_CONSTRAINT=/dev/null $(1)/bin/python -m pip install -q $(TORCH_CPU_PIP_ARGS) \
-	  -e ".[$(PINNED_EXTRAS)]" "$(2)" "$(3)"
+	  -e ".[$(PINNED_EXTRAS)]" $(2)
 	touch $(1)/.astrai-kernels-installed
 endef
-$(eval $(call pinned_venv,$(OLDEST_VENV),$(OLDEST_TORCH_SPEC),$(OLDEST_TRITON_SPEC)))
-$(eval $(call pinned_venv,$(NEWEST_VENV),$(NEWEST_TORCH_SPEC),$(NEWEST_TRITON_SPEC)))
+$(eval $(call pinned_venv,$(OLDEST_VENV),$(OLDEST_PINS)))
+$(eval $(call pinned_venv,$(NEWEST_VENV),$(NEWEST_PINS)))
 
 # $(call test_pinned,VENV): the versions, the whole suite, then compile-check (no interpreter)
 define test_pinned
