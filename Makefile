@@ -56,12 +56,14 @@ endef
 $(eval $(call pinned_venv,$(OLDEST_VENV),$(OLDEST_PINS)))
 $(eval $(call pinned_venv,$(NEWEST_VENV),$(NEWEST_PINS)))
 
-# $(call test_pinned,VENV): the versions, the whole suite, then compile-check (no interpreter)
+# $(call test_pinned,VENV): the versions, the whole suite, then compile-check (no interpreter;
+# its table reports spills, which fail tests/test_compile_check.py from Triton 3.8 on only)
 define test_pinned
 	$(1)/bin/python -c "import numpy, torch, triton; print('torch', torch.__version__, '| triton', \
 	  triton.__version__, '| numpy', numpy.__version__)"
 	$(1)/bin/python -m pytest tests -q
-	env -u TRITON_INTERPRET $(1)/bin/python -m astrai_kernels.cli compile-check --arch sm_80,sm_90
+	env -u TRITON_INTERPRET $(1)/bin/python -m astrai_kernels.cli compile-check --arch sm_80,sm_90 \
+	  --allow-spills
 endef
 
 test-oldest: $(OLDEST_VENV)/.astrai-kernels-installed
