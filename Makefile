@@ -8,16 +8,24 @@ TORCH_CPU_SPEC ?= torch==2.13.0
 TORCH_CPU_PIP_ARGS ?=
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP := $(VENV)/.astrai-kernels-installed
-# The oldest versions pyproject.toml declares, in a venv of their own (`make test-oldest`).
-# torch's CPU build there too, so the Triton tests run under the interpreter on any machine.
+# The oldest versions pyproject.toml declares and the newest releases, each in a venv of its own
+# (`make test-oldest`, `make test-newest`): the whole suite, then compile-check. These torch
+# releases come from the registry as CUDA builds (a few GB with their nvidia-* wheels) and run on
+# the CPU all the same; TORCH_CPU_PIP_ARGS can point pip at an index of CPU builds instead.
+# PIP_CONSTRAINT=/dev/null drops a machine-wide pip constraint file that caps torch's version.
 OLDEST_VENV ?= .venv-oldest
-OLDEST_PY := $(OLDEST_VENV)/bin/python
-OLDEST_TORCH_SPEC ?= $(TORCH_CPU_SPEC)
-OLDEST_TRITON_SPEC ?= triton==3.8.0
-OLDEST_PINS = "$(OLDEST_TORCH_SPEC)" "$(OLDEST_TRITON_SPEC)"
-OLDEST_STAMP := $(OLDEST_VENV)/.astrai-kernels-installed
+OLDEST_TORCH_SPEC ?= torch==2.11.0
+OLDEST_TRITON_SPEC ?= triton==3.6.0
+# Triton 3.6's interpreter (the CPU tests) calls int() on 1-element arrays, which NumPy 2.4 refuses
+OLDEST_NUMPY_SPEC ?= numpy<2.4
+OLDEST_PINS = "$(OLDEST_TORCH_SPEC)" "$(OLDEST_TRITON_SPEC)" "$(OLDEST_NUMPY_SPEC)"
+NEWEST_VENV ?= .venv-newest
+NEWEST_TORCH_SPEC ?= torch==2.15.0
+NEWEST_TRITON_SPEC ?= triton==3.9.0
+NEWEST_PINS = "$(NEWEST_TORCH_SPEC)" "$(NEWEST_TRITON_SPEC)"
+PINNED_EXTRAS ?= test,plot,transformers
 
-.PHONY: setup test test-oldest bench bench-pytest lint compile-check verify clean
+.PHONY: setup test test-oldest test-newest bench bench-pytest lint compile-check verify clean
 
 setup: $(STAMP)
 
@@ -35,20 +43,34 @@ endif
 test: $(STAMP)
 	$(PY) -m pytest tests -q
 
-$(OLDEST_STAMP): pyproject.toml Makefile
-	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST_VENV)
-	$(OLDEST_PY) -m pip install -q --upgrade pip
-	$(OLDEST_PY) -m pip install -q $(TORCH_CPU_PIP_ARGS) $(OLDEST_PINS)
-	$(OLDEST_PY) -m pip install -q $(TORCH_CPU_PIP_ARGS) -e ".[test]" $(OLDEST_PINS)
-	touch $(OLDEST_STAMP)
+# $(call pinned_venv,VENV,PINS): the venv's stamp, built with those (quoted) pins
+define pinned_venv
+$(1)/.astrai-kernels-installed: pyproject.toml Makefile
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	PIP_CONSTRAINT=/dev/null $(1)/bin/python -m pip install -q $(TORCH_CPU_PIP_ARGS) $(2)
+	PIP_CONSTRAINT=/dev/null $(1)/bin/python -m pip install -q $(TORCH_CPU_PIP_ARGS) \
+	  -e ".[$(PINNED_EXTRAS)]" $(2)
+	touch $(1)/.astrai-kernels-installed
+endef
+$(eval $(call pinned_venv,$(OLDEST_VENV),$(OLDEST_PINS)))
+$(eval $(call pinned_venv,$(NEWEST_VENV),$(NEWEST_PINS)))
 
-# The Triton tests (every test or case with "triton" in its id; the interpreter where there is
-# no CUDA) and compile-check under the oldest declared torch and Triton.
-test-oldest: $(OLDEST_STAMP)
-	$(OLDEST_PY) -c "import numpy, torch, triton; print('torch', torch.__version__, '| triton', \
+# $(call test_pinned,VENV): the versions, the whole suite, then compile-check (no interpreter;
+# its table reports spills, which fail tests/test_compile_check.py from Triton 3.8 on only)
+define test_pinned
+	$(1)/bin/python -c "import numpy, torch, triton; print('torch', torch.__version__, '| triton', \
 	  triton.__version__, '| numpy', numpy.__version__)"
-	$(OLDEST_PY) -m pytest tests -q -k triton
-	env -u TRITON_INTERPRET $(OLDEST_PY) -m astrai_kernels.cli compile-check --arch sm_80,sm_90
+	$(1)/bin/python -m pytest tests -q
+	env -u TRITON_INTERPRET $(1)/bin/python -m astrai_kernels.cli compile-check --arch sm_80,sm_90 \
+	  --allow-spills
+endef
+
+test-oldest: $(OLDEST_VENV)/.astrai-kernels-installed
+	$(call test_pinned,$(OLDEST_VENV))
+
+test-newest: $(NEWEST_VENV)/.astrai-kernels-installed
+	$(call test_pinned,$(NEWEST_VENV))
 
 bench: $(STAMP)
 	$(PY) -m astrai_kernels.cli bench --json bench/results/bench.json --plot bench/results/bench.png
@@ -66,4 +88,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check astrai_kernels tests bench
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) $(NEWEST_VENV) build *.egg-info .pytest_cache

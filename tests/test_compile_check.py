@@ -15,6 +15,16 @@ from cases import ROOT, subprocess_env
 pytest.importorskip("triton")
 
 FIELDS = {"kernel", "config", "arch", "registers", "spills", "shared", "ok", "error"}
+# Triton 3.3.1 to 3.6.0 spill 8 bytes in a few of these builds (ptxas's register choice), 3.8.0
+# and later in none: an older Triton's spill is a speed note (README), not a failure.
+SPILL_FREE_TRITON = (3, 8)
+OLDER_TRITON_SPILL_BYTES = 8
+
+
+def _triton_version():
+    import triton
+
+    return tuple(int(part) for part in triton.__version__.split(".")[:2])
 
 
 def test_every_kernel_compiles_without_spills():
@@ -27,9 +37,15 @@ def test_every_kernel_compiles_without_spills():
     assert rows, "no kernel configurations were compiled"
     for row in rows:
         assert FIELDS <= set(row), row
-    failures = [row for row in rows if not row["ok"] or row["spills"] != 0]
+    spilled = [row for row in rows if row["spills"]]
+    if _triton_version() >= SPILL_FREE_TRITON:
+        failures = [row for row in rows if not row["ok"] or row["spills"] != 0]
+    else:
+        failures = [row for row in rows if not (row["ok"] or row in spilled)
+                    or (row["spills"] or 0) > OLDER_TRITON_SPILL_BYTES]
     assert not failures, json.dumps(failures, indent=1)[:5000]
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(row["registers"] is not None for row in spilled)  # they compiled
+    assert proc.returncode == (1 if spilled else 0), proc.stderr[-3000:]
     assert {row["arch"] for row in rows} == {"sm_80", "sm_90"}
     kernels = {row["kernel"] for row in rows}
     assert {"logprobs_fwd_kernel", "logprobs_bwd_kernel", "cross_entropy_fwd_kernel",
@@ -62,3 +78,13 @@ def test_bad_arch_is_rejected():
 
     with pytest.raises(compile_check.CompileCheckError, match="sm_80"):
         compile_check._capability("ampere")
+
+
+def test_allow_spills_excuses_a_spill_not_a_failed_compile():
+    from astrai_kernels.triton.compile_check import spilled_only
+
+    assert spilled_only({"registers": 128, "spills": 8, "ok": False,
+                         "error": "8 bytes of stack/local memory (register spills)"})
+    assert not spilled_only({"registers": None, "spills": None, "ok": False,
+                             "error": "CompilationError: out of resources"})
+    assert not spilled_only({"registers": 96, "spills": 0, "ok": True, "error": None})

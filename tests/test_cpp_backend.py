@@ -9,7 +9,9 @@ naive same-dtype path's error as the yardstick. A failed build fails these tests
 
 import contextlib
 import math
+import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -504,6 +506,27 @@ def test_build_directory(monkeypatch, tmp_path):
     monkeypatch.delenv(cb.BUILD_DIR_ENV)
     default = cb.build_directory()
     assert default.parent.name == "astrai_kernels" and torch.__version__ in default.name
+
+
+def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(cb.BUILD_DIR_ENV, raising=False)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert cb.cache_root() == Path.home() / ".cache" / "astrai_kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cb.cache_root() == tmp_path / "xdg" / "astrai_kernels"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    assert cb.cache_root() == tmp_path / "ext" / "astrai_kernels"
+    assert cb.build_directory().parent == tmp_path / "ext" / "astrai_kernels"
+
+
+def test_build_hash_covers_the_sources_contents_not_their_path(tmp_path):
+    # an installed copy of the same sources shares the checkout's build; an edit does not
+    src = cb.source_dir()
+    copy = Path(shutil.copytree(src, tmp_path / "csrc"))
+    assert cb._build_hash(copy) == cb._build_hash(src)
+    (copy / "grpo.cpp").write_bytes((src / "grpo.cpp").read_bytes() + b"\n")
+    assert cb._build_hash(copy) != cb._build_hash(src)
 
 
 def test_missing_compiler_falls_back_with_one_warning(monkeypatch):

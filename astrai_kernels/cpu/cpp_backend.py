@@ -1,10 +1,14 @@
 """The ``cpp`` backend: the primitives of ``ops/_backend.py`` as C++ kernels from ``csrc/``.
 
-The extension is built on first use with ``torch.utils.cpp_extension.load`` (ninja) and cached:
-the build directory is ``$ASTRAI_KERNELS_BUILD_DIR`` when set, else
-``~/.cache/astrai_kernels/cpp-<torch version>-<hash>``, the hash covering the sources, the flags,
-the compiler and the Python ABI, so a change to any of them builds afresh and an unchanged tree
-loads the cached library in well under a second. Flags are portable (``-O3 -fopenmp
+The sources are the checkout's ``csrc/`` or, in an installed package, the copy the wheel carries
+as ``astrai_kernels/csrc/`` (setup.py puts it there). The extension is built on first use with
+``torch.utils.cpp_extension.load`` (ninja) into a per-user cache, never beside the sources: the
+build directory is ``$ASTRAI_KERNELS_BUILD_DIR`` when set, else ``<cache>/cpp-<torch
+version>-<hash>`` with ``<cache>`` the first of ``$TORCH_EXTENSIONS_DIR/astrai_kernels``,
+``$XDG_CACHE_HOME/astrai_kernels`` and ``~/.cache/astrai_kernels``. The hash covers the sources'
+contents, the flags, the compiler and the Python ABI, so a change to any of them builds afresh,
+and an unchanged tree (a checkout or an installed copy of the same sources) loads the cached
+library in well under a second. Flags are portable (``-O3 -fopenmp
 -ffp-contract=fast``; no ``-march=native``, no ``-ffast-math``): the kernels carry AVX2 and
 AVX-512 variants chosen at run time from the CPU's features (``ASTRAI_KERNELS_CPU_ISA`` =
 ``generic`` | ``avx2`` | ``avx512`` caps the choice).
@@ -50,9 +54,10 @@ _WARNED = False
 # ------------------------------------------------------------------------------------------
 
 def source_dir():
-    """The ``csrc/`` folder with the C++ sources, or None when it cannot be found."""
+    """The folder with the C++ sources, or None when it cannot be found: the installed package's
+    own copy (``astrai_kernels/csrc``) first, else a checkout's ``csrc/`` beside the package."""
     here = Path(__file__).resolve()
-    for candidate in (here.parents[2] / "csrc", here.parents[1] / "csrc"):
+    for candidate in (here.parents[1] / "csrc", here.parents[2] / "csrc"):
         if all((candidate / name).is_file() for name in SOURCES):
             return candidate
     return None
@@ -87,9 +92,10 @@ def _build_hash(src):
     for name in SOURCES:
         digest.update(name.encode())
         digest.update((src / name).read_bytes())
+    # Not the sources' path: copies of the same sources (a checkout, an installed wheel) share
+    # one build; a complete build is imported without ninja, so they do not rebuild it.
     for part in (*CFLAGS, "|", *LDFLAGS, "|", str(_compiler()), os.environ.get("CXX", ""),
-                 torch.__version__, sys.implementation.cache_tag, sys.platform,
-                 str(src.resolve())):  # two checkouts never share (and rebuild) one directory
+                 torch.__version__, sys.implementation.cache_tag, sys.platform):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:16]
@@ -102,7 +108,16 @@ def build_directory():
         return Path(env).expanduser()
     src = source_dir()
     key = _build_hash(src) if src is not None else "nosources"
-    return Path.home() / ".cache" / "astrai_kernels" / f"cpp-{torch.__version__}-{key}"
+    return cache_root() / f"cpp-{torch.__version__}-{key}"
+
+
+def cache_root():
+    """The per-user folder holding the builds (one subfolder per torch version and hash)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"]).expanduser() / "astrai_kernels"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "astrai_kernels"
+    return Path.home() / ".cache" / "astrai_kernels"
 
 
 # ------------------------------------------------------------------------------------------

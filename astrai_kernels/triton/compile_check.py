@@ -228,6 +228,9 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="fewer flag combinations and dtypes (every kernel still built)")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile processes")
+    parser.add_argument("--allow-spills", action="store_true",
+                        help="exit 0 when every configuration compiles, spills or not (they are "
+                             "still reported): an older Triton's spill is a speed note")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     archs = [a for a in args.arch.split(",") if a.strip()]
@@ -242,7 +245,13 @@ def main(argv=None):
         print(json.dumps(rows, indent=1))
     else:
         print(format_table(rows))
-    return 0 if rows and all(row["ok"] for row in rows) else 1
+    return 0 if rows and all(row["ok"] or (args.allow_spills and spilled_only(row))
+                             for row in rows) else 1
+
+
+def spilled_only(row):
+    """Whether the entry compiled and is not ok only because it spills."""
+    return row["registers"] is not None and bool(row["spills"])
 
 
 if __name__ == "__main__":
