@@ -93,15 +93,15 @@ def _check_normalizer(normalizer, reduction, device):
     return torch.full((), value, dtype=torch.float32, device=device)
 
 
-def check_zero_normalizer(normalizer, counted, rows="row"):
+def check_zero_normalizer(normalizer, counted):
     """The rule of every op's ``normalizer`` (GRPO's): 0 only when nothing is counted (an
-    empty micro-batch: loss 0.0, zero gradient); a 0 with counted ``rows`` would silently
-    drop them. ``counted`` is a bool tensor of the counted rows. On CPU this raises; on other
+    empty micro-batch: loss 0.0, zero gradient); a 0 with counted rows would silently drop
+    them. ``counted`` is a bool tensor of the counted rows. On CPU this raises; on other
     devices (CUDA) and under ``torch.compile`` it is an asynchronous device assert (no host
     sync; a failure surfaces at the next synchronization)."""
     bad = (normalizer == 0) & counted.any()
-    message = (f"normalizer must be > 0 when a {rows} is counted (0 only when every {rows} "
-               f"is ignored or masked)")
+    message = ("normalizer must be > 0 when a row is counted (0 only when every row is "
+               "ignored)")
     if normalizer.device.type != "cpu" or torch.compiler.is_compiling():
         torch._assert_async(~bad, message)
     elif bool(bad):
