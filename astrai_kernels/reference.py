@@ -391,9 +391,11 @@ def group_advantages(rewards: Tensor, scale: str = "group", eps: float = 1e-6) -
 
 def _kl_terms(log_p: Tensor, log_q: Tensor) -> Tensor:
     """``p * (log p - log q)`` per element (``F.kl_div(log_q, log_p, log_target=True)``), 0
-    where ``p = 0``: the convention 0 log 0 = 0 (kl_div itself gives NaN for ``log p = -inf``)."""
+    where ``p = 0``: the convention 0 log 0 = 0 (kl_div itself gives NaN for ``log p = -inf``).
+    The difference is selected too, so those elements get a zero gradient, not ``0 * inf``."""
     p = log_p.exp()
-    return torch.where(p == 0, 0.0, p * (log_p - log_q))
+    diff = torch.where(p == 0, 0.0, log_p - log_q)
+    return torch.where(p == 0, 0.0, p * diff)
 
 
 def distill_loss(student: Tensor, teacher: Tensor, target: Optional[Tensor] = None,
@@ -409,8 +411,13 @@ def distill_loss(student: Tensor, teacher: Tensor, target: Optional[Tensor] = No
     ``beta * sum p_t (b - m) + (1 - beta) * sum p_s (a - m)``. Rows whose target is
     ``ignore_index`` do not count. ``batchmean``: sum over counted rows / their number (at least
     1); ``sum``; ``mean``: sum / (counted rows * V), 0 with none; ``none``: per-row losses
-    ``[...]`` (0 on ignored rows). ``normalizer`` (``batchmean``/``mean``): sum / normalizer, 0
-    when it is 0. The teacher is computed in the student's dtype."""
+    ``[...]`` (0 on ignored rows). Without ``target``, ``batchmean`` divides by the first dim
+    (TRL's ``jsd.size(0)``: B of ``[B, T, V]``; 1 for a single ``[V]`` row). ``normalizer``
+    (``batchmean``/``mean``): sum / normalizer, 0 when it is 0. The teacher is computed in the
+    student's dtype. -inf logits are ids with probability 0 (``0 log 0 = 0``; their terms have
+    a zero gradient): finite for ``0 < beta < 1``, +inf at ``beta = 0`` where the student
+    excludes an id the teacher keeps, at ``beta = 1`` where the teacher excludes one the
+    student keeps."""
     vocab = student.shape[-1]
     s = student.reshape(-1, vocab)
     t = teacher.reshape(-1, vocab).to(s.dtype)
@@ -430,7 +437,11 @@ def distill_loss(student: Tensor, teacher: Tensor, target: Optional[Tensor] = No
         elements = _kl_terms(a, b)
     else:
         beta_t = torch.tensor(beta, dtype=a.dtype, device=a.device)
-        m = torch.logsumexp(torch.stack([a + torch.log1p(-beta_t), b + torch.log(beta_t)]), 0)
+        parts = torch.stack([a + torch.log1p(-beta_t), b + torch.log(beta_t)])
+        # an id -inf on both sides has m = -inf (its terms are 0); logsumexp's gradient there
+        # would be NaN, so it sees zeros instead
+        neither = (parts == -math.inf).all(0)
+        m = torch.where(neither, -math.inf, torch.logsumexp(torch.where(neither, 0.0, parts), 0))
         elements = beta * _kl_terms(b, m) + (1 - beta) * _kl_terms(a, m)
     rows = elements.sum(-1)
     if hard_weight:
@@ -443,6 +454,8 @@ def distill_loss(student: Tensor, teacher: Tensor, target: Optional[Tensor] = No
         return total
     if normalizer is not None:
         count = normalizer
+    elif reduction == "batchmean" and target is None:
+        count = student.shape[0] if student.dim() > 1 else 1
     elif reduction == "batchmean":
         count = valid.sum().clamp(min=1)
     else:

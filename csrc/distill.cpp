@@ -43,14 +43,15 @@ ASTRAI_INLINE RowLogProbs saved_stats(int64_t V, const RawLoad<T, C>& load, floa
 }
 
 // log m = logaddexp(a + log_w_s, b + log_w_t): the larger plus log1p(exp(smaller - larger));
-// NaN when both are -inf (then p_s = p_t = 0 and the terms using m are selected away).
+// -inf when both are -inf: at beta = 1 (w_s = 0) a teacher's -inf id then gives the student's
+// term p_s (a - m) = +inf, the reverse KL's value (-inf - -inf inside would make it NaN).
 ASTRAI_INLINE float mixture_log(float a, float b, float log_w_s, float log_w_t) {
   const float u = a + log_w_s;
   const float v = b + log_w_t;
   const bool u_big = u > v;
   const float hi = select(u_big, u, v);
   const float lo = select(u_big, v, u);
-  return hi + log1p_unit(fast_exp(lo - hi));
+  return select(hi == -kInf, hi, hi + log1p_unit(fast_exp(lo - hi)));
 }
 
 // The row's loss terms at one element: term_t = p_t (b - m) (m = a for forward KL), term_s =

@@ -19,8 +19,6 @@ import torch
 
 import astrai_kernels as ak
 
-BACKENDS = ["torch", "cpp"]
-
 
 def _batch(seed=0, batch=2, length=5, vocab=16, hidden=8):
     gen = torch.Generator().manual_seed(seed)
@@ -119,14 +117,17 @@ def _compile_without_recompiles(fn, tensors, extra, float_sets, dynamic, backend
         _check_calls(compiled, fn, tensors, extra, float_sets[allowed:])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# What is traced (the custom ops' schemas, the floats as tensors) is the same for every
+# backend, which only names the kernels the op bodies run: one backend per op family here
+# (torch's logits ops compile in the two tests after these, cpp's in the inplace test).
+@pytest.mark.parametrize("backend", ["cpp"])
 def test_logits_ops_compile_once_for_every_float_value(backend):
     data = _batch()
     _compile_without_recompiles(logits_losses, [data["logits"]], (data, backend),
                                 FLOAT_SETS[:3], dynamic=True)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["torch"])
 def test_linear_ops_compile_once_for_every_float_value(backend):
     data = _batch()
     _compile_without_recompiles(linear_losses, [data["hidden"], data["weight"]],

@@ -73,9 +73,9 @@ def expected_loss(student, teacher, target, beta, temperature, reduction, normal
     labels = None if target is None else target.reshape(-1)
     if reduction == "none":
         rows = trl_generalized_jsd(s, t, None, beta, temperature, "none").sum(-1)
-    else:
-        value = trl_generalized_jsd(s, t, labels, beta, temperature, reduction, normalizer,
-                                    ignore_index)
+    else:  # unflattened: without labels TRL's batchmean divides by the first dim
+        value = trl_generalized_jsd(student, teacher.to(student.dtype), target, beta,
+                                    temperature, reduction, normalizer, ignore_index)
     if hard_weight:
         ce_rows = F.cross_entropy(s, labels.clamp(min=0), reduction="none")
     valid = torch.ones(s.shape[0], dtype=torch.bool) if labels is None else labels != ignore_index
@@ -135,6 +135,8 @@ def row_share(student, target, reduction, normalizer):
     rows = student.shape[:-1].numel()
     count = rows if target is None else int((target != -100).sum())
     if reduction == "batchmean":
+        if target is None:  # TRL's jsd.size(0)
+            count = student.shape[0] if student.dim() > 1 else 1
         return 1.0 / max(count, 1)
     return 1.0 / (count * student.shape[-1])
 
@@ -209,9 +211,12 @@ def test_normalizer(backend):
     check(backend, student, teacher, target, beta=0.0, normalizer=torch.tensor(11.0),
           reduction="mean")
     x = student.clone().requires_grad_(True)
-    loss = ak.distill_loss(x, teacher, target, normalizer=0, backend=backend)
+    loss = ak.distill_loss(x, teacher, torch.full_like(target, -100), normalizer=0,
+                           backend=backend)
     loss.backward()
     assert loss.item() == 0.0 and torch.count_nonzero(x.grad) == 0
+    with pytest.raises(ValueError, match="normalizer must be > 0 when a row is counted"):
+        ak.distill_loss(x, teacher, target, normalizer=0, backend=backend)
 
 
 @pytest.mark.parametrize("backend, dtype, teacher_dtype", combos(

@@ -47,7 +47,10 @@ def _shard_leaf(full, start, stop):
 
 
 def case_token_logprobs(group, start, stop, dtype):
-    full, target = _logits(dtype), _target()
+    _check_token_logprobs(group, start, stop, dtype, _logits(dtype), _target())
+
+
+def _check_token_logprobs(group, start, stop, dtype, full, target):
     temperature, g_lp, g_h = 0.7, _upstream(1), _upstream(2)
     expected, naive = spec.expected_and_naive(
         spec.logprobs, full, target.reshape(-1), temperature, -100, True, g_lp.reshape(-1),
@@ -72,8 +75,9 @@ def case_token_logprobs(group, start, stop, dtype):
                  naive=naive["logp"].reshape(shape))
 
 
-def _check_cross_entropy(group, start, stop, dtype, options, reduction):
-    full, target = _logits(dtype, seed=3), _target()
+def _check_cross_entropy(group, start, stop, dtype, options, reduction, full=None, target=None):
+    if full is None:
+        full, target = _logits(dtype, seed=3), _target()
     valid = target != -100
     if reduction == "none":
         upstream = _upstream(4)
@@ -194,12 +198,14 @@ def _head_inputs(dtype):
     return hidden, weight, bias
 
 
-def _check_head(group, start, stop, dtype, fused_fn, logits_fn, upstream, grad_logits_terms=None):
+def _check_head(group, start, stop, dtype, fused_fn, logits_fn, upstream, grad_logits_terms=None,
+                tensors=None):
     """``fused_fn(h, w_shard, b_shard)`` against ``logits_fn(F.linear(h, w, b))`` on the whole
     vocabulary: the output, the hidden states' gradient (summed over the group) and the
     shard's rows of the weight's and bias's gradients. ``grad_logits_terms(logits)``: the
-    sizes of the terms forming each logit's gradient where that gradient itself cancels."""
-    tensors = _head_inputs(dtype)
+    sizes of the terms forming each logit's gradient where that gradient itself cancels.
+    ``tensors``: ``(hidden, weight, bias)`` instead of ``_head_inputs(dtype)``."""
+    tensors = tensors or _head_inputs(dtype)
     fused_in = [t.detach().clone().requires_grad_(True) for t in tensors]
     out = fused_fn(fused_in[0], fused_in[1][start:stop], fused_in[2][start:stop])
     got = torch.autograd.grad(out, fused_in, upstream)
@@ -211,7 +217,9 @@ def _check_head(group, start, stop, dtype, fused_fn, logits_fn, upstream, grad_l
         grads = torch.autograd.grad(value, inputs + [logits], upstream.to(value.dtype))
         results[precision] = (value.detach(), grads, inputs)
     exact, grads64, inputs64 = results[torch.float64]
-    assert_close_elementwise(out, exact, results[torch.float32][0], dtype=torch.float32,
+    # the naive output: float32 math on logits from a GEMM in dtype (rounded to it, as the head
+    # computes them where the CPU has native bfloat16 GEMMs, ops/linear.py's compute_dtype)
+    assert_close_elementwise(out, exact, results[dtype][0], dtype=torch.float32,
                              name="output")
     dz = grads64[3] if grad_logits_terms is None else grad_logits_terms(grads64[3], inputs64)
     dz = dz.abs().reshape(-1, VOCAB)
@@ -334,6 +342,113 @@ def case_empty_and_all_ignored(group, start, stop, dtype):
     assert logp.shape == (BATCH, 0) and empty.grad.shape == empty.shape
 
 
+# issue 24 item 3: a shard whose row is all -inf (a padded vocabulary masked on the last rank)
+
+def _masked_last_shard(group):
+    """The first vocabulary id of the group's last shard, and targets outside that shard."""
+    masked_from = VOCAB - SHARDS[dist.get_world_size(group)][-1]
+    target = _target()
+    return masked_from, torch.where(target >= masked_from, target % masked_from, target)
+
+
+def case_all_inf_shard(group, start, stop, dtype):
+    """Logits -inf on the whole last shard: finite values and gradients, as unsharded (and a
+    target inside that shard has log-prob -inf, as unsharded)."""
+    masked_from, target = _masked_last_shard(group)
+    full = _logits(dtype, seed=15)
+    full[..., masked_from:] = float("-inf")
+    _check_token_logprobs(group, start, stop, dtype, full, target)
+    _check_cross_entropy(group, start, stop, dtype, {"z_loss": 1e-3}, "mean", full, target)
+    _check_cross_entropy(group, start, stop, dtype, {}, "none", full, target)
+    inside = torch.full_like(target, masked_from)
+    with torch.no_grad():
+        logp = ak.token_logprobs(full[..., start:stop], inside, process_group=group)
+    assert torch.equal(logp, torch.full_like(logp, float("-inf")))
+
+
+def _masked_bias_head(group, dtype):
+    """Small dyadic entries, so the logits are exact in bfloat16 too (the output is then
+    judged against float64 without the logits' rounding); a -inf bias on the last shard."""
+    g = torch.Generator().manual_seed(20)
+    hidden = torch.randint(-2, 3, (BATCH, LENGTH, HIDDEN), generator=g) / 2
+    weight = torch.randint(-4, 5, (VOCAB, HIDDEN), generator=g) / 8
+    bias = torch.randint(-4, 5, (VOCAB,), generator=g) / 4
+    masked_from, target = _masked_last_shard(group)
+    bias[masked_from:] = float("-inf")
+    return tuple(t.to(dtype) for t in (hidden, weight, bias)), target
+
+
+def case_all_inf_shard_linear(group, start, stop, dtype):
+    """The fused head with a -inf bias on the whole last shard."""
+    tensors, target = _masked_bias_head(group, dtype)
+
+    def fused_ce(h, w, b):
+        return ak.linear_cross_entropy(h, w, target, bias=b, reduction="none", z_loss=1e-3,
+                                       chunk_size=5, process_group=group)
+
+    def logits_ce(logits):
+        return reference.cross_entropy(logits, target, reduction="none", z_loss=1e-3)
+
+    _check_head(group, start, stop, dtype, fused_ce, logits_ce, _upstream(17), tensors=tensors)
+
+    def fused_logprobs(h, w, b):
+        return torch.stack(ak.linear_token_logprobs(h, w, target, bias=b, return_entropy=True,
+                                                    chunk_size=5, process_group=group))
+
+    def logits_logprobs(logits):
+        return torch.stack(reference.token_logprobs(logits, target, 1.0))
+
+    upstream = torch.stack([_upstream(18), _upstream(19)])
+
+    def grad_logits_terms(_, inputs64):
+        logits = F.linear(*(t.detach() for t in inputs64))
+        return spec.logprobs(logits, target.reshape(-1), 1.0, -100, True,
+                             upstream[0].reshape(-1), upstream[1].reshape(-1))["grad_terms"]
+
+    _check_head(group, start, stop, dtype, fused_logprobs, logits_logprobs, upstream,
+                grad_logits_terms, tensors=tensors)
+
+
+# issue 24 item 4: ranks that disagree raise on every rank within the call, never hang
+
+def case_ranks_disagree(group, start, stop, dtype):
+    rank = dist.get_rank(group)
+    full, target = _logits(dtype, seed=16), _target()
+    shard = full[..., start:stop]
+    own = target.clone()
+    own[0, 0] = (own[0, 0] + rank) % VOCAB  # rank 0 keeps the shared targets
+    with pytest.raises(ValueError, match="different targets"):
+        ak.cross_entropy(shard, own, process_group=group)
+    hidden, weight, _ = _head_inputs(dtype)
+    with pytest.raises(ValueError, match="different targets"):
+        ak.linear_cross_entropy(hidden, weight[start:stop], own, process_group=group)
+    _, grpo_target, mask, advantages, _, _ = _grpo_inputs(dtype)
+    grpo_own = grpo_target.clone()
+    grpo_own[0, 0] = (grpo_own[0, 0] + rank) % VOCAB
+    with pytest.raises(ValueError, match="different targets"):
+        ak.grpo_loss(shard, grpo_own, advantages, mask=mask, process_group=group)
+    # without the fingerprint the call runs (on the ranks' mixed targets)
+    unchecked = ak.cross_entropy(shard, own, process_group=group, check_consistency=False)
+    assert torch.isfinite(unchecked)
+    with pytest.raises(ValueError, match="different numbers of rows"):
+        ak.token_logprobs(shard[:, rank:], target[:, rank:], process_group=group)
+    with pytest.raises(ValueError, match="different numbers of rows"):
+        ak.linear_token_logprobs(hidden[:, rank:], weight[start:stop], target[:, rank:],
+                                 process_group=group, check_consistency=False)
+    # issue 24 item 6 through the vocab-parallel path: normalizer 0 with counted rows
+    with pytest.raises(ValueError, match="normalizer"):
+        ak.cross_entropy(shard, target, normalizer=0, process_group=group)
+    with pytest.raises(TypeError, match="check_consistency"):
+        ak.cross_entropy(shard, target, process_group=group, check_consistency="yes")
+
+
+def not_a_member(group):
+    """A rank outside ``group`` (``dist.new_group`` gave it torch's non-member sentinel)."""
+    full, target = _logits(torch.float32, seed=16), _target()
+    with pytest.raises(ValueError, match="not a member of process_group"):
+        ak.cross_entropy(full[..., :4], target, process_group=group)
+
+
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items())
          if name.startswith("case_")}
 
@@ -344,6 +459,11 @@ def _worker(rank, world_size):
     outcome = {}
     for size, group in groups.items():
         if rank >= size:
+            try:
+                not_a_member(group)
+                outcome[f"non_member-{size}ranks"] = None
+            except Exception:  # reported by test_non_member_rank
+                outcome[f"non_member-{size}ranks"] = traceback.format_exc()
             continue
         sizes = SHARDS[size]
         start = sum(sizes[:rank])
@@ -371,3 +491,8 @@ def test_vocab_parallel(outcomes, name, size, dtype_id):
     failures = [f"rank {rank}:\n{result[key]}" for rank, result in enumerate(outcomes[:size])
                 if result[key] is not None]
     assert not failures, "\n".join(failures)
+
+
+def test_non_member_rank(outcomes):
+    """Rank 2 is outside the 2-rank subgroup: a clear error, not torch's "got int"."""
+    assert outcomes[2]["non_member-2ranks"] is None, outcomes[2]["non_member-2ranks"]

@@ -73,13 +73,12 @@ def test_zero_normalizer_gives_zero_loss_and_grad(backend, normalizer):
     assert torch.count_nonzero(x.grad) == 0
 
 
-def test_zero_normalizer_with_counted_rows_is_zero():
+def test_zero_normalizer_with_counted_rows_raises():
+    # issue 24 item 6: GRPO's rule for every op, 0 only when nothing is counted
     base, target = _batch()
-    x = base.clone().requires_grad_()
-    loss = ak.cross_entropy(x, target.new_zeros(base.shape[:2]), normalizer=torch.tensor(0.0),
-                            backend="torch")
-    loss.backward()
-    assert loss.item() == 0.0 and torch.count_nonzero(x.grad) == 0
+    with pytest.raises(ValueError, match="normalizer must be > 0 when a row is counted"):
+        ak.cross_entropy(base, target.new_zeros(base.shape[:2]), normalizer=torch.tensor(0.0),
+                         backend="torch")
 
 
 @pytest.mark.parametrize("normalizer, error", [

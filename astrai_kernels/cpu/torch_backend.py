@@ -100,14 +100,15 @@ def _row_lse(s_y, ls_y, ls, source, scale, offset=None):
     ``max(s) - max(ls)`` instead, with ``max(s)`` read as ``offset`` (the max of a tempered
     block is 0) or ``max(source) / scale`` (``s = float32(source) / scale``; rounding is
     monotone, so that is exactly the row max of ``s``, even when ``s`` itself was overwritten
-    by ``ls``)."""
+    by ``ls``). A row of -inf only has ``lse = -inf``, as in the other backends (a
+    vocabulary shard with no mass on that row, ``ops/vocab_parallel.py``)."""
     lse = s_y - ls_y
     if offset is not None:
         lse = lse + offset
     finite = torch.isfinite(lse)
     if not bool(finite.all()):
         top = offset if offset is not None else source.amax(-1).float() / scale
-        lse = torch.where(finite, lse, top - ls.amax(-1))
+        lse = torch.where(finite, lse, torch.where(top == -math.inf, top, top - ls.amax(-1)))
     return lse
 
 

@@ -320,8 +320,25 @@ def scale_saved_grad(grad, grad_output):
     return grad
 
 
+def refuse_double_backward(op, alternative):
+    """Raise when a custom backward runs under ``create_graph=True`` (the only time grad mode
+    is on inside one): its gradient comes from a kernel (or was computed in the forward), so
+    autograd would take it as a constant and a second-order gradient through ``op`` (a
+    gradient penalty, ``torch.autograd.functional.hessian``) would be silently wrong.
+    ``alternative`` (or None) names a twice-differentiable PyTorch equivalent."""
+    if torch.is_grad_enabled():
+        instead = f"{alternative}, or " if alternative else ""
+        raise RuntimeError(
+            f"astrai_kernels.{op} has no double backward: its gradient is computed by a fused "
+            f"kernel, not by differentiable PyTorch ops, so a gradient taken with "
+            f"create_graph=True cannot be differentiated again. For that term use {instead}"
+            f"{op}(..., backend='reference') (plain PyTorch, holds the full logits)")
+
+
 class AttachGrad(torch.autograd.Function):
-    """Give ``value`` (computed without autograd) the gradient ``grad`` w.r.t. ``logits``.
+    """Give ``value`` (computed without autograd) the gradient ``grad`` w.r.t. ``logits``;
+    ``op`` and ``alternative`` name the op and a twice-differentiable equivalent for the error
+    of a double backward (:func:`refuse_double_backward`).
 
     ``grad`` was computed in the forward for an upstream gradient of 1. In the usual single
     backward it is rescaled in place and handed to autograd as is (no extra pass over it, no
@@ -332,11 +349,13 @@ class AttachGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, value, grad):
+    def forward(ctx, logits, value, grad, op, alternative):
         ctx.save_for_backward(grad)
+        ctx.op, ctx.alternative = op, alternative
         return value.clone()
 
     @staticmethod
     def backward(ctx, grad_output):
+        refuse_double_backward(ctx.op, ctx.alternative)
         (grad,) = ctx.saved_tensors
-        return scale_saved_grad(grad, grad_output), None, None
+        return scale_saved_grad(grad, grad_output), None, None, None, None

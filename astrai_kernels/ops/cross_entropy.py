@@ -38,10 +38,13 @@ from ._common import (
     grad_for_owner,
     graph_is_retained,
     inplace_grad_owner,
+    refuse_double_backward,
     rows_view,
 )
 
 REDUCTIONS = ("mean", "sum", "none")
+# named by the error of a double backward (refuse_double_backward)
+TORCH_EQUIVALENT = "torch.nn.functional.cross_entropy(logits.float(), target, ...)"
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,8 @@ def _check_normalizer(normalizer, reduction, device):
     A number must be finite and > 0 (with a finite float32 reciprocal) or exactly 0. A
     1-element tensor is checked on its own device: on CPU a negative, non-finite or too small
     value raises here; elsewhere (CUDA) that check is an asynchronous device assert, so no
-    host sync is added (a failure surfaces at the next synchronization). 0 means the loss is
-    0.0 with a zero gradient.
+    host sync is added (a failure surfaces at the next synchronization). Whether 0 is allowed
+    depends on the rows counted: :func:`check_zero_normalizer`.
     """
     if normalizer is None:
         return None
@@ -88,6 +91,21 @@ def _check_normalizer(normalizer, reduction, device):
     if value != 0:
         value = check_positive(value, "normalizer")
     return torch.full((), value, dtype=torch.float32, device=device)
+
+
+def check_zero_normalizer(normalizer, counted):
+    """The rule of every op's ``normalizer`` (GRPO's): 0 only when nothing is counted (an
+    empty micro-batch: loss 0.0, zero gradient); a 0 with counted rows would silently drop
+    them. ``counted`` is a bool tensor of the counted rows. On CPU this raises; on other
+    devices (CUDA) and under ``torch.compile`` it is an asynchronous device assert (no host
+    sync; a failure surfaces at the next synchronization)."""
+    bad = (normalizer == 0) & counted.any()
+    message = ("normalizer must be > 0 when a row is counted (0 only when every row is "
+               "ignored)")
+    if normalizer.device.type != "cpu" or torch.compiler.is_compiling():
+        torch._assert_async(~bad, message)
+    elif bool(bad):
+        raise ValueError(f"{message}, got 0 with {int(counted.sum())} counted")
 
 
 def _grad_scale(target_flat, params, normalizer):
@@ -127,6 +145,7 @@ class _CrossEntropyRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows):
+        refuse_double_backward("cross_entropy", TORCH_EQUIVALENT)
         logits, target_flat = ctx.saved_tensors
         params = ctx.params
         row_scale = grad_rows.reshape(-1).float().contiguous()
@@ -170,6 +189,8 @@ def checked_params(logits, target, ignore_index, reduction, label_smoothing, z_l
     z_loss = check_in_range(z_loss, "z_loss", 0.0, float("inf"))
     softcap_value = 0.0 if softcap is None else check_positive(softcap, "softcap")
     normalizer_t = _check_normalizer(normalizer, reduction, logits.device)
+    if normalizer_t is not None:
+        check_zero_normalizer(normalizer_t, target != ignore_index)
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
     if inplace_backward:
@@ -192,14 +213,16 @@ def cross_entropy(
     inplace_backward: bool = False,
     backend: str = "auto",
     process_group: Optional["ProcessGroup"] = None,
+    check_consistency: bool = True,
 ) -> torch.Tensor:
     """Cross-entropy of ``logits [..., V]`` against ``target [...]``, float32.
 
     ``normalizer`` (``reduction="mean"`` only: a number or 1-element tensor, e.g. the global
     count of target tokens across micro-batches) replaces the local count of non-ignored
-    rows. It must be 0 or a finite number > 0; 0 gives a loss of 0.0 and a zero gradient
-    (an all-ignored batch), never NaN. A negative tensor normalizer raises on CPU; on CUDA it
-    trips an asynchronous device assert (no host sync). Every row ignored gives 0.0 and a zero
+    rows. It must be a finite number > 0, or 0 when every row is ignored (an empty
+    micro-batch: a loss of 0.0 and a zero gradient, never NaN); the same rule holds for every
+    op's ``normalizer``. A bad tensor normalizer raises on CPU; on CUDA it trips an
+    asynchronous device assert (no host sync). Every row ignored gives 0.0 and a zero
     gradient.
 
     ``inplace_backward=True`` writes the gradient over the logits (their values are
@@ -215,6 +238,10 @@ def cross_entropy(
     ``process_group`` (vocabulary parallel): ``logits`` hold this rank's contiguous shard of the
     vocabulary (shards in rank order), ``target`` global ids; every rank gets the
     full-vocabulary loss and its shard's gradient (``ops/vocab_parallel.py``).
+    ``check_consistency`` (with ``process_group``): every rank must pass the same rows and targets
+    (only the vocabulary shard differs); the shard sizes' all-gather also carries each rank's row
+    count (always compared: a mismatch would hang) and, when True (the default), the sum and
+    count of its counted targets, so ranks that disagree raise ``ValueError`` on every rank.
     """
     if process_group is not None:
         from . import vocab_parallel
@@ -222,7 +249,8 @@ def cross_entropy(
         return vocab_parallel.cross_entropy(
             logits, target, process_group=process_group, ignore_index=ignore_index,
             reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-            normalizer=normalizer, inplace_backward=inplace_backward, backend=backend)
+            normalizer=normalizer, inplace_backward=inplace_backward, backend=backend,
+            check_consistency=check_consistency)
     params, normalizer_t = checked_params(logits, target, ignore_index, reduction,
                                           label_smoothing, z_loss, softcap, normalizer,
                                           inplace_backward, backend)
@@ -260,4 +288,4 @@ def cross_entropy(
             loss, _, _ = _call(logits_rows, target_flat, params, grad_scale, logits_rows)
             grad = finish_inplace_grad(owner, starts, logits.shape)
         value = _reduce(loss, grad_scale, params)
-    return AttachGrad.apply(owner, value, grad)
+    return AttachGrad.apply(owner, value, grad, "cross_entropy", TORCH_EQUIVALENT)

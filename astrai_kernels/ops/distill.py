@@ -30,6 +30,7 @@ from ._common import (
     check_positive,
     check_target,
     flat_target,
+    refuse_double_backward,
     rows_view,
 )
 
@@ -73,6 +74,10 @@ def checked_params(student, teacher, target, beta, temperature, ignore_index, re
         raise ValueError(f"normalizer applies to reduction='batchmean' or 'mean' only, got "
                          f"reduction={reduction!r}")
     normalizer_t = ce_op._check_normalizer(normalizer, "mean", student.device)
+    if normalizer_t is not None:
+        counted = (target != ignore_index if target is not None
+                   else torch.tensor(student.shape[:-1].numel() > 0, device=student.device))
+        ce_op.check_zero_normalizer(normalizer_t, counted)
     if target is None:
         ignore_index = -1  # the primitives then read zeros as targets: every row counts
     params = DistillParams(beta, temperature, ignore_index, reduction, hard_weight,
@@ -108,6 +113,7 @@ class _DistillRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        refuse_double_backward("distill_loss", None)
         student, teacher, target_flat, *stats = ctx.saved_tensors
         params = ctx.params
         student_rows, teacher_rows = matching_rows(student, teacher)
@@ -126,15 +132,20 @@ def row_targets(target, n_rows, device):
     return torch.zeros(n_rows, dtype=torch.int64, device=device)
 
 
-def row_grad_scale(target_flat, params, normalizer, vocab):
+def row_grad_scale(target_flat, params, normalizer, vocab, lead_shape):
     """``d loss / d row_loss`` of the scalar reductions, a 1-element float32 tensor: 1 for
-    ``sum``; else the inverse of the normalizer, or of the counted rows (at least 1) for
-    ``batchmean``, of counted rows * V for ``mean`` (0 for a count of 0)."""
+    ``sum``; else the inverse of the normalizer, or for ``batchmean`` of the counted rows (at
+    least 1) with a target, of the first dim without one (TRL's ``jsd.size(0)``: B of
+    ``[B, T, V]``; 1 for a single ``[V]`` row), for ``mean`` of counted rows * V (0 for a
+    count of 0)."""
     if params.reduction == "sum":
         return torch.ones(1, dtype=torch.float32, device=target_flat.device)
     if normalizer is not None:
         return ce_op._inverse_or_zero(normalizer).reshape(1)
-    if params.has_target:
+    if params.reduction == "batchmean" and not params.has_target:
+        batch = lead_shape[0] if len(lead_shape) else 1
+        count = torch.full((), float(batch), device=target_flat.device)
+    elif params.has_target:
         count = (target_flat != params.ignore_index).sum().to(torch.float32)
     else:
         count = torch.full((), float(target_flat.numel()), device=target_flat.device)
@@ -149,7 +160,8 @@ def reduce_rows(rows_loss, target_flat, params, normalizer, vocab, lead_shape):
     total = rows_loss.sum()
     if params.reduction == "sum":
         return total
-    return total * row_grad_scale(target_flat, params, normalizer, vocab).reshape(())
+    return total * row_grad_scale(target_flat, params, normalizer, vocab,
+                                  lead_shape).reshape(())
 
 
 def distill_loss(
@@ -170,12 +182,22 @@ def distill_loss(
     ``beta = 0``: KL(teacher || student); ``beta = 1``: KL(student || teacher); between them
     the JSD with mixture ``(1 - beta) p_s + beta p_t``. Rows whose ``target`` is
     ``ignore_index`` do not count. ``reduction``: ``batchmean`` (sum over counted rows divided
-    by their number, at least 1), ``sum``, ``mean`` (divided by counted rows * V, as TRL's
+    by their number, at least 1; without ``target``, TRL's ``jsd.size(0)``: divided by the
+    first dim, B of ``[B, T, V]``), ``sum``, ``mean`` (divided by counted rows * V, as TRL's
     element mean), ``none`` (per-row losses ``[...]``, 0 on ignored rows; TRL would return the
     ``[rows, V]`` elements). ``normalizer`` (TRL's ``num_items_in_batch``; ``batchmean`` or
-    ``mean``): the sum divided by it (0 gives 0). ``hard_weight`` adds
-    ``hard_weight * cross_entropy(student_logits, target)`` per row (temperature 1). Only the
-    student gets a gradient; the teacher may have another float dtype. float32 result.
+    ``mean``): the sum divided by it; a finite number > 0, 0 only when no row is counted
+    (then the loss is 0). ``hard_weight`` adds ``hard_weight * cross_entropy(student_logits,
+    target)`` per row (temperature 1). Only the student gets a gradient; the teacher may have
+    another float dtype. float32 result.
+
+    -inf logits mark excluded ids (probability 0, ``0 log 0 = 0``), on either side: for
+    ``0 < beta < 1`` the loss is finite (the mixture has mass wherever either side has);
+    ``beta = 0`` is +inf on a row where the student excludes an id the teacher gives mass and
+    finite where only the teacher excludes ids; ``beta = 1`` is +inf on a row where the teacher
+    excludes an id the student gives mass, finite where only the student does. The gradient of
+    a row whose loss is +inf is not defined (backends may give NaN or inf there); a row whose
+    logits are all -inf on either side has no softmax and gives NaN.
     """
     params, normalizer_t = checked_params(student_logits, teacher_logits, target, beta,
                                           temperature, ignore_index, reduction, normalizer,
@@ -247,6 +269,7 @@ class _LinearDistillRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows):
+        refuse_double_backward("linear_distill_loss", None)
         *tensors, target_flat = ctx.saved_tensors
         heads = _heads(*tensors, ctx.chunk_size, ctx.needs_input_grad[:3])
         _, grad_hidden, grad_weight, grad_bias = _linear_distill_walk(
@@ -322,7 +345,7 @@ def linear_distill_loss(
                            chunk_size, needs)
             loss = _linear_distill_walk(*heads, target_flat, params, None)[0]
         return loss.view(lead_shape)
-    scale = row_grad_scale(target_flat, params, normalizer_t, vocab)
+    scale = row_grad_scale(target_flat, params, normalizer_t, vocab, lead_shape)
     with torch.no_grad():
         heads = _heads(student_rows, student_weight, student_bias, *teacher_args, chunk_size,
                        needs)
@@ -332,4 +355,5 @@ def linear_distill_loss(
     if not any(needs):
         return value
     return linear_op._AttachHeadGrads.apply(student_rows, student_weight, student_bias, value,
-                                            grad_hidden, grad_weight, grad_bias)
+                                            grad_hidden, grad_weight, grad_bias,
+                                            "linear_distill_loss", None)

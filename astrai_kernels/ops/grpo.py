@@ -129,8 +129,8 @@ def _check_values(mask: Optional[Tensor], valid: Tensor, normalizer: Optional[Te
     counted, an empty batch), importance weights finite and >= 0 on the unmasked tokens.
 
     Documented validation: one host sync when there is something to check (a mask that is not
-    bool, a normalizer, importance weights), like the target check; under ``torch.compile`` an
-    on-device assert.
+    bool, importance weights, a normalizer on CPU), like the target check; under
+    ``torch.compile`` an on-device assert, and for a normalizer on CUDA too (no host sync).
     """
     flags, messages = [], []
     if mask is not None and mask.dtype != torch.bool:
@@ -143,8 +143,12 @@ def _check_values(mask: Optional[Tensor], valid: Tensor, normalizer: Optional[Te
     if normalizer is not None:
         empty = ~valid.any()
         usable = torch.isfinite(normalizer) & ((normalizer > 0) | ((normalizer == 0) & empty))
-        flags.append(~usable)
-        messages.append("normalizer must be finite and > 0 (0 only when every token is masked)")
+        message = "normalizer must be finite and > 0 (0 only when every token is masked)"
+        if normalizer.device.type not in ("cpu", "meta") and not torch.compiler.is_compiling():
+            torch._assert_async(usable, message)
+        else:
+            flags.append(~usable)
+            messages.append(message)
     if not flags or valid.device.type == "meta":
         return
     if torch.compiler.is_compiling():
@@ -333,8 +337,8 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
               off_policy_threshold: Optional[float] = None,
               sampling_logprobs: Optional[Tensor] = None, top_entropy_quantile: float = 1.0,
               entropy_coef: float = 0.0,
-              backend: str = "auto", process_group: Optional["ProcessGroup"] = None
-              ) -> Tuple[Tensor, Dict[str, Tensor]]:
+              backend: str = "auto", process_group: Optional["ProcessGroup"] = None,
+              check_consistency: bool = True) -> Tuple[Tensor, Dict[str, Tensor]]:
     """GRPO-family policy loss and detached float32 metrics (means over the unmasked tokens).
 
     ``mask`` holds 0s and 1s (or is bool); ``normalizer`` (``loss_type`` ``"dapo"``,
@@ -344,7 +348,9 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
     "Supported objectives" lists their formulas.
 
     ``process_group`` (vocabulary parallel): ``logits`` hold this rank's contiguous vocabulary
-    shard, ``target`` global ids (``ops/vocab_parallel.py``).
+    shard, ``target`` global ids (``ops/vocab_parallel.py``); ``check_consistency`` as in
+    ``cross_entropy`` (the fingerprint is of the unmasked targets; advantages, mask and
+    log-probs must agree too but are not compared).
     """
     options = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta,
                    clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
@@ -362,7 +368,8 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
         from . import vocab_parallel
 
         return vocab_parallel.grpo_loss(logits, target, advantages, process_group=process_group,
-                                        backend=backend, **options)
+                                        backend=backend, check_consistency=check_consistency,
+                                        **options)
     checked = plan(logits, target, advantages, backend=backend, **options)
     inputs, params = checked.inputs, checked.params
     if params.backend == "reference":
@@ -456,7 +463,8 @@ def _token_level(logits: Tensor, target: Tensor,
             flat.old, flat.ref, flat.weight, params.clip_eps_low, params.clip_eps_high,
             params.delta, params.beta, needs_grad, params.backend)
         value, metrics = token_level_result(logp, token_loss, checked)
-    loss = AttachGrad.apply(rows_view(logits), value, grad) if needs_grad else value
+    loss = (AttachGrad.apply(rows_view(logits), value, grad, "grpo_loss", None) if needs_grad
+            else value)
     return loss, metrics
 
 

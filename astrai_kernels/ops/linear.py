@@ -36,13 +36,18 @@ from . import cross_entropy as ce_op
 from . import grpo as grpo_op
 from . import logprobs as lp_op
 from ._backend import backend_module, resolve_backend
-from ._common import FLOAT_DTYPES, flat_target, scale_saved_grad
+from ._common import FLOAT_DTYPES, flat_target, refuse_double_backward, scale_saved_grad
 from ._library import traceable_op
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}
+# named by the error of a double backward (refuse_double_backward)
+CE_EQUIVALENT = ("torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight, "
+                 "bias).float(), target, ...)")
+LOGPROBS_EQUIVALENT = ("torch.log_softmax(torch.nn.functional.linear(hidden, weight, bias)"
+                       ".float() / temperature, -1).gather(-1, target[..., None])")
 WEIGHT_COPY_SHARE = 4  # with a float32 copy of the weight, a chunk gets a quarter of the budget
 
 
@@ -289,19 +294,23 @@ class _AttachHeadGrads(torch.autograd.Function):
     """Give ``value`` the forward-computed gradients w.r.t. ``hidden``, ``weight``, ``bias``.
 
     As ``AttachGrad`` does for logits: a single backward rescales them in place (no copy); a
-    retained graph (or a compiled one) gets new tensors, so it can be walked again.
+    retained graph (or a compiled one) gets new tensors, so it can be walked again. ``op`` and
+    ``alternative`` are for the error of a double backward.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, value, grad_hidden, grad_weight, grad_bias):
+    def forward(ctx, hidden, weight, bias, value, grad_hidden, grad_weight, grad_bias, op,
+                alternative):
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.op, ctx.alternative = op, alternative
         return value.clone()
 
     @staticmethod
     def backward(ctx, grad_output):
+        refuse_double_backward(ctx.op, ctx.alternative)
         grads = (None if _or_none(g) is None else scale_saved_grad(g, grad_output)
                  for g in ctx.saved_tensors)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 @dataclass(frozen=True)
@@ -334,6 +343,7 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows):
+        refuse_double_backward("linear_cross_entropy", CE_EQUIVALENT)
         hidden, weight, bias, target = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
         _, grad_hidden, grad_weight, grad_bias = _linear_cross_entropy(
@@ -358,6 +368,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
+        refuse_double_backward("linear_token_logprobs", LOGPROBS_EQUIVALENT)
         hidden, weight, bias, target, lse, entropy = ctx.saved_tensors
         temperature, ignore_index, with_entropy, head_args = ctx.args
         grad_logp = lp_op._dense(grad_logp, lse)
@@ -415,13 +426,15 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                          z_loss: float = 0.0, softcap: Optional[float] = None,
                          normalizer: Union[None, float, Tensor] = None,
                          chunk_size: Optional[int] = None, backend: str = "auto",
-                         process_group: Optional["ProcessGroup"] = None) -> Tensor:
+                         process_group: Optional["ProcessGroup"] = None,
+                         check_consistency: bool = True) -> Tensor:
     """Cross-entropy of ``hidden [..., H] @ weight[V, H].T + bias`` against ``target [...]``.
 
     Equals ``ak.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` (every keyword
     means the same) without holding the ``[N, V]`` logits; float32 result. With
     ``process_group`` the weight (and bias) hold this rank's vocabulary shard and the hidden
-    states' gradient is summed over the group (``ops/vocab_parallel.py``).
+    states' gradient is summed over the group (``ops/vocab_parallel.py``; ``check_consistency``
+    as in ``cross_entropy``).
     """
     if process_group is not None:
         from . import vocab_parallel
@@ -430,7 +443,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
             hidden, weight, target, process_group=process_group, bias=bias,
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
             z_loss=z_loss, softcap=softcap, normalizer=normalizer, chunk_size=chunk_size,
-            backend=backend)
+            backend=backend, check_consistency=check_consistency)
     hidden_rows = _check_head(hidden, weight, bias, chunk_size)
     backend = resolve_backend(backend, hidden.device)
     if backend == "reference":
@@ -464,7 +477,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     if not any(needs):
         return value
     return _AttachHeadGrads.apply(hidden_rows, weight, bias, value, grad_hidden, grad_weight,
-                                  grad_bias)
+                                  grad_bias, "linear_cross_entropy", CE_EQUIVALENT)
 
 
 @overload
@@ -472,7 +485,8 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, *,
                           bias: Optional[Tensor] = ..., temperature: float = ...,
                           ignore_index: int = ..., return_entropy: Literal[False] = ...,
                           chunk_size: Optional[int] = ..., backend: str = ...,
-                          process_group: Optional["ProcessGroup"] = ...) -> Tensor: ...
+                          process_group: Optional["ProcessGroup"] = ...,
+                          check_consistency: bool = ...) -> Tensor: ...
 
 
 @overload
@@ -480,13 +494,13 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, *,
                           bias: Optional[Tensor] = ..., temperature: float = ...,
                           ignore_index: int = ..., return_entropy: Literal[True],
                           chunk_size: Optional[int] = ..., backend: str = ...,
-                          process_group: Optional["ProcessGroup"] = ...
-                          ) -> Tuple[Tensor, Tensor]: ...
+                          process_group: Optional["ProcessGroup"] = ...,
+                          check_consistency: bool = ...) -> Tuple[Tensor, Tensor]: ...
 
 
 def linear_token_logprobs(hidden, weight, target, *, bias=None, temperature=1.0,
                           ignore_index=-100, return_entropy=False, chunk_size=None,
-                          backend="auto", process_group=None):
+                          backend="auto", process_group=None, check_consistency=True):
     """Log-probs of ``target`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
     float32 ``[...]`` (and the entropy with ``return_entropy=True``, differentiable). Under
@@ -500,7 +514,7 @@ def linear_token_logprobs(hidden, weight, target, *, bias=None, temperature=1.0,
         return vocab_parallel.linear_token_logprobs(
             hidden, weight, target, process_group=process_group, bias=bias,
             temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy,
-            chunk_size=chunk_size, backend=backend)
+            chunk_size=chunk_size, backend=backend, check_consistency=check_consistency)
     hidden_rows = _check_head(hidden, weight, bias, chunk_size)
     backend = resolve_backend(backend, hidden.device)
     if backend == "reference":
@@ -556,8 +570,8 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
                      sampling_logprobs: Optional[Tensor] = None,
                      top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0,
                      chunk_size: Optional[int] = None, backend: str = "auto",
-                     process_group: Optional["ProcessGroup"] = None
-                     ) -> Tuple[Tensor, Dict[str, Tensor]]:
+                     process_group: Optional["ProcessGroup"] = None,
+                     check_consistency: bool = True) -> Tuple[Tensor, Dict[str, Tensor]]:
     """GRPO loss and metrics of ``grpo_loss(F.linear(hidden, weight, bias), ...)``, fused.
 
     ``hidden [B, T, H]`` aligned with ``target [B, T]`` (the caller shifts); every keyword as in
@@ -583,7 +597,8 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
 
         return vocab_parallel.linear_grpo_loss(
             hidden, weight, target, advantages, process_group=process_group, bias=bias,
-            chunk_size=chunk_size, backend=backend, **options)
+            chunk_size=chunk_size, backend=backend, check_consistency=check_consistency,
+            **options)
     _check_head(hidden, weight, bias, chunk_size)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
@@ -614,5 +629,5 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
     if not any(needs):
         return value, metrics
     loss = _AttachHeadGrads.apply(hidden_rows, weight, bias, value, grad_hidden, grad_weight,
-                                  grad_bias)
+                                  grad_bias, "linear_grpo_loss", None)
     return loss, metrics

@@ -32,8 +32,13 @@ from ._common import (
     grad_for_owner,
     graph_is_retained,
     inplace_grad_owner,
+    refuse_double_backward,
     rows_view,
 )
+
+# named by the error of a double backward (refuse_double_backward)
+TORCH_EQUIVALENT = ("torch.log_softmax(logits.float() / temperature, -1)"
+                    ".gather(-1, target[..., None])")
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
+        refuse_double_backward("token_logprobs", TORCH_EQUIVALENT)
         logits, target_flat, lse, entropy = ctx.saved_tensors
         params = ctx.params
         grad_logp = _dense(grad_logp, lse)
@@ -114,15 +120,16 @@ def _forward_only(logits_rows, target_flat, params):
 def token_logprobs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = ...,
                    ignore_index: int = ..., return_entropy: Literal[False] = ...,
                    inplace_backward: bool = ..., backend: str = ...,
-                   process_group: Optional[ProcessGroup] = ...) -> torch.Tensor: ...
+                   process_group: Optional[ProcessGroup] = ...,
+                   check_consistency: bool = ...) -> torch.Tensor: ...
 
 
 @overload
 def token_logprobs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = ...,
                    ignore_index: int = ..., return_entropy: Literal[True],
                    inplace_backward: bool = ..., backend: str = ...,
-                   process_group: Optional[ProcessGroup] = ...
-                   ) -> Tuple[torch.Tensor, torch.Tensor]: ...
+                   process_group: Optional[ProcessGroup] = ...,
+                   check_consistency: bool = ...) -> Tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def token_logprobs(
@@ -135,6 +142,7 @@ def token_logprobs(
     inplace_backward: bool = False,
     backend: str = "auto",
     process_group: Optional[ProcessGroup] = None,
+    check_consistency: bool = True,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Log-probability of ``target`` under ``softmax(logits / temperature)``, float32 ``[...]``.
 
@@ -151,6 +159,10 @@ def token_logprobs(
     ``process_group`` (vocabulary parallel): ``logits`` hold this rank's contiguous shard of the
     vocabulary (shards in rank order), ``target`` global ids; every rank gets the
     full-vocabulary result and its shard's gradient (``ops/vocab_parallel.py``).
+    ``check_consistency`` (with ``process_group``): every rank must pass the same rows and targets
+    (only the vocabulary shard differs); the shard sizes' all-gather also carries each rank's row
+    count (always compared: a mismatch would hang) and, when True (the default), the sum and
+    count of its counted targets, so ranks that disagree raise ``ValueError`` on every rank.
     """
     if process_group is not None:
         from . import vocab_parallel
@@ -158,7 +170,8 @@ def token_logprobs(
         return vocab_parallel.token_logprobs(
             logits, target, process_group=process_group, temperature=temperature,
             ignore_index=ignore_index, return_entropy=return_entropy,
-            inplace_backward=inplace_backward, backend=backend)
+            inplace_backward=inplace_backward, backend=backend,
+            check_consistency=check_consistency)
     params = checked_params(logits, target, temperature, ignore_index, return_entropy,
                              inplace_backward, backend)
     lead_shape = target.shape

@@ -24,13 +24,24 @@ the chain rule of the temperature and the softcap. GRPO is the token log-probs f
 per-token surrogate in torch (O(B*T)); the fused single-pass GRPO kernel cannot be used, since
 ``dL/dlogp`` needs the group's ``logp`` before the gradient pass.
 
-The shard sizes are all-gathered once per call (one host sync, like the target check). The
-vocab-parallel paths are eager only (no ``torch.compile`` tracing). ``backend="reference"``
-all-gathers the full logits and runs the naive spec on them (a test oracle, not a path to use).
+A shard whose row is all -inf (a padded vocabulary masked on the last rank, a -inf bias) has
+``lse_r = -inf`` and ``w_r = 0``; its other statistics are NaN (``-inf - -inf``), so its terms
+are selected out, never multiplied by the 0 weight: it adds nothing to ``W`` or ``H`` and, as
+the target's owner, gives ``logp = -inf`` (a +inf loss, as unsharded).
+
+The shard sizes are all-gathered once per call (one host sync, like the target check), with
+each rank's row count and, under ``check_consistency=True`` (the default), a fingerprint of its
+targets (their sum and count over the counted rows): every rank must pass the same rows and
+targets (only the vocabulary shard differs), and a mismatch raises on every rank before any
+other collective (an unequal row count would otherwise hang in the next all-reduce until the
+process group's timeout). The vocab-parallel paths are eager only (no ``torch.compile``
+tracing). ``backend="reference"`` all-gathers the full logits and runs the naive spec on them
+(a test oracle, not a path to use).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Tuple
 
@@ -43,11 +54,13 @@ from . import grpo as grpo_op
 from . import logprobs as lp_op
 from ._backend import backend_module
 from ._common import (
+    check_index,
     check_logits,
     check_no_overlap,
     finish_inplace_grad,
     flat_target,
     graph_is_retained,
+    refuse_double_backward,
     rows_view,
 )
 
@@ -66,22 +79,68 @@ class ShardLayout:
     vocab_total: int
 
 
-def shard_layout(process_group, vocab_local: int, device: torch.device) -> ShardLayout:
-    """This rank's vocabulary range, from the shard sizes all-gathered over the group."""
+def _not_a_member(process_group) -> bool:
+    """True for the sentinel ``dist.new_group`` returns to a rank outside the group."""
+    sentinel = getattr(dist.GroupMember, "NON_GROUP_MEMBER", None)
+    return sentinel is not None and process_group is sentinel
+
+
+def check_consistency_flag(check_consistency) -> bool:
+    if not isinstance(check_consistency, bool):
+        raise TypeError(f"check_consistency must be a bool, got "
+                        f"{type(check_consistency).__name__}")
+    return check_consistency
+
+
+def shard_layout(process_group, vocab_local: int, device: torch.device,
+                 target: Optional[Tensor] = None, ignore_index: int = -100,
+                 check_consistency: bool = True) -> ShardLayout:
+    """This rank's vocabulary range, from the shard sizes all-gathered over the group.
+
+    The same all-gather carries this rank's row count (``target.numel()``) and, when
+    ``check_consistency``, the sum and count of its counted targets; ranks that differ raise
+    ``ValueError`` on every rank (each sees every rank's values), before any other collective.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("process_group is set but torch.distributed is not initialized "
                          "(call torch.distributed.init_process_group first)")
+    if _not_a_member(process_group):
+        raise ValueError("this process is not a member of process_group (dist.new_group "
+                         "returned GroupMember.NON_GROUP_MEMBER here): call the op only on "
+                         "the group's ranks")
     if not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got "
                         f"{type(process_group).__name__}")
+    check_consistency = check_consistency_flag(check_consistency)
+    if target is not None and not isinstance(target, Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    ignore_index = check_index(ignore_index, "ignore_index")
     rank = dist.get_rank(process_group)
     if rank < 0:
         raise ValueError("this process is not a member of process_group")
     world = dist.get_world_size(process_group)
-    local = torch.tensor([vocab_local], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(sizes, local, group=process_group)
-    sizes = torch.cat(sizes).tolist()
+    fields = [torch.tensor([vocab_local, -1 if target is None else target.numel()],
+                           dtype=torch.int64, device=device)]
+    if check_consistency and target is not None:
+        counted = target.reshape(-1) != ignore_index
+        fields.append(torch.stack([torch.where(counted, target.reshape(-1), 0).sum(),
+                                   counted.sum()]).to(torch.int64))
+    local = torch.cat(fields)
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local, group=process_group)
+    per_rank = torch.stack(gathered).tolist()
+    sizes = [values[0] for values in per_rank]
+    rows = [values[1] for values in per_rank]
+    if len(set(rows)) > 1:
+        raise ValueError(f"the ranks of process_group pass different numbers of rows "
+                         f"(target.numel() per rank: {rows}): every rank must pass the same "
+                         f"rows, only the vocabulary shard differs")
+    fingerprints = [tuple(values[2:]) for values in per_rank]
+    if len(set(fingerprints)) > 1:
+        raise ValueError(f"the ranks of process_group pass different targets (sum and count of "
+                         f"the counted targets per rank: {fingerprints}): every rank must pass "
+                         f"the same targets (and ignore_index); check_consistency=False skips "
+                         f"this check")
     return ShardLayout(process_group, sum(sizes[:rank]), vocab_local, sum(sizes))
 
 
@@ -137,9 +196,12 @@ def _group_weights(lse_r: Tensor, group) -> Tuple[Tensor, Tensor, Tensor]:
 def combine_logprobs(logp_r, entropy_r, lse_r, targets: LocalTargets, group, with_entropy):
     """``(logp, entropy, lse)`` of the full vocabulary from each shard's (see module doc)."""
     top, shifted, weight = _group_weights(lse_r, group)
-    parts = [weight, torch.where(targets.owned, logp_r + shifted, 0.0)]
+    empty = lse_r == -math.inf  # no mass in this shard: its other statistics are NaN
+    owner_logp = torch.where(empty, -math.inf, logp_r + shifted)
+    parts = [weight, torch.where(targets.owned, owner_logp, 0.0)]
     if with_entropy:
-        parts += [weight * entropy_r, weight * shifted]
+        parts += [torch.where(empty, 0.0, weight * entropy_r),
+                  torch.where(empty, 0.0, weight * shifted)]
     sums = _all_reduce(torch.stack(parts), dist.ReduceOp.SUM, group)
     log_total = torch.log(sums[0])
     valid = targets.valid
@@ -157,9 +219,14 @@ def combine_cross_entropy(nll_r, smooth_r, lse_r, targets: LocalTargets, layout:
     over the shard; ``lse - mean z = sum_r (V_r / V) (smooth_r - log w_r) + log W``."""
     eps = params.label_smoothing
     top, shifted, weight = _group_weights(lse_r, layout.group)
-    parts = [weight, torch.where(targets.owned, shifted - nll_r, 0.0)]
+    # a shard with no mass (see the module doc): its owned target's logit is -inf, and so is
+    # its mean logit (lse - mean z = +inf: label smoothing's loss is +inf, as unsharded)
+    empty = lse_r == -math.inf
+    owner_term = torch.where(empty, -math.inf, shifted - nll_r)
+    parts = [weight, torch.where(targets.owned, owner_term, 0.0)]
     if eps:
-        parts.append((layout.vocab_local / layout.vocab_total) * (smooth_r - shifted))
+        parts.append(torch.where(empty, math.inf, (layout.vocab_local / layout.vocab_total)
+                                 * (smooth_r - shifted)))
     sums = _all_reduce(torch.stack(parts), dist.ReduceOp.SUM, layout.group)
     log_total = torch.log(sums[0])
     lse = top + log_total
@@ -271,6 +338,7 @@ class _ShardLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
+        refuse_double_backward("token_logprobs", None)
         logits, lse, entropy = ctx.saved_tensors
         params = ctx.params
         grad_entropy = _dense(grad_entropy, lse) if params.with_entropy else None
@@ -296,6 +364,7 @@ class _ShardCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows):
+        refuse_double_backward("cross_entropy", None)
         logits, lse = ctx.saved_tensors
         params = ctx.params
         coefficients = cross_entropy_coefficients(_dense(grad_rows, lse), lse, params,
@@ -344,9 +413,10 @@ def _check_inplace(logits, inplace_backward):
 
 
 def token_logprobs(logits, target, *, process_group, temperature, ignore_index, return_entropy,
-                   inplace_backward, backend):
+                   inplace_backward, backend, check_consistency=True):
     check_logits(logits)
-    layout = shard_layout(process_group, logits.shape[-1], logits.device)
+    layout = shard_layout(process_group, logits.shape[-1], logits.device, target, ignore_index,
+                          check_consistency)
     params = lp_op.checked_params(global_stand_in(logits, logits.shape[:-1], layout), target,
                                   temperature, ignore_index, return_entropy, False, backend)
     _check_inplace(logits, inplace_backward)
@@ -371,9 +441,10 @@ def token_logprobs(logits, target, *, process_group, temperature, ignore_index, 
 
 
 def cross_entropy(logits, target, *, process_group, ignore_index, reduction, label_smoothing,
-                  z_loss, softcap, normalizer, inplace_backward, backend):
+                  z_loss, softcap, normalizer, inplace_backward, backend, check_consistency=True):
     check_logits(logits)
-    layout = shard_layout(process_group, logits.shape[-1], logits.device)
+    layout = shard_layout(process_group, logits.shape[-1], logits.device, target, ignore_index,
+                          check_consistency)
     params, normalizer_t = ce_op.checked_params(
         global_stand_in(logits, logits.shape[:-1], layout), target, ignore_index, reduction,
         label_smoothing, z_loss, softcap, normalizer, False, backend)
@@ -401,11 +472,15 @@ def cross_entropy(logits, target, *, process_group, ignore_index, reduction, lab
     return ce_op._reduce(rows_loss, ce_op._grad_scale(target_flat, params, normalizer_t), params)
 
 
-def grpo_loss(logits, target, advantages, *, process_group, backend, **options):
+def grpo_loss(logits, target, advantages, *, process_group, backend, check_consistency=True,
+              **options):
     check_logits(logits)
     if logits.dim() != 3:
         raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
-    layout = shard_layout(process_group, logits.shape[-1], logits.device)
+    # the row count here; the targets' fingerprint (masked ones ignored) in token_logprobs
+    layout = shard_layout(process_group, logits.shape[-1], logits.device, target,
+                          check_consistency=False)
+    check_consistency_flag(check_consistency)
     checked = grpo_op.plan(global_stand_in(logits, logits.shape[:-1], layout), target,
                            advantages, backend=backend, **options)
     if checked.params.backend == "reference":
@@ -416,7 +491,7 @@ def grpo_loss(logits, target, advantages, *, process_group, backend, **options):
         out = token_logprobs(logits, masked_target, process_group=process_group,
                              temperature=checked.params.temperature, ignore_index=-100,
                              return_entropy=with_entropy, inplace_backward=False,
-                             backend=backend)
+                             backend=backend, check_consistency=check_consistency)
         return out if with_entropy else (out, None)
 
     return grpo_op.from_logprobs(logprobs_of, target, checked)
@@ -464,6 +539,7 @@ class _ShardHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
+        refuse_double_backward("linear_token_logprobs", None)
         lse, entropy = ctx.saved_tensors[3:]
         params = ctx.params
         grad_entropy = _dense(grad_entropy, lse) if params.with_entropy else None
@@ -487,6 +563,7 @@ class _ShardHeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows):
+        refuse_double_backward("linear_cross_entropy", None)
         lse = ctx.saved_tensors[3]
         params = ctx.params
         coefficients = cross_entropy_coefficients(_dense(grad_rows, lse), lse, params,
@@ -496,11 +573,13 @@ class _ShardHeadCrossEntropy(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
-def _head_setup(hidden, weight, bias, chunk_size, process_group):
+def _head_setup(hidden, weight, bias, chunk_size, process_group, target, ignore_index,
+                check_consistency):
     from . import linear as lin_op
 
     hidden_rows = lin_op._check_head(hidden, weight, bias, chunk_size)
-    layout = shard_layout(process_group, weight.shape[0], hidden.device)
+    layout = shard_layout(process_group, weight.shape[0], hidden.device, target, ignore_index,
+                          check_consistency)
     needs = lin_op._needs(hidden, weight, bias) if torch.is_grad_enabled() else (False,) * 3
     return hidden_rows, layout, any(needs)
 
@@ -511,9 +590,11 @@ def _reference_logits(hidden, weight, bias, process_group):
 
 
 def linear_token_logprobs(hidden, weight, target, *, process_group, bias, temperature,
-                          ignore_index, return_entropy, chunk_size, backend):
+                          ignore_index, return_entropy, chunk_size, backend,
+                          check_consistency=True):
     hidden_rows, layout, needs_grad = _head_setup(hidden, weight, bias, chunk_size,
-                                                  process_group)
+                                                  process_group, target, ignore_index,
+                                                  check_consistency)
     params = lp_op.checked_params(global_stand_in(hidden, hidden.shape[:-1], layout), target,
                                   temperature, ignore_index, return_entropy, False, backend)
     if params.backend == "reference":
@@ -538,9 +619,10 @@ def linear_token_logprobs(hidden, weight, target, *, process_group, bias, temper
 
 def linear_cross_entropy(hidden, weight, target, *, process_group, bias, ignore_index,
                          reduction, label_smoothing, z_loss, softcap, normalizer, chunk_size,
-                         backend):
+                         backend, check_consistency=True):
     hidden_rows, layout, needs_grad = _head_setup(hidden, weight, bias, chunk_size,
-                                                  process_group)
+                                                  process_group, target, ignore_index,
+                                                  check_consistency)
     params, normalizer_t = ce_op.checked_params(
         global_stand_in(hidden, hidden.shape[:-1], layout), target, ignore_index, reduction,
         label_smoothing, z_loss, softcap, normalizer, False, backend)
@@ -567,13 +649,16 @@ def linear_cross_entropy(hidden, weight, target, *, process_group, bias, ignore_
 
 
 def linear_grpo_loss(hidden, weight, target, advantages, *, process_group, bias, chunk_size,
-                     backend, **options):
+                     backend, check_consistency=True, **options):
     from . import linear as lin_op
 
     lin_op._check_head(hidden, weight, bias, chunk_size)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
-    layout = shard_layout(process_group, weight.shape[0], hidden.device)
+    # the row count here; the targets' fingerprint (masked ones ignored) in the log-probs call
+    layout = shard_layout(process_group, weight.shape[0], hidden.device, target,
+                          check_consistency=False)
+    check_consistency_flag(check_consistency)
     checked = grpo_op.plan(global_stand_in(hidden, hidden.shape[:-1], layout), target,
                            advantages, backend=backend, **options)
     if checked.params.backend == "reference":
@@ -585,7 +670,8 @@ def linear_grpo_loss(hidden, weight, target, advantages, *, process_group, bias,
         out = linear_token_logprobs(hidden, weight, masked_target, process_group=process_group,
                                     bias=bias, temperature=checked.params.temperature,
                                     ignore_index=-100, return_entropy=with_entropy,
-                                    chunk_size=chunk_size, backend=backend)
+                                    chunk_size=chunk_size, backend=backend,
+                                    check_consistency=check_consistency)
         return out if with_entropy else (out, None)
 
     return grpo_op.from_logprobs(logprobs_of, target, checked)

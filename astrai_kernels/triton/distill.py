@@ -17,6 +17,7 @@ from .helpers import (
     DIRECT_LSE_LIMIT,
     LN2,
     LOG2E,
+    NEG_INF,
     POS_INF,
     load_tile,
     row_parts,
@@ -29,8 +30,9 @@ from .helpers import (
 @triton.jit
 def mixture_log2(la2, lb2, log2_w_s, log2_w_t):
     """``log2(w_s 2^la2 + w_t 2^lb2)``: the larger exponent plus ``log2(1 + 2^(lo - hi))``, the
-    latter corrected by the rounding of ``1 + e``; NaN where both are -inf (then both
-    probabilities are 0 and every term using it is selected away)."""
+    latter corrected by the rounding of ``1 + e``; -inf where both are -inf (at beta = 1 a
+    teacher's -inf id then gives the student's term ``p_s (a - m) = +inf``, the reverse KL's
+    value, where ``-inf - -inf`` inside would give NaN)."""
     u = la2 + log2_w_s
     v = lb2 + log2_w_t
     hi = tl.maximum(u, v)
@@ -38,7 +40,8 @@ def mixture_log2(la2, lb2, log2_w_s, log2_w_t):
     e = tl.exp2(lo - hi)
     one_plus = 1.0 + e
     # the correction is below 2^-24: an approximate division (no slow-path call) serves
-    return hi + tl.log2(one_plus) - tl.fdiv((one_plus - 1.0) - e, one_plus) * LOG2E
+    mixed = hi + tl.log2(one_plus) - tl.fdiv((one_plus - 1.0) - e, one_plus) * LOG2E
+    return tl.where(hi == NEG_INF, hi, mixed)
 
 
 @triton.jit
