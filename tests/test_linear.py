@@ -347,9 +347,10 @@ def test_forward_only_under_no_grad_holds_no_gradient(monkeypatch):
     seen = []
     original = linear_op._ChunkedHead.__init__
 
-    def record(self, hidden, weight, bias, chunk_size, needs_grad=(False, False, False)):
+    def record(self, hidden, weight, bias, chunk_size, needs_grad=(False, False, False),
+               *transform):
         seen.append(tuple(needs_grad))
-        original(self, hidden, weight, bias, chunk_size, needs_grad)
+        original(self, hidden, weight, bias, chunk_size, needs_grad, *transform)
 
     monkeypatch.setattr(linear_op._ChunkedHead, "__init__", record)
     hidden, weight, bias, target = _inputs(9, 6, 20, torch.float32, seed=13)

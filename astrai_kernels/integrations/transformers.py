@@ -216,6 +216,10 @@ def _make_forward(original_function):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                 labels=None, logits_to_keep=0, **kwargs):
         state = self.__dict__[_STATE_ATTR]
+        if "fused_lm_head" in kwargs:
+            raise ValueError(f"{type(self).__name__} (patched by astrai_kernels.integrations."
+                             f"transformers) was called with TRL's fused_lm_head=...; serve TRL's "
+                             f"trainers with astrai_kernels.integrations.trl.install(trainer)")
         if labels is None or not self.training:
             return state["original"](input_ids=input_ids, attention_mask=attention_mask,
                                      position_ids=position_ids, inputs_embeds=inputs_embeds,
@@ -268,6 +272,25 @@ def _check_options(head: FusedHead, options: Dict[str, Any]) -> None:
                                 softcap=head.softcap, **options)
 
 
+def _refuse_trl_head(model: nn.Module) -> None:
+    """A model (or a submodule: a PEFT base) carrying TRL's fused LM head, or the one
+    ``integrations.trl.install`` put in its place, is served by TRL's trainer calls with
+    ``fused_lm_head=True``, which a patched forward would not understand."""
+    if not isinstance(model, nn.Module):
+        return
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        function = getattr(forward, "__func__", None)
+        code = getattr(function, "__code__", None)
+        if getattr(code, "co_name", None) == "_fused_forward" or \
+                "_astrai_kernels_trl" in module.__dict__:
+            raise ValueError(
+                f"patch: this {type(model).__name__} carries TRL's fused LM head "
+                f"(add_fused_lm_head, set up by a TRL trainer); patching it would break the "
+                f"trainer's fused_lm_head=True calls. Use "
+                f"astrai_kernels.integrations.trl.install(trainer) to serve them instead")
+
+
 def patch(model: nn.Module, **loss_options: Any) -> nn.Module:
     """Make ``model`` (a transformers causal LM instance) compute its training loss through the
     fused LM head; returns the model.
@@ -280,6 +303,7 @@ def patch(model: nn.Module, **loss_options: Any) -> nn.Module:
     if isinstance(model, nn.Module) and _STATE_ATTR in model.__dict__:
         raise ValueError(f"patch: this {type(model).__name__} is already patched; call "
                          f"unpatch(model) first to change its loss options")
+    _refuse_trl_head(model)
     head = fused_head(model)
     _check_options(head, loss_options)
     original_function = type(model).forward

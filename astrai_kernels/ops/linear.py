@@ -250,8 +250,7 @@ def _linear_logprobs_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tens
     """``(logp, entropy, lse, stats)`` per row; entropy is empty unless ``with_entropy``;
     ``stats [k, N]`` holds the ``k`` statistics of the ``statistics`` bit mask
     (``STATISTICS`` order; ``is_top1`` as 0/1)."""
-    head = _ChunkedHead(hidden, weight, bias, chunk_size, logit_scale=logit_scale,
-                        softcap=softcap)
+    head = _ChunkedHead(hidden, weight, bias, chunk_size, (False,) * 3, logit_scale, softcap)
     kernels = backend_module(backend)
     n_rows = hidden.shape[0]
     logp, lse = _row_floats(n_rows, hidden.device), _row_floats(n_rows, hidden.device)
