@@ -340,14 +340,11 @@ def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Optional
     entropy of each position's distribution.
 
     Positions whose next token is padding (``attention_mask[:, 1:] == 0``) get 0 and no gradient.
+    The model's logit scale and final soft-cap (Gemma 2) apply before the temperature.
     Differentiable (the policy); run it under ``torch.no_grad()`` for old and reference models.
     The model need not be patched.
     """
     head = fused_head(model)
-    if head.softcap is not None:
-        raise ValueError(f"token_logprobs: {type(model).__name__} soft-caps its logits "
-                         f"(final_logit_softcapping={head.softcap}), and ak.linear_token_logprobs "
-                         f"has no softcap; compute these log-probs from the model's logits")
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 2:
         shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids)
         raise ValueError(f"token_logprobs: input_ids must be [B, T] with T >= 2, got {shape}")
@@ -361,5 +358,5 @@ def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Optional
         target = target.masked_fill(attention_mask[:, 1:] == 0, -100)
     return ak.linear_token_logprobs(hidden, head.weight, target, bias=bias,
                                     temperature=temperature, ignore_index=-100,
-                                    return_entropy=return_entropy, chunk_size=chunk_size,
-                                    backend=backend)
+                                    return_entropy=return_entropy, softcap=head.softcap,
+                                    chunk_size=chunk_size, backend=backend)
