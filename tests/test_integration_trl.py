@@ -183,16 +183,30 @@ def _count_calls(monkeypatch, recorder, op=None):
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", CountedFunction)
 
 
+VARIANTS = {
+    "": ({}, {}),
+    "gradient checkpointing": ({"gradient_checkpointing": True}, {}),
+    "lora": ({}, {"peft_config": "lora"}),
+}
+
+
 def _train(trainer_name, model_kind, dtype, installed, monkeypatch, op=None, tmp="/tmp",
-           config_extra=None):
+           variant=""):
     cls, config_cls, config_kwargs, trainer_kwargs = _case(trainer_name)
+    config_extra, trainer_extra = VARIANTS[variant]
+    if trainer_extra.get("peft_config") == "lora":
+        from peft import LoraConfig
+
+        trainer_extra = dict(peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                    target_modules=["q_proj", "v_proj"]))
     args = config_cls(output_dir=os.path.join(tmp, "out"), **COMMON_ARGS, **config_kwargs,
-                      model_init_kwargs={"dtype": dtype}, **(config_extra or {}))
+                      model_init_kwargs={"dtype": dtype}, **config_extra)
     recorder = _Recorder()
     with monkeypatch.context() as patches:
         _count_calls(patches, recorder, op)
+        torch.manual_seed(0)
         trainer = cls(model=_model_dir(model_kind), args=args, processing_class=_tokenizer(),
-                      callbacks=[recorder.callback], **trainer_kwargs)
+                      callbacks=[recorder.callback], **trainer_kwargs, **trainer_extra)
         if installed:
             ak_trl.install(trainer, chunk_size=8)
         torch.manual_seed(1)
@@ -204,11 +218,12 @@ def _train(trainer_name, model_kind, dtype, installed, monkeypatch, op=None, tmp
 _RUNS = {}
 
 
-def _reference_runs(trainer_name, model_kind, monkeypatch, tmp):
+def _reference_runs(trainer_name, model_kind, monkeypatch, tmp, variant=""):
     """TRL's own head in float64 and float32 (cached per case: the broken variants reuse it)."""
-    key = (trainer_name, model_kind)
+    key = (trainer_name, model_kind, variant)
     if key not in _RUNS:
-        _RUNS[key] = tuple(_train(trainer_name, model_kind, dtype, False, monkeypatch, tmp=tmp)
+        _RUNS[key] = tuple(_train(trainer_name, model_kind, dtype, False, monkeypatch, tmp=tmp,
+                                  variant=variant)
                            for dtype in (torch.float64, torch.float32))
     return _RUNS[key]
 
@@ -251,21 +266,26 @@ def _comparisons(actual, expected, naive):
     return results
 
 
-def _check_against_trl(trainer_name, model_kind, monkeypatch, tmp_path, **kwargs):
-    expected, naive = _reference_runs(trainer_name, model_kind, monkeypatch, str(tmp_path))
+def _check_against_trl(trainer_name, model_kind, monkeypatch, tmp_path, variant="", **kwargs):
+    expected, naive = _reference_runs(trainer_name, model_kind, monkeypatch, str(tmp_path),
+                                      variant)
     actual = _train(trainer_name, model_kind, torch.float32, True, monkeypatch,
-                    tmp=str(tmp_path), **kwargs)
+                    tmp=str(tmp_path), variant=variant, **kwargs)
     return actual, expected, naive, _comparisons(actual, expected, naive)
 
 
-CASES = [("sft", "llama"), ("sft", "gemma2"), ("dpo", "qwen2"), ("grpo", "llama"),
-         ("grpo", "gemma2"), ("kto", "llama"), ("rloo", "cohere")]
+CASES = [("sft", "llama", ""), ("sft", "gemma2", ""), ("dpo", "qwen2", ""),
+         ("grpo", "llama", ""), ("kto", "llama", ""),
+         ("rloo", "cohere", ""), ("sft", "qwen2", "gradient checkpointing"),
+         ("dpo", "llama", "lora")]
 
 
-@pytest.mark.parametrize("trainer_name, model_kind", CASES)
-def test_trainer_matches_trl_head(trainer_name, model_kind, monkeypatch, tmp_path):
+@pytest.mark.parametrize("trainer_name, model_kind, variant", CASES)
+def test_trainer_matches_trl_head(trainer_name, model_kind, variant, monkeypatch, tmp_path):
+    if variant == "lora":
+        pytest.importorskip("peft", reason="peft is not installed (the LoRA case needs it)")
     actual, expected, naive, results = _check_against_trl(trainer_name, model_kind, monkeypatch,
-                                                          tmp_path)
+                                                          tmp_path, variant)
     failed = [result.message() for _, result in results if not result.ok]
     assert not failed, "\n".join(failed[:5])
     # installed, every fused call ran our op and none TRL's; TRL's runs never ran ours
