@@ -348,8 +348,73 @@ def test_install_uninstall_and_refusals(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="backend"):
         ak_trl.install(trainer, backend="nonexistent")
     assert not ak_trl.is_installed(trainer)
-    # a trainer whose models carry no TRL head (GKD scores full logits)
+    # an output embedding that is not a plain nn.Linear (as LoRA on lm_head makes it)
+    class ScaledHead(torch.nn.Linear):
+        def forward(self, hidden):
+            return 2 * super().forward(hidden)
+
+    plain_head = trainer.model.lm_head
+    trainer.model.lm_head = ScaledHead(16, plain_head.out_features, bias=False)
+    with pytest.raises(ak_trl.TRLHeadError, match="not a plain nn.Linear"):
+        ak_trl.install(trainer)
+    trainer.model.lm_head = plain_head
+    # a trainer whose models carry no TRL head (as GKD's: it scores full logits)
     trainer.model.__dict__.pop("forward")
     trainer.ref_model.__dict__.pop("forward")
     with pytest.raises(ak_trl.TRLHeadError, match="nothing to serve"):
         ak_trl.install(trainer)
+
+
+def _fields(out):
+    return {name: getattr(out, name) for name in ("loss", "log_probs", "entropy",
+                                                  "log_sum_sq_probs", "mean_logits", "is_top1",
+                                                  "label_mask")}
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_head_fields_shift_labels_and_autocast(autocast):
+    """One call of each head, every field TRL 1.16 defines, against the float64 model: with
+    labels (shifted by the head) and with pre-shifted ``shift_labels`` and
+    ``num_items_in_batch``; under bf16 autocast TRL's head computes in bf16, as ours must."""
+    import copy
+    import types
+
+    from trl.trainer.utils import add_fused_lm_head
+
+    outputs = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    model = _model("gemma2", torch.float32)
+    model64 = copy.deepcopy(model).double()
+    ours = copy.deepcopy(model)
+    for m in (model, model64, ours):
+        add_fused_lm_head(m, temperature=0.8, outputs=outputs)
+    ak_trl.install(types.SimpleNamespace(model=ours))
+    g = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(3, 30, (2, 9), generator=g)
+    labels = input_ids.masked_fill(torch.rand(2, 9, generator=g) < 0.3, -100)
+    calls = [dict(labels=labels), dict(shift_labels=labels, num_items_in_batch=7)]
+    dtype = torch.bfloat16 if autocast else torch.float32
+    for kwargs in calls:
+        expected = _fields(model64(input_ids=input_ids, fused_lm_head=True, **kwargs))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            naive = _fields(model(input_ids=input_ids, fused_lm_head=True, **kwargs))
+            got = _fields(ours(input_ids=input_ids, fused_lm_head=True, **kwargs))
+        assert torch.equal(got["label_mask"], expected["label_mask"])
+        mask = got["label_mask"]
+        if not autocast:  # under bf16 a near-tie of the argmax may go either way
+            assert torch.equal(got["is_top1"], expected["is_top1"])
+        for name in ("loss", "log_probs", "entropy", "log_sum_sq_probs", "mean_logits"):
+            assert got[name].dtype == torch.float32, name
+            result = compare_elementwise(got[name], expected[name],
+                                         _yardstick(naive[name], expected[name]), dtype=dtype,
+                                         name=name)
+            assert result.ok, result.message()
+            if name != "loss":
+                assert bool((got[name][~mask] == 0).all())
+        got["loss"].backward()
+        naive["loss"].backward()
+        expected["loss"].backward()
+    named = zip(ours.named_parameters(), model.parameters(), model64.parameters())
+    for (name, p), q, q64 in named:
+        result = compare_elementwise(p.grad, q64.grad, _yardstick(q.grad, q64.grad),
+                                     dtype=dtype, name=f"grad {name}")
+        assert result.ok, result.message()

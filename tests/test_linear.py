@@ -566,6 +566,10 @@ def test_is_top1_tie_rule(backend):
     _, stats = ak.linear_token_logprobs(hidden, weight, target, backend=backend,
                                         statistics=("is_top1",), softcap=10.0)
     assert stats["is_top1"].tolist() == [True, False, False]
+    # the rule without the tie order ("the target's logit is the maximum") fails this test
+    logits = hidden @ weight.t()
+    untied = logits.gather(1, target[:, None]).squeeze(1) >= logits.amax(1)
+    assert untied.tolist() != [True, False, False]
 
 
 def test_transform_and_statistics_bad_input():
