@@ -40,8 +40,12 @@ def _tokenizer():
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{c: i + 3 for i, c in enumerate(_CHARS)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>",
-                                   eos_token="<eos>", bos_token="<bos>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>",
+                                        eos_token="<eos>", bos_token="<bos>")
+    # GKD's ChatML collator renders conversations with it
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %} {% endif %}")
+    return tokenizer
 
 
 def _model(kind, dtype):
@@ -140,6 +144,17 @@ def _case(trainer_name):
                            else (trl.RLOOTrainer, trl.RLOOConfig))
         return cls, config_cls, config, dict(train_dataset=_prompt_data(),
                                              reward_funcs=_reward_vowels)
+    if trainer_name == "gkd":
+        from datasets import Dataset
+        from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+        conversations = [[{"role": "user", "content": f"say {c}"},
+                          {"role": "assistant", "content": f" {c * (i + 1)}"}]
+                         for i, c in enumerate("abcd")]
+        return GKDTrainer, GKDConfig, dict(per_device_train_batch_size=2, beta=0.3, lmbda=0.0,
+                                           max_length=32), dict(
+            train_dataset=Dataset.from_dict({"messages": conversations}),
+            teacher_model="qwen2")
     raise ValueError(trainer_name)
 
 
@@ -158,20 +173,27 @@ class _Recorder:
                                        if p.grad is not None})
 
         self.callback = Callback()
-        self.grads, self.calls = [], {"ak": 0, "trl": 0}
+        self.grads, self.calls = [], {"ak": 0, "trl": 0, "ak_distill": 0}
 
 
 def _count_calls(monkeypatch, recorder, op=None):
-    """Count ``ak.linear_token_logprobs`` (``op`` replaces it, for the broken variants) and
-    TRL's ``_ChunkedLogProbFunction.apply``."""
+    """Count ``ak.linear_token_logprobs`` (``op`` replaces it, for the broken variants),
+    ``ak.linear_distill_loss`` and TRL's ``_ChunkedLogProbFunction.apply``."""
     from trl.trainer import utils as trl_utils
 
     original_op = op or ak.linear_token_logprobs
+    original_distill = ak.linear_distill_loss
     trl_function = trl_utils._ChunkedLogProbFunction
 
     def counted_op(*args, **kwargs):
         recorder.calls["ak"] += 1
         return original_op(*args, **kwargs)
+
+    def counted_distill(*args, **kwargs):
+        recorder.calls["ak_distill"] += 1
+        return original_distill(*args, **kwargs)
+
+    monkeypatch.setattr(ak, "linear_distill_loss", counted_distill)
 
     class CountedFunction:
         @staticmethod
@@ -201,6 +223,11 @@ def _train(trainer_name, model_kind, dtype, installed, monkeypatch, op=None, tmp
                                                     target_modules=["q_proj", "v_proj"]))
     args = config_cls(output_dir=os.path.join(tmp, "out"), **COMMON_ARGS, **config_kwargs,
                       model_init_kwargs={"dtype": dtype}, **config_extra)
+    if isinstance(trainer_kwargs.get("teacher_model"), str):  # a model kind: load it
+        from transformers import AutoModelForCausalLM
+
+        trainer_kwargs["teacher_model"] = AutoModelForCausalLM.from_pretrained(
+            _model_dir(trainer_kwargs["teacher_model"]), dtype=dtype)
     recorder = _Recorder()
     with monkeypatch.context() as patches:
         _count_calls(patches, recorder, op)
@@ -277,7 +304,7 @@ def _check_against_trl(trainer_name, model_kind, monkeypatch, tmp_path, variant=
 CASES = [("sft", "llama", ""), ("sft", "gemma2", ""), ("dpo", "qwen2", ""),
          ("grpo", "llama", ""), ("kto", "llama", ""),
          ("rloo", "cohere", ""), ("sft", "qwen2", "gradient checkpointing"),
-         ("dpo", "llama", "lora")]
+         ("dpo", "llama", "lora"), ("gkd", "llama", "")]
 
 
 @pytest.mark.parametrize("trainer_name, model_kind, variant", CASES)
@@ -289,9 +316,18 @@ def test_trainer_matches_trl_head(trainer_name, model_kind, variant, monkeypatch
     failed = [result.message() for _, result in results if not result.ok]
     assert not failed, "\n".join(failed[:5])
     # installed, every fused call ran our op and none TRL's; TRL's runs never ran ours
-    assert actual["calls"]["ak"] > 0 and actual["calls"]["trl"] == 0
+    assert actual["calls"]["trl"] == 0
     assert actual["calls"]["ak"] == naive["calls"]["trl"]
-    assert naive["calls"]["ak"] == 0 and expected["calls"]["ak"] == 0
+    for run in (naive, expected):
+        assert run["calls"]["ak"] == run["calls"]["ak_distill"] == 0
+    if trainer_name == "gkd":  # its loss (one per step) on linear_distill_loss
+        assert actual["calls"]["ak_distill"] == 2
+        trainer = actual["trainer"]
+        ak_trl.uninstall(trainer)
+        assert "compute_loss" not in trainer.__dict__
+        assert "forward" not in trainer.teacher_model.__dict__
+    else:
+        assert actual["calls"]["ak"] > 0
     assert ak_trl.is_installed(actual["trainer"])
 
 
@@ -358,7 +394,7 @@ def test_install_uninstall_and_refusals(monkeypatch, tmp_path):
     with pytest.raises(ak_trl.TRLHeadError, match="not a plain nn.Linear"):
         ak_trl.install(trainer)
     trainer.model.lm_head = plain_head
-    # a trainer whose models carry no TRL head (as GKD's: it scores full logits)
+    # a trainer whose models carry no TRL head
     trainer.model.__dict__.pop("forward")
     trainer.ref_model.__dict__.pop("forward")
     with pytest.raises(ak_trl.TRLHeadError, match="nothing to serve"):

@@ -20,12 +20,20 @@ contract that computes the per-token fields with ``ak.linear_token_logprobs``:
 * TRL's compute dtype: the autocast dtype under autocast, float32 with
   ``cast_lm_head_to_fp32``, else the hidden states'.
 
+On a ``GKDTrainer`` (``trl.experimental.gkd``), whose loss reads full logits, ``install``
+also replaces that trainer's ``compute_loss`` by ``ak.linear_distill_loss`` on the student's
+and the teacher's final hidden states (``_gkd_compute_loss``: the trainer's ``beta``,
+temperature 1 and ``batchmean`` or ``num_items_in_batch`` as TRL's ``generalized_jsd_loss``
+there, each model's logit scale and soft-cap); the models are called through ``__call__`` with
+``astrai_hidden_states=True``, which their installed forward answers with the backbone's output.
+
 Calls without ``fused_lm_head`` go to TRL's forward (so to the model's own, e.g. for
 ``generate``). The models are still called through ``model(...)``, so hooks run. TRL's
 settings are read from its forward's closure, which is why ``install`` checks TRL's version
 and the closure's names and refuses anything else. Refused at ``install``, with the reason:
-a TRL other than 1.16, a trainer whose models carry no TRL fused head (GKD, which scores full
-logits), a MoE model whose config asks for router logits (the aux loss is not reproduced),
+a TRL other than 1.16, a trainer whose models carry no TRL fused head, a GKD trainer whose
+``compute_loss`` is overridden or whose models ``integrations.transformers.fused_head``
+cannot serve, a MoE model whose config asks for router logits (the aux loss is not reproduced),
 an output embedding that is not a plain ``nn.Linear`` (e.g. a LoRA-adapted ``lm_head``),
 FSDP and DeepSpeed (sharded heads are not gathered here). A model that asks for router logits
 at call time gets an error, never TRL's head silently.
@@ -238,6 +246,97 @@ def _make_forward(trl_forward, settings: Dict[str, Any], backend: str,
     return _fused_forward
 
 
+def _gkd_trainer_class():
+    try:
+        from trl.experimental.gkd import GKDTrainer
+    except ImportError:
+        return None
+    return GKDTrainer
+
+
+def _hidden_forward(inner, backbone_attr: str):
+    """``inner`` (a bound forward) that, called with ``astrai_hidden_states=True``, runs only
+    the backbone and returns its output (``last_hidden_state``), still through ``__call__``."""
+    def forward(self, *args, astrai_hidden_states=False, **kwargs):
+        if astrai_hidden_states:
+            kwargs["use_cache"] = False
+            return getattr(self, backbone_attr)(*args, **kwargs)
+        return inner(*args, **kwargs)
+
+    forward.__wrapped__ = getattr(inner, "__wrapped__", None)
+    return forward
+
+
+def _gkd_base(trainer) -> nn.Module:
+    model = trainer.model
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _check_gkd(trainer, backend: str) -> None:
+    gkd = _gkd_trainer_class()
+    if type(trainer).compute_loss is not gkd.compute_loss:
+        raise _refuse(trainer, "it overrides GKDTrainer.compute_loss, whose loss is not known here")
+    if not isinstance(getattr(trainer, "teacher_model", None), nn.Module):
+        raise _refuse(trainer, "its teacher_model is not an nn.Module")
+    from . import transformers as hf
+
+    for role, model in (("student", _gkd_base(trainer)), ("teacher", trainer.teacher_model)):
+        try:
+            head = hf.fused_head(model)
+        except (TypeError, ValueError) as error:
+            raise _refuse(trainer, f"its {role}: {error}") from None
+        _resolve_backend(backend, head.weight.device)
+    if (_gkd_base(trainer).get_output_embeddings().weight.shape[0]
+            != trainer.teacher_model.get_output_embeddings().weight.shape[0]):
+        raise _refuse(trainer, "the student's and the teacher's vocabularies differ")
+
+
+def _gkd_compute_loss(trainer, original, backend: str, chunk_size: Optional[int]):
+    """GKDTrainer.compute_loss (TRL 1.16) on ``ak.linear_distill_loss``: the student's and
+    the teacher's final hidden states, both models' logit scale and soft-cap, TRL's
+    ``generalized_jsd_loss`` with the trainer's ``beta``, temperature 1 (compute_loss passes
+    none), ``batchmean`` over labelled positions or ``num_items_in_batch``."""
+    from . import transformers as hf
+
+    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:  # evaluation wants the student's logits: TRL's own
+            return original(model, inputs, return_outputs=True,
+                            num_items_in_batch=num_items_in_batch)
+        student = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                        astrai_hidden_states=True).last_hidden_state[:, :-1]
+        trainer.teacher_model.eval()
+        with torch.no_grad():
+            teacher = trainer.teacher_model(
+                input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                astrai_hidden_states=True).last_hidden_state[:, :-1]
+        labels = inputs["labels"][:, 1:]
+        student_head = hf.fused_head(_gkd_base(trainer))
+        teacher_head = hf.fused_head(trainer.teacher_model)
+        dtype = _compute_dtype(student, False)
+        teacher_dtype = _compute_dtype(teacher, False)
+        mask = labels.to(student_head.weight.device) != -100
+        with torch.autocast(student.device.type, enabled=False):
+            def head_args(head, hidden, dtype):
+                bias = None if head.bias is None else head.bias.to(dtype)
+                return hidden.to(head.weight.device)[mask].to(dtype), head.weight.to(dtype), bias
+
+            s_hidden, s_weight, s_bias = head_args(student_head, student, dtype)
+            t_hidden, t_weight, t_bias = head_args(teacher_head, teacher, teacher_dtype)
+            normalizer = num_items_in_batch
+            if isinstance(normalizer, Tensor):
+                normalizer = normalizer.to(s_hidden.device)
+            return ak.linear_distill_loss(
+                s_hidden, s_weight, t_hidden, t_weight, student_bias=s_bias,
+                teacher_bias=t_bias, beta=float(trainer.beta), temperature=1.0,
+                reduction="batchmean", normalizer=normalizer,
+                softcap=student_head.softcap, logit_scale=student_head.logit_scale,
+                teacher_softcap=teacher_head.softcap,
+                teacher_logit_scale=teacher_head.logit_scale, chunk_size=chunk_size,
+                backend=backend)
+
+    return compute_loss
+
+
 def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None):
     """Serve every fused-head call of ``trainer`` (a built TRL 1.16 trainer) with
     ``ak.linear_token_logprobs``; returns the trainer. Raises ``TRLHeadError`` (a
@@ -263,12 +362,29 @@ def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None)
                                        or isinstance(chunk_size, bool) or chunk_size < 1):
             raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
         plans.append((model, settings))
+    gkd = _gkd_trainer_class()
+    is_gkd = gkd is not None and isinstance(trainer, gkd)
+    if is_gkd:
+        _check_gkd(trainer, backend)
     for model, settings in plans:
         trl_forward = model.__dict__["forward"]
         model.__dict__[_MODEL_STATE] = {"trl_forward": trl_forward, "settings": settings}
-        model.forward = types.MethodType(_make_forward(trl_forward, settings, backend,
-                                                       chunk_size), model)
-    trainer.__dict__[_TRAINER_STATE] = [model for model, _ in plans]
+        forward = types.MethodType(_make_forward(trl_forward, settings, backend, chunk_size),
+                                   model)
+        if is_gkd and model is _gkd_base(trainer):
+            forward = types.MethodType(_hidden_forward(forward, settings["backbone_attr"]),
+                                       model)
+        model.forward = forward
+    served = [model for model, _ in plans]
+    if is_gkd:
+        teacher = trainer.teacher_model
+        teacher.__dict__[_MODEL_STATE] = {"trl_forward": teacher.__dict__.get("forward")}
+        teacher.forward = types.MethodType(_hidden_forward(teacher.forward, "base_model"),
+                                           teacher)
+        trainer.compute_loss = _gkd_compute_loss(trainer, trainer.compute_loss, backend,
+                                                 chunk_size)
+        served.append(teacher)
+    trainer.__dict__[_TRAINER_STATE] = served
     return trainer
 
 
@@ -285,7 +401,11 @@ def uninstall(trainer):
         raise ValueError(f"uninstall: {type(trainer).__name__} is not installed")
     for model in models:
         state = model.__dict__.pop(_MODEL_STATE)
-        model.forward = state["trl_forward"]
+        if state["trl_forward"] is None:
+            del model.__dict__["forward"]
+        else:
+            model.forward = state["trl_forward"]
+    trainer.__dict__.pop("compute_loss", None)  # GKD's: the class's again
     del trainer.__dict__[_TRAINER_STATE]
     return trainer
 
