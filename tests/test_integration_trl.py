@@ -454,3 +454,34 @@ def test_head_fields_shift_labels_and_autocast(autocast):
         result = compare_elementwise(p.grad, q64.grad, _yardstick(q.grad, q64.grad),
                                      dtype=dtype, name=f"grad {name}")
         assert result.ok, result.message()
+
+
+def test_trainer_built_on_a_patched_model(monkeypatch, tmp_path):
+    """A model patched by integrations.transformers, then given to a TRL trainer: TRL's head
+    wraps the patched forward; install serves the fused calls (the patched forward gets the
+    rest), bit for bit as on the unpatched model."""
+    cls, config_cls, config_kwargs, trainer_kwargs = _case("sft")
+    results = []
+    for patched in (False, True):
+        args = config_cls(output_dir=str(tmp_path), **COMMON_ARGS, **config_kwargs)
+        recorder = _Recorder()
+        with monkeypatch.context() as patches:
+            _count_calls(patches, recorder)
+            model = _model("llama", torch.float32)
+            if patched:
+                ak_hf.patch(model)
+            torch.manual_seed(0)
+            trainer = cls(model=model, args=args, processing_class=_tokenizer(),
+                          callbacks=[recorder.callback], **trainer_kwargs)
+            ak_trl.install(trainer)
+            torch.manual_seed(1)
+            trainer.train()
+        results.append(dict(logs=[e for e in trainer.state.log_history if "loss" in e],
+                            grads=recorder.grads, calls=recorder.calls))
+    plain, patched_run = results
+    assert patched_run["calls"] == plain["calls"] and plain["calls"]["ak"] > 0
+    assert plain["calls"]["trl"] == 0
+    for step in range(2):
+        assert patched_run["logs"][step]["loss"] == plain["logs"][step]["loss"]
+        for name, grad in plain["grads"][step].items():
+            assert torch.equal(patched_run["grads"][step][name], grad), name
