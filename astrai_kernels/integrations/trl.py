@@ -41,6 +41,7 @@ at call time gets an error, never TRL's head silently.
 TRL is imported only when these functions run; ``import astrai_kernels`` never imports it.
 """
 
+import functools
 import math
 import types
 from typing import Any, Dict, List, Optional
@@ -242,8 +243,8 @@ def _make_forward(trl_forward, settings: Dict[str, Any], backend: str,
             mean_logits=scatter(stats.get("mean_logits")), is_top1=scatter(stats.get("is_top1")),
             label_mask=mask, aux_loss=None)
 
-    _fused_forward.__wrapped__ = getattr(trl_forward, "__wrapped__", None)
-    return _fused_forward
+    # generate() validates its keywords against the forward's signature: the model's own
+    return functools.update_wrapper(_fused_forward, getattr(trl_forward, "__func__", trl_forward))
 
 
 def _gkd_trainer_class():
@@ -263,8 +264,7 @@ def _hidden_forward(inner, backbone_attr: str):
             return getattr(self, backbone_attr)(*args, **kwargs)
         return inner(*args, **kwargs)
 
-    forward.__wrapped__ = getattr(inner, "__wrapped__", None)
-    return forward
+    return functools.update_wrapper(forward, getattr(inner, "__func__", inner))
 
 
 def _gkd_base(trainer) -> nn.Module:
@@ -362,7 +362,9 @@ def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None)
                                        or isinstance(chunk_size, bool) or chunk_size < 1):
             raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
         plans.append((model, settings))
-    gkd = _gkd_trainer_class()
+    # trl.experimental warns on import: only a trainer that may be a GKDTrainer imports it
+    maybe_gkd = any(klass.__name__ == "GKDTrainer" for klass in type(trainer).__mro__)
+    gkd = _gkd_trainer_class() if maybe_gkd else None
     is_gkd = gkd is not None and isinstance(trainer, gkd)
     if is_gkd:
         _check_gkd(trainer, backend)
