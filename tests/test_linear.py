@@ -447,8 +447,13 @@ def _transform_slope(logits, logit_scale=1.0, softcap=None):
     return abs(logit_scale) * (1 - torch.tanh(logit_scale * logits / softcap) ** 2)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("transform", list(TRANSFORMS))
+# every dtype with both transforms; each alone in float32
+TRANSFORM_CASES = ([("both", dtype, dtype_id) for dtype, dtype_id in zip(DTYPES, DTYPE_IDS)]
+                   + [(name, torch.float32, "fp32") for name in ("softcap", "logit_scale")])
+
+
+@pytest.mark.parametrize("transform, dtype", [case[:2] for case in TRANSFORM_CASES],
+                         ids=[f"{case[0]}-{case[2]}" for case in TRANSFORM_CASES])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_linear_token_logprobs_softcap_and_logit_scale(backend, transform, dtype):
     kwargs = TRANSFORMS[transform]
