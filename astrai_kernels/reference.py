@@ -36,6 +36,29 @@ def token_logprobs(logits: Tensor, target: Tensor, temperature: float = 1.0,
     return torch.where(valid, logp, 0.0), torch.where(valid, entropy, 0.0)
 
 
+def transform_logits(logits: Tensor, logit_scale: float = 1.0,
+                     softcap: Optional[float] = None) -> Tensor:
+    """``softcap * tanh(logit_scale * logits / softcap)`` (no cap when ``softcap`` is None):
+    the final logit scale and soft-cap of transformers' models, in TRL's order."""
+    logits = logits * logit_scale if logit_scale != 1.0 else logits
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
+def token_statistics(logits: Tensor, target: Tensor, temperature: float = 1.0,
+                     ignore_index: int = -100) -> Dict[str, Tensor]:
+    """TRL's forward-only per-token statistics of ``s = logits / temperature``:
+    ``log_sum_sq_probs = log sum_v softmax(s)_v**2``, ``mean_logits = mean_v s_v`` and
+    ``is_top1`` (``target`` is ``argmax(s)``, its first maximum); 0 / False on ignored rows."""
+    valid = target != ignore_index
+    s = logits * (1.0 / temperature)
+    log_p = torch.log_softmax(s, dim=-1)
+    log_sum_sq = torch.logsumexp(2.0 * log_p, dim=-1)
+    top1 = s.argmax(-1) == torch.where(valid, target, 0)
+    return {"log_sum_sq_probs": torch.where(valid, log_sum_sq, 0.0),
+            "mean_logits": torch.where(valid, s.mean(-1), 0.0),
+            "is_top1": top1 & valid}
+
+
 def sequence_logprobs(logits: Tensor, target: Tensor, mask: Tensor, average: bool = False,
                       temperature: float = 1.0) -> Tensor:
     """Sum (or mean over ``mask``) of token log-probs per sequence, ``[B]``."""

@@ -436,3 +436,49 @@ def test_torch_compile_fullgraph(backend):
     assert_close(value, expected.detach().double(), "value", torch.float32, "compiled loss")
     assert_close(compiled.grad, eager.grad.double(), "grad", torch.float32, "compiled grad",
                  scale=eager.grad.abs() + 1e-6)
+
+
+def _transformed(logits, logit_scale, softcap):
+    return softcap * torch.tanh(logit_scale * logits / softcap)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_distill_softcap_and_logit_scale(backend):
+    """Each head's logits soft-capped and scaled before the temperature (TRL's
+    ``ChunkedDivergenceFunction`` order), student and teacher with their own values."""
+    sh, sw, sb, th, tw, target = _heads(torch.float32, bias=True, seed=14)
+    sw, tw = sw * 4, tw * 4  # logits large enough for the cap to matter
+    caps = dict(softcap=3.0, logit_scale=0.8, teacher_softcap=5.0, teacher_logit_scale=1.3)
+    options = dict(beta=0.4, temperature=0.9, reduction="batchmean")
+    leaves = [t.detach().clone().requires_grad_(True) for t in (sh, sw, sb)]
+    loss = ak.linear_distill_loss(leaves[0], leaves[1], th, tw, target, student_bias=leaves[2],
+                                  chunk_size=5, backend=backend, **caps, **options)
+    loss.backward()
+    results = {}
+    for precision in (torch.float64, torch.float32):
+        refs = [t.detach().to(precision).requires_grad_(True) for t in (sh, sw, sb)]
+        student = _transformed(F.linear(*refs[:2], refs[2]), 0.8, 3.0)
+        teacher = _transformed(F.linear(th.to(precision), tw.to(precision)), 1.3, 5.0)
+        value = expected_loss(student, teacher, target, 0.4, 0.9, "batchmean")
+        value.backward()
+        results[precision] = (value.detach(), [r.grad for r in refs])
+    expected, expected_grads = results[torch.float64]
+    assert_close(loss, expected, "value", torch.float32, "loss", naive=results[torch.float32][0])
+    # the terms of the logit gradient (of the capped logits) times the cap's slope
+    x = F.linear(sh.double(), sw.double(), sb.double())
+    student, teacher = _transformed(x, 0.8, 3.0), _transformed(F.linear(th.double(),
+                                                                        tw.double()), 1.3, 5.0)
+    terms = grad_terms(student, teacher, target, 0.4, 0.9,
+                       torch.full(target.shape, row_share(student, target, "batchmean", None)))
+    terms = (terms * 0.8 * (1 - torch.tanh(0.8 * x / 3.0) ** 2)).reshape(-1, x.shape[-1])
+    scales = (terms @ sw.double().abs(), terms.t() @ sh.double().abs().reshape(-1, sh.shape[-1]),
+              terms.sum(0))
+    for name, leaf, want, naive, scale in zip(("hidden", "weight", "bias"), leaves,
+                                              expected_grads, results[torch.float32][1], scales):
+        assert_close(leaf.grad, want, "grad", torch.float32, name, naive=naive,
+                     scale=scale.reshape(want.shape))
+    # a dropped cap on either head is seen
+    for dropped in ("softcap", "teacher_softcap"):
+        wrong = ak.linear_distill_loss(sh, sw, th, tw, target, student_bias=sb, backend=backend,
+                                       **{**caps, dropped: None}, **options)
+        assert abs(float(wrong) - float(expected)) > 1e-3

@@ -351,9 +351,10 @@ def test_forward_only_under_no_grad_holds_no_gradient(monkeypatch):
     seen = []
     original = linear_op._ChunkedHead.__init__
 
-    def record(self, hidden, weight, bias, chunk_size, needs_grad=(False, False, False)):
+    def record(self, hidden, weight, bias, chunk_size, needs_grad=(False, False, False),
+               *transform):
         seen.append(tuple(needs_grad))
-        original(self, hidden, weight, bias, chunk_size, needs_grad)
+        original(self, hidden, weight, bias, chunk_size, needs_grad, *transform)
 
     monkeypatch.setattr(linear_op._ChunkedHead, "__init__", record)
     hidden, weight, bias, target = _inputs(9, 6, 20, torch.float32, seed=13)
@@ -437,3 +438,160 @@ def test_bad_chunk_size_and_target():
         ak.linear_cross_entropy(hidden, weight, target.clamp(min=0) + 9)
     with pytest.raises(ValueError, match="target must have shape"):
         ak.linear_cross_entropy(hidden, weight, target[:-1])
+
+
+TRANSFORMS = {"softcap": dict(softcap=2.5), "logit_scale": dict(logit_scale=0.6),
+              "both": dict(softcap=3.0, logit_scale=1.7)}
+
+
+def _transform_slope(logits, logit_scale=1.0, softcap=None):
+    """``|d z / d x|`` of ``reference.transform_logits``, entry by entry."""
+    if softcap is None:
+        return torch.full_like(logits, abs(logit_scale))
+    return abs(logit_scale) * (1 - torch.tanh(logit_scale * logits / softcap) ** 2)
+
+
+# every dtype with both transforms; each alone in float32
+TRANSFORM_CASES = ([("both", dtype, dtype_id) for dtype, dtype_id in zip(DTYPES, DTYPE_IDS)]
+                   + [(name, torch.float32, "fp32") for name in ("softcap", "logit_scale")])
+
+
+@pytest.mark.parametrize("transform, dtype", [case[:2] for case in TRANSFORM_CASES],
+                         ids=[f"{case[0]}-{case[2]}" for case in TRANSFORM_CASES])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_token_logprobs_softcap_and_logit_scale(backend, transform, dtype):
+    kwargs = TRANSFORMS[transform]
+    tensors = _inputs(23, 12, 61, dtype, seed=5)
+    target = tensors[3]
+
+    def fused(h, w, b):
+        logp, entropy = ak.linear_token_logprobs(h, w, target, bias=b, temperature=0.8,
+                                                 return_entropy=True, chunk_size=6,
+                                                 backend=backend, **kwargs)
+        return torch.stack([logp, entropy])
+
+    def logits_fn(logits):
+        z = reference.transform_logits(logits, **kwargs)
+        return torch.stack(reference.token_logprobs(z, target, temperature=0.8))
+
+    def output_terms(logits):
+        exact = spec.logprobs(reference.transform_logits(logits, **kwargs), target, 0.8, -100,
+                              True)
+        return torch.stack([exact["logp"].abs() + exact["lse"].abs(), exact["entropy_terms"]])
+
+    def grad_logits_terms(logits, upstream):
+        z = reference.transform_logits(logits, **kwargs)
+        terms = spec.logprobs(z, target, 0.8, -100, True, grad_logp=upstream[0],
+                              grad_entropy=upstream[1])["grad_terms"]
+        return terms.reshape(logits.shape) * _transform_slope(logits, **kwargs)
+
+    _compare(fused, logits_fn, tensors[:3], dtype, output_terms=output_terms,
+             grad_logits_terms=grad_logits_terms)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_sequence_logprobs_and_grpo_softcap(backend):
+    hidden, weight, bias, target = _inputs(0, 8, 50, torch.float32, seed=6, lead=(3, 7))
+    target = target.clamp(min=0)
+    mask = torch.rand(3, 7, generator=torch.Generator().manual_seed(4)) < 0.7
+    kwargs = dict(softcap=2.0, logit_scale=1.5)
+
+    def fused_seq(h, w, b):
+        return ak.linear_sequence_logprobs(h, w, target, mask, bias=b, temperature=0.9,
+                                           chunk_size=4, backend=backend, **kwargs)
+
+    def seq_fn(logits):
+        return reference.sequence_logprobs(reference.transform_logits(logits, **kwargs),
+                                           torch.where(mask, target, -100), mask,
+                                           temperature=0.9)
+
+    _compare(fused_seq, seq_fn, (hidden, weight, bias), torch.float32)
+    advantages = torch.randn(3, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        z = reference.transform_logits(F.linear(hidden, weight, bias).double(), **kwargs)
+        old = (reference.token_logprobs(z / 0.9, target)[0] + 0.2).float()
+    # the fused walk, and the one through the log-probs (sequence-level ratios)
+    for sampling in ("token", "sequence"):
+        options = dict(mask=mask, old_logprobs=old, beta=0.0, importance_sampling=sampling,
+                       temperature=0.9)
+
+        def fused_grpo(h, w, b, options=options):
+            return ak.linear_grpo_loss(h, w, target, advantages, bias=b, chunk_size=5,
+                                       backend=backend, **kwargs, **options)[0]
+
+        def grpo_fn(logits, options=options):
+            z = reference.transform_logits(logits, **kwargs)
+            return reference.grpo_loss(z, target, advantages.to(z.dtype),
+                                       **options)[0].to(logits.dtype)
+
+        _compare(fused_grpo, grpo_fn, (hidden, weight, bias), torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_token_statistics(backend):
+    hidden, weight, bias, target = _inputs(0, 10, 45, torch.float32, seed=8, lead=(4, 6))
+    kwargs = dict(temperature=0.7, softcap=3.0, logit_scale=1.2)
+    with torch.no_grad():
+        z = reference.transform_logits(F.linear(hidden, weight, bias).double(), 1.2, 3.0)
+        want = reference.token_statistics(z, target, 0.7)
+        naive = reference.token_statistics(
+            reference.transform_logits(F.linear(hidden, weight, bias), 1.2, 3.0), target, 0.7)
+    # also the argmax for every row (the random targets are rarely it)
+    top_target = torch.where(target == -100, -100, z.argmax(-1))
+    leaves = _leaves(hidden, weight, bias)
+    for tgt in (target, top_target):
+        logp, entropy, stats = ak.linear_token_logprobs(
+            *leaves[:2], tgt, bias=leaves[2], return_entropy=True, chunk_size=5,
+            backend=backend, statistics=("is_top1", "mean_logits", "log_sum_sq_probs"),
+            **kwargs)
+        assert set(stats) == {"is_top1", "mean_logits", "log_sum_sq_probs"}
+        assert logp.requires_grad and not any(v.requires_grad for v in stats.values())
+        exact = reference.token_statistics(z, tgt, 0.7)
+        assert stats["is_top1"].dtype == torch.bool
+        assert torch.equal(stats["is_top1"], exact["is_top1"])
+    assert stats["is_top1"].sum() == (target != -100).sum()
+    for name in ("mean_logits", "log_sum_sq_probs"):
+        assert stats[name].dtype == torch.float32
+        assert_close_elementwise(stats[name], want[name], naive[name], name=name,
+                                 scale=want[name].abs() + z.abs().amax(-1) / 0.7)
+    # only the requested ones; the gradient is that of the log-probs alone
+    logp_alone = ak.linear_token_logprobs(*leaves[:2], top_target, bias=leaves[2],
+                                          backend=backend, **kwargs)
+    logp2, stats = ak.linear_token_logprobs(*leaves[:2], top_target, bias=leaves[2],
+                                            backend=backend, statistics=["mean_logits"],
+                                            **kwargs)
+    assert list(stats) == ["mean_logits"]
+    assert torch.equal(logp2, logp_alone)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_is_top1_tie_rule(backend):
+    """The target is top-1 when it is the first maximum: a tie with an earlier token is not,
+    a tie with a later one is (``argmax``'s rule, and TRL's)."""
+    weight = torch.zeros(5, 2)
+    weight[:, 0] = torch.tensor([1.0, 3.0, 3.0, 0.0, 3.0])
+    hidden = torch.tensor([[1.0, 0.0]] * 3)
+    target = torch.tensor([1, 2, 4])
+    _, stats = ak.linear_token_logprobs(hidden, weight, target, backend=backend,
+                                        statistics=("is_top1",), softcap=10.0)
+    assert stats["is_top1"].tolist() == [True, False, False]
+    # the rule without the tie order ("the target's logit is the maximum") fails this test
+    logits = hidden @ weight.t()
+    untied = logits.gather(1, target[:, None]).squeeze(1) >= logits.amax(1)
+    assert untied.tolist() != [True, False, False]
+
+
+def test_transform_and_statistics_bad_input():
+    hidden, weight, _, target = _inputs(4, 3, 7, torch.float32)
+    with pytest.raises(ValueError, match="softcap"):
+        ak.linear_token_logprobs(hidden, weight, target, softcap=-1.0)
+    with pytest.raises(ValueError, match="logit_scale"):
+        ak.linear_token_logprobs(hidden, weight, target, logit_scale=float("nan"))
+    with pytest.raises(TypeError, match="logit_scale"):
+        ak.linear_grpo_loss(hidden[None], weight, target[None], torch.ones(1), logit_scale="2")
+    with pytest.raises(ValueError, match="statistics"):
+        ak.linear_token_logprobs(hidden, weight, target, statistics=("top5",))
+    with pytest.raises(TypeError, match="statistics"):
+        ak.linear_token_logprobs(hidden, weight, target, statistics="is_top1")
+    with pytest.raises(ValueError, match="process_group"):
+        ak.linear_token_logprobs(hidden, weight, target, softcap=2.0, process_group=object())

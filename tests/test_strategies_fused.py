@@ -140,11 +140,14 @@ def tiny_llama(seed):
     return transformers.LlamaForCausalLM(config).float().train()
 
 
-@pytest.mark.parametrize("name", ["sft", "dpo", "grpo"])
-def test_strategies_on_a_transformers_model(name):
-    policy = tiny_llama(0)
-    others = {"dpo": dict(ref_model=tiny_llama(1)),
-              "grpo": dict(old_model=tiny_llama(2), ref_model=tiny_llama(3), kl_coef=0.3),
+@pytest.mark.parametrize("name, arch", [("sft", "llama"), ("dpo", "llama"), ("grpo", "llama"),
+                                        ("sft", "gemma2"), ("dpo", "gemma2"),
+                                        ("grpo", "gemma2")])
+def test_strategies_on_a_transformers_model(name, arch):
+    model = {"llama": tiny_llama, "gemma2": tiny_gemma2}[arch]
+    policy = model(0)
+    others = {"dpo": dict(ref_model=model(1)),
+              "grpo": dict(old_model=model(2), ref_model=model(3), kl_coef=0.3),
               "sft": {}}[name]
     batch = {"sft": sft_batch, "dpo": lambda: dpo_batch(attention=True), "grpo": grpo_batch}[name]
     fused = StrategyFactory.create(name, policy, "cpu", fused_head=True, **others)
@@ -153,26 +156,32 @@ def test_strategies_on_a_transformers_model(name):
     out["loss"].backward()
     grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
 
-    seed_policy = tiny_llama(0)
-    seed_others = {key: HFLogitsOnly(tiny_llama({"ref_model": 1 if name == "dpo" else 3,
-                                                 "old_model": 2}[key]))
+    seed_policy = model(0)
+    seed_others = {key: HFLogitsOnly(model({"ref_model": 1 if name == "dpo" else 3,
+                                            "old_model": 2}[key]))
                    if isinstance(value, nn.Module) else value for key, value in others.items()}
     seed = StrategyFactory.create(name, HFLogitsOnly(seed_policy), "cpu",
                                   loss_backend="reference", **seed_others)
     expected = seed(batch())
     expected["loss"].backward()
     expected_grads = {n: p.grad.clone() for n, p in seed_policy.named_parameters()}
-    assert_same(out, grads, expected, expected_grads, f"transformers {name}")
+    assert_same(out, grads, expected, expected_grads, f"transformers {arch} {name}")
 
 
-def test_transformers_models_it_cannot_serve_are_refused():
+def tiny_gemma2(seed):
+    """Gemma 2 with a final soft-cap its logits reach (the head's weights scaled up)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.Gemma2Config(vocab_size=67, hidden_size=32, intermediate_size=64,
                                        num_hidden_layers=2, num_attention_heads=4,
                                        num_key_value_heads=2, head_dim=8,
-                                       final_logit_softcapping=3.0)
-    gemma = transformers.Gemma2ForCausalLM(config)
-    with pytest.raises(ValueError, match="soft-caps"):
-        SFTStrategy(gemma, "cpu")(sft_batch())
+                                       final_logit_softcapping=3.0, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    model = transformers.Gemma2ForCausalLM(config).float().train()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(30.0)
+    return model
+
+
+def test_transformers_models_it_cannot_serve_are_refused():
     with pytest.raises(ValueError, match="fused head only"):
         SFTStrategy(tiny_llama(0), "cpu", fused_head=False)(sft_batch())

@@ -216,6 +216,10 @@ def _make_forward(original_function):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                 labels=None, logits_to_keep=0, **kwargs):
         state = self.__dict__[_STATE_ATTR]
+        if "fused_lm_head" in kwargs:
+            raise ValueError(f"{type(self).__name__} (patched by astrai_kernels.integrations."
+                             f"transformers) was called with TRL's fused_lm_head=...; serve TRL's "
+                             f"trainers with astrai_kernels.integrations.trl.install(trainer)")
         if labels is None or not self.training:
             return state["original"](input_ids=input_ids, attention_mask=attention_mask,
                                      position_ids=position_ids, inputs_embeds=inputs_embeds,
@@ -268,6 +272,25 @@ def _check_options(head: FusedHead, options: Dict[str, Any]) -> None:
                                 softcap=head.softcap, **options)
 
 
+def _refuse_trl_head(model: nn.Module) -> None:
+    """A model (or a submodule: a PEFT base) carrying TRL's fused LM head, or the one
+    ``integrations.trl.install`` put in its place, is served by TRL's trainer calls with
+    ``fused_lm_head=True``, which a patched forward would not understand."""
+    if not isinstance(model, nn.Module):
+        return
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        function = getattr(forward, "__func__", None)
+        code = getattr(function, "__code__", None)
+        if getattr(code, "co_name", None) == "_fused_forward" or \
+                "_astrai_kernels_trl" in module.__dict__:
+            raise ValueError(
+                f"patch: this {type(model).__name__} carries TRL's fused LM head "
+                f"(add_fused_lm_head, set up by a TRL trainer); patching it would break the "
+                f"trainer's fused_lm_head=True calls. Use "
+                f"astrai_kernels.integrations.trl.install(trainer) to serve them instead")
+
+
 def patch(model: nn.Module, **loss_options: Any) -> nn.Module:
     """Make ``model`` (a transformers causal LM instance) compute its training loss through the
     fused LM head; returns the model.
@@ -280,6 +303,7 @@ def patch(model: nn.Module, **loss_options: Any) -> nn.Module:
     if isinstance(model, nn.Module) and _STATE_ATTR in model.__dict__:
         raise ValueError(f"patch: this {type(model).__name__} is already patched; call "
                          f"unpatch(model) first to change its loss options")
+    _refuse_trl_head(model)
     head = fused_head(model)
     _check_options(head, loss_options)
     original_function = type(model).forward
@@ -316,14 +340,11 @@ def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Optional
     entropy of each position's distribution.
 
     Positions whose next token is padding (``attention_mask[:, 1:] == 0``) get 0 and no gradient.
+    The model's logit scale and final soft-cap (Gemma 2) apply before the temperature.
     Differentiable (the policy); run it under ``torch.no_grad()`` for old and reference models.
     The model need not be patched.
     """
     head = fused_head(model)
-    if head.softcap is not None:
-        raise ValueError(f"token_logprobs: {type(model).__name__} soft-caps its logits "
-                         f"(final_logit_softcapping={head.softcap}), and ak.linear_token_logprobs "
-                         f"has no softcap; compute these log-probs from the model's logits")
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 2:
         shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids)
         raise ValueError(f"token_logprobs: input_ids must be [B, T] with T >= 2, got {shape}")
@@ -337,5 +358,5 @@ def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Optional
         target = target.masked_fill(attention_mask[:, 1:] == 0, -100)
     return ak.linear_token_logprobs(hidden, head.weight, target, bias=bias,
                                     temperature=temperature, ignore_index=-100,
-                                    return_entropy=return_entropy, chunk_size=chunk_size,
-                                    backend=backend)
+                                    return_entropy=return_entropy, softcap=head.softcap,
+                                    chunk_size=chunk_size, backend=backend)

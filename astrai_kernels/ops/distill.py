@@ -243,13 +243,14 @@ def _linear_distill_walk(student_head, teacher_head, target_flat, params, grad_r
 
 
 def _heads(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-           teacher_bias, chunk_size, needs):
+           teacher_bias, chunk_size, needs, transforms=((1.0, 0.0), (1.0, 0.0))):
     """The student's head (gradients as ``needs``) and the teacher's, walked in the same
-    chunks (each holds one chunk of logits)."""
+    chunks (each holds one chunk of logits); ``transforms``: each head's
+    ``(logit_scale, softcap)`` (``linear_op._ChunkedHead``)."""
     student_head = linear_op._ChunkedHead(student_hidden, student_weight, student_bias,
-                                          chunk_size, needs)
+                                          chunk_size, needs, *transforms[0])
     teacher_head = linear_op._ChunkedHead(teacher_hidden, teacher_weight, teacher_bias,
-                                          student_head.chunk)
+                                          student_head.chunk, (False,) * 3, *transforms[1])
     return student_head, teacher_head
 
 
@@ -258,24 +259,25 @@ class _LinearDistillRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, student_hidden, student_weight, student_bias, teacher_hidden,
-                teacher_weight, teacher_bias, target_flat, params, chunk_size):
+                teacher_weight, teacher_bias, target_flat, params, chunk_size,
+                transforms=((1.0, 0.0), (1.0, 0.0))):
         heads = _heads(student_hidden, student_weight, student_bias, teacher_hidden,
-                       teacher_weight, teacher_bias, chunk_size, (False,) * 3)
+                       teacher_weight, teacher_bias, chunk_size, (False,) * 3, transforms)
         loss = _linear_distill_walk(*heads, target_flat, params, None)[0]
         ctx.save_for_backward(student_hidden, student_weight, student_bias, teacher_hidden,
                               teacher_weight, teacher_bias, target_flat)
-        ctx.params, ctx.chunk_size = params, chunk_size
+        ctx.params, ctx.chunk_size, ctx.transforms = params, chunk_size, transforms
         return loss
 
     @staticmethod
     def backward(ctx, grad_rows):
         refuse_double_backward("linear_distill_loss", None)
         *tensors, target_flat = ctx.saved_tensors
-        heads = _heads(*tensors, ctx.chunk_size, ctx.needs_input_grad[:3])
+        heads = _heads(*tensors, ctx.chunk_size, ctx.needs_input_grad[:3], ctx.transforms)
         _, grad_hidden, grad_weight, grad_bias = _linear_distill_walk(
             *heads, target_flat, ctx.params, grad_rows.reshape(-1).float().contiguous())
         return (linear_op._or_none(grad_hidden), linear_op._or_none(grad_weight),
-                linear_op._or_none(grad_bias), None, None, None, None, None, None)
+                linear_op._or_none(grad_bias), None, None, None, None, None, None, None)
 
 
 def linear_distill_loss(
@@ -293,6 +295,10 @@ def linear_distill_loss(
     reduction: str = "batchmean",
     normalizer: Union[None, float, Tensor] = None,
     hard_weight: float = 0.0,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    teacher_softcap: Optional[float] = None,
+    teacher_logit_scale: float = 1.0,
     chunk_size: Optional[int] = None,
     backend: str = "auto",
 ) -> Tensor:
@@ -301,8 +307,13 @@ def linear_distill_loss(
     ``[N, V]`` logits: the rows are walked in chunks (``ops/linear.py``'s chunk rule; both
     heads hold one chunk of logits each). The vocabularies must match; the hidden sizes and
     dtypes of the two heads may differ. Only the student's tensors get gradients; with a
-    scalar reduction they are produced in the forward's single walk.
+    scalar reduction they are produced in the forward's single walk. ``softcap`` and
+    ``logit_scale`` (``teacher_softcap``, ``teacher_logit_scale`` for the teacher's head)
+    transform each head's logits before the temperature, as in ``linear_token_logprobs``
+    (``hard_weight``'s cross-entropy reads the student's transformed logits).
     """
+    transforms = (linear_op._checked_transform(logit_scale, softcap),
+                  linear_op._checked_transform(teacher_logit_scale, teacher_softcap))
     student_rows = linear_op._check_head(student_hidden, student_weight, student_bias,
                                          chunk_size)
     try:
@@ -321,10 +332,12 @@ def linear_distill_loss(
     options = dict(beta=beta, temperature=temperature, ignore_index=ignore_index,
                    reduction=reduction, normalizer=normalizer, hard_weight=hard_weight)
     if backend == "reference":
-        linear = torch.nn.functional.linear
-        return distill_loss(linear(student_hidden, student_weight, student_bias),
-                            linear(teacher_hidden, teacher_weight, teacher_bias), target,
-                            backend="reference", **options)
+        return distill_loss(
+            linear_op._reference_logits(student_hidden, student_weight, student_bias,
+                                        logit_scale, softcap),
+            linear_op._reference_logits(teacher_hidden, teacher_weight, teacher_bias,
+                                        teacher_logit_scale, teacher_softcap),
+            target, backend="reference", **options)
     params, normalizer_t = checked_params(
         linear_op._logits_like(student_hidden, student_weight),
         linear_op._logits_like(teacher_hidden, teacher_weight), target, beta, temperature,
@@ -339,16 +352,17 @@ def linear_distill_loss(
     if reduction == "none":
         if any(needs):
             loss = _LinearDistillRows.apply(student_rows, student_weight, student_bias,
-                                            *teacher_args, target_flat, params, chunk_size)
+                                            *teacher_args, target_flat, params, chunk_size,
+                                            transforms)
         else:
             heads = _heads(student_rows, student_weight, student_bias, *teacher_args,
-                           chunk_size, needs)
+                           chunk_size, needs, transforms)
             loss = _linear_distill_walk(*heads, target_flat, params, None)[0]
         return loss.view(lead_shape)
     scale = row_grad_scale(target_flat, params, normalizer_t, vocab, lead_shape)
     with torch.no_grad():
         heads = _heads(student_rows, student_weight, student_bias, *teacher_args, chunk_size,
-                       needs)
+                       needs, transforms)
         loss, grad_hidden, grad_weight, grad_bias = _linear_distill_walk(
             *heads, target_flat, params, scale if any(needs) else None)
         value = reduce_rows(loss, target_flat, params, normalizer_t, vocab, lead_shape)

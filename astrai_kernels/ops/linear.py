@@ -26,17 +26,26 @@ on a CPU without native low-precision GEMMs (no AVX512-BF16/AMX), where they run
 a float32 copy of the weight: there a bf16 GEMM is 10-100x slower than the fp32 one.
 """
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Literal, Optional, Tuple, Union, overload
+from typing import TYPE_CHECKING, Dict, Literal, Optional, Sequence, Tuple, Union, overload
 
 import torch
 from torch import Tensor
 
+from .. import reference
 from . import cross_entropy as ce_op
 from . import grpo as grpo_op
 from . import logprobs as lp_op
 from ._backend import backend_module, resolve_backend
-from ._common import FLOAT_DTYPES, flat_target, refuse_double_backward, scale_saved_grad
+from ._common import (
+    FLOAT_DTYPES,
+    check_in_range,
+    check_positive,
+    flat_target,
+    refuse_double_backward,
+    scale_saved_grad,
+)
 from ._library import traceable_op
 
 if TYPE_CHECKING:
@@ -81,9 +90,18 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 class _ChunkedHead:
-    """``hidden [N, H] @ weight.T + bias`` walked in row chunks, gradients folded per chunk."""
+    """``hidden [N, H] @ weight.T + bias`` walked in row chunks, gradients folded per chunk.
 
-    def __init__(self, hidden, weight, bias, chunk_size, needs_grad=(False, False, False)):
+    With ``logit_scale`` (1.0: off) and ``softcap`` (0.0: off) each chunk's logits are
+    ``softcap * tanh(logit_scale * x / softcap)`` before any kernel sees them, and ``fold``
+    turns the kernel's gradient with respect to them into the one with respect to ``x``
+    (times ``logit_scale * (1 - tanh**2)``, the tanh kept in a second chunk buffer). A
+    low-precision product is transformed in a float32 chunk buffer, so the transformed logits
+    are rounded once, as the logits of the untransformed head are.
+    """
+
+    def __init__(self, hidden, weight, bias, chunk_size, needs_grad=(False, False, False),
+                 logit_scale=1.0, softcap=0.0):
         self.dtype = hidden.dtype
         self.work_dtype = compute_dtype(hidden.dtype, hidden.device)
         self.hidden = hidden
@@ -102,6 +120,26 @@ class _ChunkedHead:
                         and self.work_dtype != torch.float32 else None)
         self.grad_bias_acc = (torch.zeros(weight.shape[0], dtype=torch.float32,
                                           device=weight.device) if needs_bias else None)
+        self.logit_scale, self.softcap = float(logit_scale), float(softcap or 0.0)
+        transformed = self.logit_scale != 1.0 or bool(self.softcap)
+        self.transformed = (self.buffer.new_empty(self.buffer.shape, dtype=torch.float32)
+                            if transformed and self.work_dtype != torch.float32 else None)
+        self.tanh = (self.buffer.new_empty(self.buffer.shape, dtype=torch.float32)
+                     if self.softcap and any(needs_grad) else None)
+
+    def _transform(self, logits):
+        """``logits`` (one chunk, in place) become ``softcap * tanh(logit_scale * x / softcap)``."""
+        if self.logit_scale != 1.0:
+            logits.mul_(self.logit_scale)
+        if self.softcap:
+            logits.div_(self.softcap)
+            if self.tanh is None:
+                logits.tanh_()
+            else:
+                tanh = self.tanh[:logits.shape[0]]
+                torch.tanh(logits, out=tanh)
+                logits.copy_(tanh)
+            logits.mul_(self.softcap)
 
     def chunks(self):
         """Yield ``(start, stop, logits [1, n, V])`` with the chunk's logits in the buffer."""
@@ -114,11 +152,21 @@ class _ChunkedHead:
                 torch.mm(rows, self.weight.t(), out=logits)
             else:
                 torch.addmm(self.bias, rows, self.weight.t(), out=logits)
+            if self.transformed is not None:
+                logits = self.transformed[:stop - start].copy_(logits)
+            self._transform(logits)
             yield start, stop, logits.unsqueeze(0)
 
     def fold(self, start, stop, grad_logits):
         """Add the chunk's logit gradient (in the buffer) into the three gradients."""
         grad_logits = grad_logits.reshape(stop - start, -1)
+        if self.softcap:  # d z / d(scaled x) = 1 - tanh**2
+            tanh = self.tanh[:stop - start]
+            grad_logits.mul_(tanh.mul_(tanh).neg_().add_(1.0))
+        if self.logit_scale != 1.0:
+            grad_logits.mul_(self.logit_scale)
+        if self.transformed is not None:
+            grad_logits = self.buffer[:stop - start].copy_(grad_logits)
         if self.grad_hidden is not None:
             if self.work_dtype == self.dtype:
                 torch.mm(grad_logits, self.weight, out=self.grad_hidden[start:stop])
@@ -136,7 +184,8 @@ class _ChunkedHead:
 
     def gradients(self):
         """``(grad_hidden, grad_weight, grad_bias)`` in the inputs' dtype; empty where unneeded."""
-        self.buffer = self.weight = self.product = None  # free the workspace before rounding
+        # free the workspace before rounding
+        self.buffer = self.weight = self.product = self.tanh = self.transformed = None
         grad_weight = _absent(self.hidden)
         if self.grad_weight_acc is not None:
             grad_weight = (self.grad_weight_acc if self.dtype == torch.float32
@@ -198,42 +247,91 @@ def _(hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, softc
             *_fake_gradients(hidden, weight, *needs))
 
 
-@traceable_op("linear_logprobs_forward", floats=("temperature",))
+@traceable_op("linear_logprobs_forward", floats=("temperature", "logit_scale", "softcap"))
 def _linear_logprobs_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                              target: Tensor, temperature: float, ignore_index: int,
-                             with_entropy: bool, chunk_size: Optional[int], backend: str
-                             ) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(logp, entropy, lse)`` per row; entropy is empty unless ``with_entropy``."""
-    head = _ChunkedHead(hidden, weight, bias, chunk_size)
+                             with_entropy: bool, chunk_size: Optional[int], backend: str,
+                             logit_scale: float, softcap: float, statistics: int
+                             ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(logp, entropy, lse, stats)`` per row; entropy is empty unless ``with_entropy``;
+    ``stats [k, N]`` holds the ``k`` statistics of the ``statistics`` bit mask
+    (``STATISTICS`` order; ``is_top1`` as 0/1)."""
+    head = _ChunkedHead(hidden, weight, bias, chunk_size, (False,) * 3, logit_scale, softcap)
     kernels = backend_module(backend)
     n_rows = hidden.shape[0]
     logp, lse = _row_floats(n_rows, hidden.device), _row_floats(n_rows, hidden.device)
     entropy = _row_floats(n_rows if with_entropy else 0, hidden.device)
+    chosen = _chosen_statistics(statistics)
+    stats = hidden.new_empty((len(chosen), n_rows), dtype=torch.float32)
     for start, stop, logits in head.chunks():
         chunk_logp, chunk_entropy, chunk_lse = kernels.logprobs_forward(
             logits, target[start:stop], temperature, ignore_index, with_entropy)
         logp[start:stop], lse[start:stop] = chunk_logp, chunk_lse
         if with_entropy:
             entropy[start:stop] = chunk_entropy
-    return logp, entropy, lse
+        if chosen:
+            stats[:, start:stop] = _chunk_statistics(logits[0], target[start:stop], temperature,
+                                                     chosen)
+    return logp, entropy, lse, stats
 
 
 @_linear_logprobs_forward.register_fake
-def _(hidden, weight, bias, target, temperature, ignore_index, with_entropy, chunk_size, backend):
+def _(hidden, weight, bias, target, temperature, ignore_index, with_entropy, chunk_size, backend,
+      logit_scale, softcap, statistics):
     n_rows = hidden.shape[0]
     return (_row_floats(n_rows, hidden.device),
             _row_floats(n_rows if with_entropy else 0, hidden.device),
-            _row_floats(n_rows, hidden.device))
+            _row_floats(n_rows, hidden.device),
+            hidden.new_empty((len(_chosen_statistics(statistics)), n_rows),
+                             dtype=torch.float32))
 
 
-@traceable_op("linear_logprobs_backward", floats=("temperature",))
+#: The forward-only per-token statistics ``linear_token_logprobs(statistics=...)`` computes
+#: from the walk's logits chunks, all of ``s = z / temperature`` (``z`` the transformed
+#: logits): ``log sum_v softmax(s)_v**2``, the mean of ``s`` over the vocabulary, and whether
+#: the target is ``argmax(s)`` (its first maximum: a tie with an earlier token is not top-1).
+STATISTICS = ("log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def _chosen_statistics(mask: int) -> Tuple[str, ...]:
+    return tuple(name for bit, name in enumerate(STATISTICS) if mask >> bit & 1)
+
+
+def _statistics_mask(statistics) -> int:
+    if isinstance(statistics, str) or not all(isinstance(s, str) for s in statistics):
+        raise TypeError(f"statistics must be a sequence of names among {STATISTICS}, got "
+                        f"{statistics!r}")
+    unknown = [name for name in statistics if name not in STATISTICS]
+    if unknown:
+        raise ValueError(f"statistics: unknown {unknown}; choose among {STATISTICS}")
+    return sum(1 << bit for bit, name in enumerate(STATISTICS) if name in statistics)
+
+
+def _chunk_statistics(logits, target, temperature, chosen):
+    """The ``chosen`` statistics of one chunk's (transformed) logits ``[n, V]``, in float32
+    torch ops on a temporary (forward only; the kernels' walk is untouched)."""
+    scaled = logits.float() * (1.0 / temperature)
+    rows = []
+    for name in chosen:
+        if name == "log_sum_sq_probs":
+            rows.append(torch.logsumexp(2.0 * scaled, -1) - 2.0 * torch.logsumexp(scaled, -1))
+        elif name == "mean_logits":
+            rows.append(scaled.mean(-1))
+        else:
+            rows.append((scaled.argmax(-1) == target).float())
+    return torch.stack(rows)
+
+
+@traceable_op("linear_logprobs_backward", floats=("temperature", "logit_scale", "softcap"))
 def _linear_logprobs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                               target: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor,
                               grad_entropy: Tensor, temperature: float, ignore_index: int,
                               needs_hidden: bool, needs_weight: bool, needs_bias: bool,
-                              chunk_size: Optional[int], backend: str
+                              chunk_size: Optional[int], backend: str,
+                              logit_scale: float, softcap: float
                               ) -> Tuple[Tensor, Tensor, Tensor]:
-    head = _ChunkedHead(hidden, weight, bias, chunk_size, (needs_hidden, needs_weight, needs_bias))
+    head = _ChunkedHead(hidden, weight, bias, chunk_size, (needs_hidden, needs_weight, needs_bias),
+                        logit_scale, softcap)
     kernels = backend_module(backend)
     with_entropy = entropy.numel() > 0
     for start, stop, logits in head.chunks():
@@ -248,7 +346,8 @@ def _linear_logprobs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Ten
 
 @_linear_logprobs_backward.register_fake
 def _(hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, temperature,
-      ignore_index, needs_hidden, needs_weight, needs_bias, chunk_size, backend):
+      ignore_index, needs_hidden, needs_weight, needs_bias, chunk_size, backend, logit_scale,
+      softcap):
     return _fake_gradients(hidden, weight, needs_hidden, needs_weight, needs_bias)
 
 
@@ -259,10 +358,11 @@ def _linear_grpo_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                          ref_logprobs: Optional[Tensor], token_weight: Tensor, clip_low: float,
                          clip_high: float, delta: float, beta: float, needs_hidden: bool,
                          needs_weight: bool, needs_bias: bool, chunk_size: Optional[int],
-                         backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                         backend: str, logit_scale: float, softcap: float
+                         ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(logp, token_loss, grad_hidden, grad_weight, grad_bias)`` of ``sum(weight * loss)``."""
     needs = (needs_hidden, needs_weight, needs_bias)
-    head = _ChunkedHead(hidden, weight, bias, chunk_size, needs)
+    head = _ChunkedHead(hidden, weight, bias, chunk_size, needs, logit_scale, softcap)
     kernels = backend_module(backend)
     n_rows = hidden.shape[0]
     logp, token_loss = _row_floats(n_rows, hidden.device), _row_floats(n_rows, hidden.device)
@@ -284,7 +384,7 @@ def _linear_grpo_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
 @_linear_grpo_forward.register_fake
 def _(hidden, weight, bias, target, temperature, advantages, old_logprobs, ref_logprobs,
       token_weight, clip_low, clip_high, delta, beta, needs_hidden, needs_weight, needs_bias,
-      chunk_size, backend):
+      chunk_size, backend, logit_scale, softcap):
     n_rows = hidden.shape[0]
     return (_row_floats(n_rows, hidden.device), _row_floats(n_rows, hidden.device),
             *_fake_gradients(hidden, weight, needs_hidden, needs_weight, needs_bias))
@@ -354,29 +454,33 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
 
 
 class _LinearTokenLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, target, temperature, ignore_index, with_entropy,
-                head_args):
-        logp, entropy, lse = _linear_logprobs_forward(
-            hidden, weight, bias, target, temperature, ignore_index, with_entropy,
-            head_args.chunk_size, head_args.backend)
-        ctx.save_for_backward(hidden, weight, bias, target, lse, entropy)
-        ctx.args = (temperature, ignore_index, with_entropy, head_args)
-        if with_entropy:
-            return logp, entropy
-        return logp, entropy.new_zeros(logp.shape)
+    """``(logp, entropy, stats)``; the statistics are forward-only (no gradient)."""
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def forward(ctx, hidden, weight, bias, target, temperature, ignore_index, with_entropy,
+                head_args, transform=(1.0, 0.0), statistics=0):
+        logp, entropy, lse, stats = _linear_logprobs_forward(
+            hidden, weight, bias, target, temperature, ignore_index, with_entropy,
+            head_args.chunk_size, head_args.backend, *transform, statistics)
+        ctx.save_for_backward(hidden, weight, bias, target, lse, entropy)
+        ctx.args = (temperature, ignore_index, with_entropy, head_args, transform)
+        ctx.mark_non_differentiable(stats)
+        if with_entropy:
+            return logp, entropy, stats
+        return logp, entropy.new_zeros(logp.shape), stats
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy, _grad_stats):
         refuse_double_backward("linear_token_logprobs", LOGPROBS_EQUIVALENT)
         hidden, weight, bias, target, lse, entropy = ctx.saved_tensors
-        temperature, ignore_index, with_entropy, head_args = ctx.args
+        temperature, ignore_index, with_entropy, head_args, transform = ctx.args
         grad_logp = lp_op._dense(grad_logp, lse)
         grad_entropy = lp_op._dense(grad_entropy, lse) if with_entropy else lse.new_empty(0)
         grads = _linear_logprobs_backward(
             hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, temperature,
-            ignore_index, *ctx.needs_input_grad[:3], head_args.chunk_size, head_args.backend)
-        return (*(_or_none(g) for g in grads), None, None, None, None, None)
+            ignore_index, *ctx.needs_input_grad[:3], head_args.chunk_size, head_args.backend,
+            *transform)
+        return (*(_or_none(g) for g in grads), None, None, None, None, None, None, None)
 
 
 def _check_head(hidden, weight, bias, chunk_size):
@@ -484,7 +588,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
 def linear_token_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, *,
                           bias: Optional[Tensor] = ..., temperature: float = ...,
                           ignore_index: int = ..., return_entropy: Literal[False] = ...,
-                          chunk_size: Optional[int] = ..., backend: str = ...,
+                          softcap: Optional[float] = ..., logit_scale: float = ...,
+                          statistics: Sequence[str] = ..., chunk_size: Optional[int] = ...,
+                          backend: str = ...,
                           process_group: Optional["ProcessGroup"] = ...,
                           check_consistency: bool = ...) -> Tensor: ...
 
@@ -493,22 +599,34 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, *,
 def linear_token_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, *,
                           bias: Optional[Tensor] = ..., temperature: float = ...,
                           ignore_index: int = ..., return_entropy: Literal[True],
-                          chunk_size: Optional[int] = ..., backend: str = ...,
+                          softcap: Optional[float] = ..., logit_scale: float = ...,
+                          statistics: Sequence[str] = ..., chunk_size: Optional[int] = ...,
+                          backend: str = ...,
                           process_group: Optional["ProcessGroup"] = ...,
                           check_consistency: bool = ...) -> Tuple[Tensor, Tensor]: ...
 
 
 def linear_token_logprobs(hidden, weight, target, *, bias=None, temperature=1.0,
-                          ignore_index=-100, return_entropy=False, chunk_size=None,
-                          backend="auto", process_group=None, check_consistency=True):
-    """Log-probs of ``target`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
+                          ignore_index=-100, return_entropy=False, softcap=None,
+                          logit_scale=1.0, statistics=(), chunk_size=None, backend="auto",
+                          process_group=None, check_consistency=True):
+    """Log-probs of ``target`` under ``softmax(z / temperature)``, where ``z`` are the logits
+    ``x = hidden @ weight.T + bias`` times ``logit_scale``, then soft-capped to
+    ``softcap * tanh(z / softcap)`` when ``softcap`` is set (Gemma 2's final soft-cap; TRL's
+    and transformers' order: scale, cap, temperature).
 
     float32 ``[...]`` (and the entropy with ``return_entropy=True``, differentiable). Under
     ``torch.no_grad()`` (or with no input requiring grad) it runs forward only and allocates no
-    gradient buffer: the way to compute old- and reference-policy log-probs. ``process_group``:
-    vocabulary parallel, as in ``linear_cross_entropy``.
+    gradient buffer: the way to compute old- and reference-policy log-probs. ``statistics``:
+    names among ``STATISTICS`` (``log_sum_sq_probs``, ``mean_logits``, ``is_top1``), computed
+    from the same walk, without gradient; when given, a dict of them (float32, ``is_top1``
+    bool; 0 / False on ignored rows) is appended to the result. ``process_group``: vocabulary
+    parallel, as in ``linear_cross_entropy`` (no softcap, logit scale or statistics there).
     """
+    logit_scale, softcap_value = _checked_transform(logit_scale, softcap)
+    stats_mask = _statistics_mask(statistics)
     if process_group is not None:
+        _refuse_transform_with_process_group(logit_scale, softcap_value, stats_mask)
         from . import vocab_parallel
 
         return vocab_parallel.linear_token_logprobs(
@@ -518,37 +636,78 @@ def linear_token_logprobs(hidden, weight, target, *, bias=None, temperature=1.0,
     hidden_rows = _check_head(hidden, weight, bias, chunk_size)
     backend = resolve_backend(backend, hidden.device)
     if backend == "reference":
-        return lp_op.token_logprobs(torch.nn.functional.linear(hidden, weight, bias), target,
-                                    temperature=temperature, ignore_index=ignore_index,
-                                    return_entropy=return_entropy, backend="reference")
+        logits = _reference_logits(hidden, weight, bias, logit_scale, softcap)
+        out = lp_op.token_logprobs(logits, target, temperature=temperature,
+                                   ignore_index=ignore_index, return_entropy=return_entropy,
+                                   backend="reference")
+        if not stats_mask:
+            return out
+        with torch.no_grad():
+            stats = reference.token_statistics(logits.detach().float(), target, temperature,
+                                               ignore_index)
+        stats = {name: stats[name] for name in _chosen_statistics(stats_mask)}
+        return (*out, stats) if return_entropy else (out, stats)
     params = lp_op.checked_params(_logits_like(hidden, weight), target, temperature,
                                   ignore_index, return_entropy, False, backend)
     target_flat = flat_target(target)
+    transform = (logit_scale, softcap_value)
     if _any_grad(hidden, weight, bias):
-        logp, entropy = _LinearTokenLogprobs.apply(
+        logp, entropy, stats = _LinearTokenLogprobs.apply(
             hidden_rows, weight, bias, target_flat, params.temperature, params.ignore_index,
-            params.with_entropy, HeadArgs(chunk_size, params.backend))
+            params.with_entropy, HeadArgs(chunk_size, params.backend), transform, stats_mask)
     else:
-        logp, entropy, _ = _linear_logprobs_forward(
+        logp, entropy, _, stats = _linear_logprobs_forward(
             hidden_rows, weight, bias, target_flat, params.temperature, params.ignore_index,
-            params.with_entropy, chunk_size, params.backend)
+            params.with_entropy, chunk_size, params.backend, *transform, stats_mask)
     logp = logp.view(target.shape)
-    return (logp, entropy.view(target.shape)) if return_entropy else logp
+    out = (logp, entropy.view(target.shape)) if return_entropy else logp
+    if not stats_mask:
+        return out
+    valid = (target_flat != params.ignore_index).view(target.shape)
+    named = {}
+    for row, name in zip(stats, _chosen_statistics(stats_mask)):
+        value = row.view(target.shape)
+        named[name] = (value > 0) & valid if name == "is_top1" else torch.where(valid, value, 0.0)
+    return (*out, named) if return_entropy else (out, named)
+
+
+def _reference_logits(hidden, weight, bias, logit_scale, softcap):
+    """The transformed logits for ``backend="reference"``: float32 math on the product."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    if logit_scale == 1.0 and softcap is None:
+        return logits
+    return reference.transform_logits(logits.float(), logit_scale, softcap)
+
+
+def _checked_transform(logit_scale, softcap):
+    """``(logit_scale, softcap)`` as floats (softcap 0.0 when None), checked."""
+    logit_scale = check_in_range(logit_scale, "logit_scale", -math.inf, math.inf)
+    softcap_value = 0.0 if softcap is None else check_positive(softcap, "softcap")
+    return logit_scale, softcap_value
+
+
+def _refuse_transform_with_process_group(logit_scale, softcap, stats_mask):
+    if logit_scale != 1.0 or softcap or stats_mask:
+        raise ValueError("softcap, logit_scale and statistics are not supported with "
+                         "process_group (the vocabulary-parallel head)")
 
 
 def linear_sequence_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, mask: Tensor, *,
                              bias: Optional[Tensor] = None, average: bool = False,
-                             temperature: float = 1.0, chunk_size: Optional[int] = None,
+                             temperature: float = 1.0, softcap: Optional[float] = None,
+                             logit_scale: float = 1.0, chunk_size: Optional[int] = None,
                              backend: str = "auto") -> Tensor:
-    """Per-sequence sum (or mean over ``mask``) of token log-probs; hidden ``[B, T, H]``."""
+    """Per-sequence sum (or mean over ``mask``) of token log-probs; hidden ``[B, T, H]``;
+    ``softcap`` and ``logit_scale`` as in ``linear_token_logprobs``."""
     _check_head(hidden, weight, bias, chunk_size)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
     keep = lp_op.checked_sequence_mask(_logits_like(hidden, weight), target, mask, average)
     masked_target = torch.where(keep, target, torch.full_like(target, -100))
     logp = linear_token_logprobs(hidden, weight, masked_target, bias=bias,
-                                 temperature=temperature, ignore_index=-100,
-                                 chunk_size=chunk_size, backend=backend)
+                                 temperature=temperature, ignore_index=-100, softcap=softcap,
+                                 logit_scale=logit_scale, chunk_size=chunk_size,
+                                 backend=backend)
     return lp_op.reduce_sequence(logp, mask, average)
 
 
@@ -569,6 +728,7 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
                      off_policy_threshold: Optional[float] = None,
                      sampling_logprobs: Optional[Tensor] = None,
                      top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0,
+                     softcap: Optional[float] = None, logit_scale: float = 1.0,
                      chunk_size: Optional[int] = None, backend: str = "auto",
                      process_group: Optional["ProcessGroup"] = None,
                      check_consistency: bool = True) -> Tuple[Tensor, Dict[str, Tensor]]:
@@ -578,8 +738,11 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
     ``ak.grpo_loss``. The clipped surrogate on token ratios computes all gradients in the
     forward's single walk over the chunks; every other objective and option (GSPO, CISPO, SAPO,
     VESPO, the masks, the entropy bonus) differentiates through ``linear_token_logprobs``.
-    ``process_group``: vocabulary parallel, as in ``linear_cross_entropy``.
+    ``softcap`` and ``logit_scale`` transform the logits before the temperature, as in
+    ``linear_token_logprobs``. ``process_group``: vocabulary parallel, as in
+    ``linear_cross_entropy`` (no softcap or logit scale there).
     """
+    logit_scale, softcap_value = _checked_transform(logit_scale, softcap)
     options = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta,
                    clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
                    loss_type=loss_type, importance_sampling=importance_sampling,
@@ -593,6 +756,7 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
                    sampling_logprobs=sampling_logprobs,
                    top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef)
     if process_group is not None:
+        _refuse_transform_with_process_group(logit_scale, softcap_value, 0)
         from . import vocab_parallel
 
         return vocab_parallel.linear_grpo_loss(
@@ -604,7 +768,7 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
         raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
     backend = resolve_backend(backend, hidden.device)
     if backend == "reference":
-        logits = torch.nn.functional.linear(hidden, weight, bias)
+        logits = _reference_logits(hidden, weight, bias, logit_scale, softcap)
         return grpo_op.grpo_loss(logits, target, advantages, backend="reference", **options)
     plan = grpo_op.plan(_logits_like(hidden, weight), target, advantages, backend=backend,
                         **options)
@@ -612,7 +776,8 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
         def logprobs_of(masked_target, with_entropy):
             out = linear_token_logprobs(hidden, weight, masked_target, bias=bias,
                                         temperature=plan.params.temperature,
-                                        return_entropy=with_entropy, chunk_size=chunk_size,
+                                        return_entropy=with_entropy, softcap=softcap,
+                                        logit_scale=logit_scale, chunk_size=chunk_size,
                                         backend=plan.params.backend)
             return out if with_entropy else (out, None)
         return grpo_op.from_logprobs(logprobs_of, target, plan)
@@ -624,7 +789,7 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
             hidden_rows, weight, bias, flat_target(target), plan.params.temperature,
             flat.advantages, flat.old, flat.ref, flat.weight, plan.params.clip_eps_low,
             plan.params.clip_eps_high, plan.params.delta, plan.params.beta, *needs, chunk_size,
-            plan.params.backend)
+            plan.params.backend, logit_scale, softcap_value)
         value, metrics = grpo_op.token_level_result(logp, token_loss, plan)
     if not any(needs):
         return value, metrics

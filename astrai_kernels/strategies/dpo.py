@@ -148,7 +148,8 @@ class DPOStrategy(BaseStrategy):
                                   position_ids=position_ids)
             logprobs = ak.linear_sequence_logprobs(
                 outputs["hidden_states"], head.weight, ids[:, 1:], loss_mask[:, 1:],
-                bias=head.bias, average=self.reduction == "mean", backend=self.loss_backend)
+                bias=head.bias, average=self.reduction == "mean", softcap=head.softcap,
+                backend=self.loss_backend)
             return logprobs, outputs.get("aux_loss")
         outputs = model_outputs(model, type(self).__name__, input_ids=inputs,
                                 input_mask=input_mask, position_ids=position_ids)

@@ -240,7 +240,7 @@ class GRPOStrategy(BaseStrategy):
             return ak.linear_token_logprobs(
                 hidden, head.weight, responses.masked_fill(mask == 0, IGNORE_INDEX),
                 bias=head.bias, temperature=self.temperature, ignore_index=IGNORE_INDEX,
-                backend=backend)
+                softcap=head.softcap, backend=backend)
 
         with torch.no_grad():
             if self.old_model is not None and self.old_model is not self.model:
@@ -266,7 +266,7 @@ class GRPOStrategy(BaseStrategy):
         else:
             loss, op_metrics = ak.linear_grpo_loss(
                 policy_out["hidden_states"][:, prompt_len - 1:], head.weight, responses,
-                advantages.reshape(-1), bias=head.bias, **options)
+                advantages.reshape(-1), bias=head.bias, softcap=head.softcap, **options)
         metrics = dict(op_metrics)
         kl_loss = self.kl_coef * metrics["kl"]
         if (self.loss_type == "bnpo" or not self.kl_coef) and not self.policy_options[

@@ -31,10 +31,12 @@ from .base import Model
 class ModelHead:
     """``hidden_fn(input_ids=, input_mask=, position_ids=) -> {"hidden_states", "aux_loss"?}``
     and the head's ``weight [V, H]`` and ``bias [V]`` (None without one), with the hidden states
-    already scaled by the model's logit scale."""
+    already scaled by the model's logit scale; ``softcap`` the model's final soft-cap (the
+    ops' ``softcap=``), None without one."""
     hidden_fn: Callable[..., Dict[str, Tensor]]
     weight: Tensor
     bias: Optional[Tensor]
+    softcap: Optional[float] = None
 
     def hidden(self, owner: str, **inputs: Tensor) -> Dict[str, Tensor]:
         outputs = self.hidden_fn(**inputs)
@@ -67,10 +69,6 @@ def _transformers_head(model, owner: str) -> ModelHead:
     from ..integrations import transformers as hf
 
     head = hf.fused_head(model)  # a ValueError saying why for a model it cannot serve
-    if head.softcap is not None:
-        raise ValueError(f"{owner}: {type(model).__name__} soft-caps its logits "
-                         f"(final_logit_softcapping={head.softcap}) and the log-prob and GRPO "
-                         f"ops have no softcap")
 
     def hidden_fn(input_ids, input_mask=None, position_ids=None):
         mask = input_mask
@@ -81,7 +79,7 @@ def _transformers_head(model, owner: str) -> ModelHead:
         return {"hidden_states": hidden}
 
     return ModelHead(hidden_fn, head.weight, None if head.bias is None
-                     else head.bias * head.logit_scale)
+                     else head.bias * head.logit_scale, head.softcap)
 
 
 def model_head(model: Model, enabled: Optional[bool], owner: str) -> Optional[ModelHead]:

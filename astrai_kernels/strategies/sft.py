@@ -73,7 +73,7 @@ class SEQStrategy(BaseStrategy):
             loss = ak.linear_cross_entropy(
                 outputs["hidden_states"], head.weight, target_ids, bias=head.bias,
                 ignore_index=IGNORE_INDEX, label_smoothing=self.label_smoothing,
-                backend=self.loss_backend)
+                softcap=head.softcap, backend=self.loss_backend)
             return self._loss_output(loss, {"task_loss": loss}, outputs.get("aux_loss"))
         outputs = model_outputs(self.model, type(self).__name__, **model_kwargs)
         loss = _cross_entropy(self, outputs["logits"], target_ids)
