@@ -25,7 +25,7 @@ NEWEST_TRITON_SPEC ?= triton==3.9.0
 NEWEST_PINS = "$(NEWEST_TORCH_SPEC)" "$(NEWEST_TRITON_SPEC)"
 PINNED_EXTRAS ?= test,plot,transformers
 
-.PHONY: setup test test-oldest test-newest bench bench-pytest lint compile-check verify clean
+.PHONY: setup test test-oldest test-newest bench bench-check bench-pytest lint compile-check verify clean
 
 setup: $(STAMP)
 
@@ -74,6 +74,11 @@ test-newest: $(NEWEST_VENV)/.astrai-kernels-installed
 
 bench: $(STAMP)
 	$(PY) -m astrai_kernels.cli bench --json bench/results/bench.json --plot bench/results/bench.png
+
+# The regression guard: the cases of bench/bounds.toml against their same-run floors; exits 1 on
+# any case over its bound. Run it before a kernel change lands (not in CI: it is a benchmark).
+bench-check: $(STAMP)
+	$(PY) -m astrai_kernels.cli bench --check --bounds bench/bounds.toml
 
 bench-pytest: $(STAMP)
 	$(PY) -m pytest bench -q --benchmark-only

@@ -197,6 +197,12 @@ def add_bench_arguments(parser):
                              "--backends); the seed's math always runs as 'naive'")
     parser.add_argument("--strategy-repeats", type=int, default=2,
                         help="timed steps per strategy case (default: %(default)s)")
+    parser.add_argument("--check", action="store_true",
+                        help="the regression guard: run the cases of the bounds file, each "
+                             "with its same-run baseline, print ok/over per case, exit 1 on "
+                             "any case over its bound (the other case flags are ignored)")
+    parser.add_argument("--bounds", metavar="PATH", default=None,
+                        help="bounds file of --check (default: bench/bounds.toml)")
     parser.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     parser.add_argument("--plot", metavar="PATH",
                         help="write the plot (PNG) here (needs matplotlib: the 'plot' extra)")
@@ -321,6 +327,22 @@ def bench_plan(args):
         deadline_s=deadline, hidden=hidden)
 
 
+def bench_check(args):
+    """``bench --check``: the bounds file's cases against their bounds (see bench/check.py)."""
+    from .bench.check import BoundsError, default_bounds_path, run_check
+    from .bench.runner import CaseRunner
+
+    at_least("--threads", args.threads, 0)
+    path = args.bounds or default_bounds_path()
+    try:
+        with CaseRunner(args.isolation, args.case_timeout) as runner:
+            return run_check(path, runner.run, repeats=args.repeats,
+                             min_repeats=args.min_repeats, budget_s=args.case_budget,
+                             threads=args.threads)
+    except BoundsError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def bench(args, argv=None):
     from .bench import cases as bc
     from .bench.report import LEGEND, LINEAR_LEGEND, format_table
@@ -399,7 +421,7 @@ def main(argv=None):
 
     try:
         if args.command == "bench":
-            return bench(args, argv)
+            return bench_check(args) if args.check else bench(args, argv)
         check_verify_args(args)
     except (UsageError, OutputError) as exc:
         print(f"{args.command}: {exc}", file=sys.stderr)

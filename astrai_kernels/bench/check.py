@@ -1,0 +1,225 @@
+"""``astrai-kernels bench --check``: the regression guard.
+
+Runs the cases named in a bounds file (``bench/bounds.toml``), each next to its same-run
+baseline, and compares every ratio with the case's ``max_ratio``. A case is ``ok`` at or under
+its bound, ``over`` above it, ``failed`` when it or its baseline did not run; the check fails
+(exit 1) on any case that is not ``ok``. It is a benchmark, not a unit test: a developer runs it
+(``make bench-check``) before a kernel change lands and quotes its output.
+
+A bound: ``op``, ``method`` (a backend, ``NAME:inplace`` allowed), ``dtype``, ``rows``,
+``vocab``, ``hidden`` (linear ops), ``against`` (the ratio's denominator, :data:`AGAINST`) and
+``max_ratio``, and optionally ``target`` (where the ratio should get to: printed with
+whether it is met, not checked); the file's ``[machine]`` table names the machine class
+the bounds were set on.
+"""
+
+import os
+import sys
+from dataclasses import dataclass
+
+from .cases import (
+    DEFAULT_HIDDEN,
+    DEFAULT_MIN_REPEATS,
+    LINEAR_OPS,
+    TENSOR_OPS,
+    Case,
+    normalize_dtype,
+    split_method,
+)
+from .report import add_ratios
+
+# against -> (result key of the ratio, the baseline method that must run beside the case)
+AGAINST = {
+    "copy": ("ratio_vs_copy", None),
+    "copy_fresh_grad": ("ratio_vs_floor_fresh_grad", None),
+    "gemm": ("ratio_vs_gemm", "gemm"),
+    "naive": ("ratio_vs_naive", "naive"),
+}
+LOGITS_AGAINST = ("copy", "copy_fresh_grad", "naive")
+LINEAR_AGAINST = ("gemm", "naive")
+BOUND_KEYS = ("op", "method", "dtype", "rows", "vocab", "hidden", "against", "max_ratio",
+              "target")
+OPTIONAL_KEYS = ("hidden", "target")
+
+
+class BoundsError(ValueError):
+    """A bounds file that cannot be read or names an unknown op, method or baseline."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    op: str
+    method: str
+    dtype: str
+    rows: int
+    vocab: int
+    against: str
+    max_ratio: float
+    hidden: int = 0
+    target: float = None  # where the ratio should get to (printed; the check is max_ratio)
+
+    def label(self):
+        hidden = f" H={self.hidden}" if self.op in LINEAR_OPS else ""
+        return (f"{self.op} {self.method} {self.dtype} N={self.rows}{hidden} V={self.vocab}"
+                f" vs {self.against}")
+
+    def case(self, method=None, min_repeats=None, **case_options):
+        min_repeats = DEFAULT_MIN_REPEATS[self.op] if min_repeats is None else min_repeats
+        return Case(self.op, method or self.method, self.rows, self.vocab, self.dtype,
+                    hidden=self.hidden, min_repeats=min_repeats, **case_options)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    bound: Bound
+    ratio: float = None
+    status: str = "failed"  # ok | over | failed
+    why: str = ""
+
+
+def _read_toml(path):
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise BoundsError(
+                f"reading {path} needs Python >= 3.11 or the tomli package") from None
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise BoundsError(f"cannot read bounds file {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise BoundsError(f"bounds file {path} is not valid TOML: {exc}") from None
+
+
+def parse_bounds(table, source="bounds"):
+    """``(machine, [Bound])`` from a parsed bounds table; BoundsError names a bad entry."""
+    machine = table.get("machine", {}).get("class", "unstated")
+    entries = table.get("case")
+    if not entries:
+        raise BoundsError(f"{source}: no [[case]] entries")
+    bounds = []
+    for i, entry in enumerate(entries):
+        where = f"{source}: case {i + 1}"
+        unknown = sorted(set(entry) - set(BOUND_KEYS))
+        missing = [k for k in BOUND_KEYS if k not in entry and k not in OPTIONAL_KEYS]
+        if unknown or missing:
+            raise BoundsError(f"{where}: unknown keys {unknown}, missing keys {missing}")
+        if entry["op"] not in TENSOR_OPS:
+            raise BoundsError(f"{where}: op must be one of {TENSOR_OPS}, got {entry['op']!r}")
+        try:
+            split_method(entry["method"])
+            dtype = normalize_dtype(entry["dtype"])
+        except ValueError as exc:
+            raise BoundsError(f"{where}: {exc}") from None
+        if entry["against"] not in AGAINST:
+            raise BoundsError(f"{where}: against must be one of {sorted(AGAINST)}, "
+                              f"got {entry['against']!r}")
+        linear = entry["op"] in LINEAR_OPS
+        allowed = LINEAR_AGAINST if linear else LOGITS_AGAINST
+        if entry["against"] not in allowed:
+            raise BoundsError(f"{where}: {entry['op']} is measured against one of {allowed}, "
+                              f"got {entry['against']!r}")
+        ratio = entry["max_ratio"]
+        if not isinstance(ratio, (int, float)) or not ratio > 0:
+            raise BoundsError(f"{where}: max_ratio must be a positive number, got {ratio!r}")
+        target = entry.get("target")
+        if target is not None and not (isinstance(target, (int, float)) and target > 0):
+            raise BoundsError(f"{where}: target must be a positive number, got {target!r}")
+        hidden = int(entry.get("hidden", DEFAULT_HIDDEN if linear else 0))
+        bounds.append(Bound(entry["op"], entry["method"], dtype, int(entry["rows"]),
+                            int(entry["vocab"]), entry["against"], float(ratio),
+                            hidden if linear else 0, None if target is None else float(target)))
+    return machine, bounds
+
+
+def load_bounds(path):
+    return parse_bounds(_read_toml(path), source=path)
+
+
+def planned_cases(bounds, **case_options):
+    """Each bound's case and the baseline case it is divided by, once each, in bound order."""
+    cases = []
+    for bound in bounds:
+        base = AGAINST[bound.against][1]
+        for method in (bound.method, base):
+            case = bound.case(method, **case_options) if method else None
+            if case is not None and case not in cases:
+                cases.append(case)
+    return cases
+
+
+def compare(bounds, results):
+    """One Verdict per bound from measured ``results`` (dicts as ``measure`` returns them)."""
+    results = add_ratios([dict(r) for r in results])
+    verdicts = []
+    for bound in bounds:
+        key, base = AGAINST[bound.against]
+        mine = [r for r in results if _matches(r, bound, bound.method)]
+        if not mine:
+            verdicts.append(Verdict(bound, why="not run"))
+            continue
+        result = mine[-1]
+        if "error" in result:
+            verdicts.append(Verdict(bound, why=f"failed: {result['error']}"))
+            continue
+        ratio = result.get(key)
+        if ratio is None:
+            base_rows = [r for r in results if base and _matches(r, bound, base)]
+            why = (f"baseline {base} failed: {base_rows[-1]['error']}"
+                   if base_rows and "error" in base_rows[-1] else f"no {key} in the result")
+            verdicts.append(Verdict(bound, why=why))
+            continue
+        verdicts.append(Verdict(bound, ratio, "ok" if ratio <= bound.max_ratio else "over"))
+    return verdicts
+
+
+def _matches(result, bound, method):
+    return (result.get("op") == bound.op and result.get("method") == method
+            and result.get("dtype") == bound.dtype and result.get("rows") == bound.rows
+            and result.get("vocab") == bound.vocab
+            and (bound.op not in LINEAR_OPS or result.get("hidden") == bound.hidden))
+
+
+def format_verdicts(verdicts, machine):
+    lines = [f"bounds set on: {machine}"]
+    width = max(len(v.bound.label()) for v in verdicts)
+    for v in verdicts:
+        ratio = f"{v.ratio:6.2f}x" if v.ratio is not None else "     - "
+        tail = f"  ({v.why})" if v.why else ""
+        if v.bound.target is not None and v.ratio is not None:
+            met = "met" if v.ratio <= v.bound.target else "not met"
+            tail += f"  target {v.bound.target:.2f}x {met}"
+        lines.append(f"{v.status:>6}  {v.bound.label():<{width}}  {ratio} "
+                     f"<= {v.bound.max_ratio:.2f}x{tail}")
+    bad = [v for v in verdicts if v.status != "ok"]
+    lines.append(f"{len(verdicts) - len(bad)} ok, {sum(v.status == 'over' for v in verdicts)} "
+                 f"over, {sum(v.status == 'failed' for v in verdicts)} failed")
+    return "\n".join(lines)
+
+
+def run_check(path, run_case, stream=None, **case_options):
+    """Measure every case of the bounds at ``path`` with ``run_case(case) -> result`` and print
+    the verdicts; returns 0 when every case is within its bound, else 1."""
+    stream = stream or sys.stdout
+    machine, bounds = load_bounds(path)
+    results = []
+    for case in planned_cases(bounds, **case_options):
+        print(f"  running {case.label()}", file=sys.stderr, flush=True)
+        results.append(run_case(case))
+    verdicts = compare(bounds, results)
+    print(format_verdicts(verdicts, machine), file=stream)
+    return 0 if all(v.status == "ok" for v in verdicts) else 1
+
+
+def default_bounds_path():
+    from .runner import ROOT
+
+    return os.path.join(ROOT, "bench", "bounds.toml")
+
+
+__all__ = ["AGAINST", "Bound", "BoundsError", "Verdict", "compare", "default_bounds_path",
+           "format_verdicts", "load_bounds", "parse_bounds", "planned_cases", "run_check"]

@@ -1,0 +1,176 @@
+"""``astrai-kernels bench --check``: the comparison logic, with a fake clock (nothing is timed),
+and the bounds file kept in the repository."""
+
+import os
+
+import pytest
+
+from astrai_kernels import cli
+from astrai_kernels.bench import check
+from astrai_kernels.bench.cases import LOGITS_OPS
+
+S = 4096 * 32768 * 4  # the logits' bytes of the fp32 cases below
+
+
+def fake_result(case, seconds, copy_s=None):
+    """What ``measure`` returns for ``case`` when its call takes ``seconds`` on the fake clock."""
+    result = {"op": case.op, "method": case.method, "rows": case.rows, "vocab": case.vocab,
+              "dtype": case.dtype, "device": case.device, "hidden": case.hidden,
+              "median_s": seconds, "peak_extra_bytes": 0}
+    if case.op in LOGITS_OPS:
+        factor = {"token_logprobs": 2, "cross_entropy": 2, "grpo": 4, "distill": 3}[case.op]
+        result.update(logits_bytes=S, floor_bytes=factor * S, copy_s=copy_s,
+                      clone_s=copy_s * 1.5 if copy_s else None)
+    else:
+        result.update(logits_bytes=S, floor_flops=1.0, grad_bytes=1, peak_bound_bytes=1)
+    return result
+
+
+class FakeClock:
+    """Seconds per (op, method, dtype); the copy of the logits ops takes ``copy_s``."""
+
+    def __init__(self, seconds, copy_s=0.1, fail=()):
+        self.seconds, self.copy_s, self.fail, self.ran = seconds, copy_s, set(fail), []
+
+    def __call__(self, case):
+        self.ran.append(case)
+        if (case.op, case.method) in self.fail:
+            return {"op": case.op, "method": case.method, "rows": case.rows,
+                    "vocab": case.vocab, "dtype": case.dtype, "error": "boom"}
+        return fake_result(case, self.seconds[(case.op, case.method, case.dtype)],
+                           self.copy_s if case.op in LOGITS_OPS else None)
+
+
+BOUNDS = """
+[machine]
+class = "test machine"
+
+[[case]]
+op = "token_logprobs"
+method = "cpp"
+dtype = "fp32"
+rows = 4096
+vocab = 32768
+against = "copy"
+max_ratio = 2.5
+
+[[case]]
+op = "cross_entropy"
+method = "cpp"
+dtype = "bf16"
+rows = 4096
+vocab = 32768
+against = "naive"
+max_ratio = 0.5
+
+[[case]]
+op = "linear_cross_entropy"
+method = "cpp"
+dtype = "fp32"
+rows = 2048
+hidden = 1024
+vocab = 32768
+against = "gemm"
+max_ratio = 1.0
+"""
+
+
+@pytest.fixture
+def bounds_file(tmp_path):
+    path = tmp_path / "bounds.toml"
+    path.write_text(BOUNDS)
+    return str(path)
+
+
+def run(bounds_file, clock, capsys):
+    code = check.run_check(bounds_file, clock)
+    return code, capsys.readouterr().out
+
+
+def test_all_within_bounds(bounds_file, capsys):
+    # token_logprobs: 0.2 s over a 2 S floor of 0.1 s (the copy moves 2 S): 2.0x
+    clock = FakeClock({("token_logprobs", "cpp", "fp32"): 0.2,
+                       ("cross_entropy", "cpp", "bf16"): 0.2,
+                       ("cross_entropy", "naive", "bf16"): 0.5,
+                       ("linear_cross_entropy", "cpp", "fp32"): 9.0,
+                       ("linear_cross_entropy", "gemm", "fp32"): 10.0})
+    code, out = run(bounds_file, clock, capsys)
+    assert code == 0, out
+    assert "3 ok, 0 over, 0 failed" in out
+    assert "2.00x <= 2.50x" in out and "0.40x <= 0.50x" in out and "0.90x <= 1.00x" in out
+    assert "bounds set on: test machine" in out
+    # each case once, each with its same-run baseline
+    assert [(c.op, c.method) for c in clock.ran] == [
+        ("token_logprobs", "cpp"), ("cross_entropy", "cpp"), ("cross_entropy", "naive"),
+        ("linear_cross_entropy", "cpp"), ("linear_cross_entropy", "gemm")]
+    assert clock.ran[3].hidden == 1024
+
+
+@pytest.mark.parametrize("slow", ["token_logprobs", "cross_entropy", "linear_cross_entropy"])
+def test_one_case_over_fails(bounds_file, capsys, slow):
+    seconds = {("token_logprobs", "cpp", "fp32"): 0.2, ("cross_entropy", "cpp", "bf16"): 0.2,
+               ("cross_entropy", "naive", "bf16"): 0.5,
+               ("linear_cross_entropy", "cpp", "fp32"): 9.0,
+               ("linear_cross_entropy", "gemm", "fp32"): 10.0}
+    dtype = "bf16" if slow == "cross_entropy" else "fp32"
+    seconds[(slow, "cpp", dtype)] *= 1.3
+    code, out = run(bounds_file, FakeClock(seconds), capsys)
+    assert code == 1
+    assert "2 ok, 1 over, 0 failed" in out
+    over = [line for line in out.splitlines() if line.lstrip().startswith("over")]
+    assert len(over) == 1 and slow in over[0]
+
+
+def test_exactly_at_bound_is_ok(bounds_file, capsys):
+    clock = FakeClock({("token_logprobs", "cpp", "fp32"): 0.25,
+                       ("cross_entropy", "cpp", "bf16"): 0.25,
+                       ("cross_entropy", "naive", "bf16"): 0.5,
+                       ("linear_cross_entropy", "cpp", "fp32"): 10.0,
+                       ("linear_cross_entropy", "gemm", "fp32"): 10.0})
+    code, out = run(bounds_file, clock, capsys)
+    assert code == 0, out
+
+
+def test_failed_case_or_baseline_fails_the_check(bounds_file, capsys):
+    seconds = {("token_logprobs", "cpp", "fp32"): 0.2, ("cross_entropy", "cpp", "bf16"): 0.2,
+               ("linear_cross_entropy", "cpp", "fp32"): 9.0,
+               ("linear_cross_entropy", "gemm", "fp32"): 10.0}
+    clock = FakeClock(seconds, fail={("cross_entropy", "naive"),
+                                     ("token_logprobs", "cpp")})
+    code, out = run(bounds_file, clock, capsys)
+    assert code == 1
+    assert "1 ok, 0 over, 2 failed" in out
+    assert "failed: boom" in out and "baseline naive failed: boom" in out
+
+
+@pytest.mark.parametrize("change, message", [
+    ('op = "token_logprobs"', "op must be one of"),
+    ('method = "cpp"', "method must be a backend"),
+    ('against = "copy"', "is measured against one of"),
+    ("max_ratio = 2.5", "max_ratio must be a positive number"),
+    ("rows = 4096", "unknown keys ['row']"),
+])
+def test_bad_bounds_are_named(tmp_path, change, message):
+    replacement = {'op = "token_logprobs"': 'op = "token_logprob"',
+                   'method = "cpp"': 'method = "cuda"', 'against = "copy"': 'against = "gemm"',
+                   "max_ratio = 2.5": "max_ratio = -1", "rows = 4096": "row = 4096"}[change]
+    path = tmp_path / "bounds.toml"
+    path.write_text(BOUNDS.replace(change, replacement, 1))
+    with pytest.raises(check.BoundsError, match="case 1: .*" + message.replace("[", r"\[")
+                       .replace("]", r"\]")):
+        check.load_bounds(str(path))
+
+
+def test_cli_reports_a_bad_bounds_file(tmp_path, capsys):
+    path = tmp_path / "bounds.toml"
+    path.write_text("[machine]\nclass = 'x'\n")
+    assert cli.main(["bench", "--check", "--bounds", str(path)]) == 2
+    assert "no [[case]] entries" in capsys.readouterr().err
+
+
+def test_repository_bounds_file_parses():
+    machine, bounds = check.load_bounds(check.default_bounds_path())
+    assert machine != "unstated" and bounds
+    labels = [b.label() for b in bounds]
+    assert len(set(labels)) == len(labels), "a case is bounded twice"
+    assert os.path.basename(check.default_bounds_path()) == "bounds.toml"
