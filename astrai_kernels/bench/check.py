@@ -193,8 +193,9 @@ def format_verdicts(verdicts, machine):
         if v.bound.target is not None and v.ratio is not None:
             met = "met" if v.ratio <= v.bound.target else "not met"
             tail += f"  target {v.bound.target:.2f}x {met}"
+        relation = ">" if v.status == "over" else "<="
         lines.append(f"{v.status:>6}  {v.bound.label():<{width}}  {ratio} "
-                     f"<= {v.bound.max_ratio:.2f}x{tail}")
+                     f"{relation} {v.bound.max_ratio:.2f}x{tail}")
     bad = [v for v in verdicts if v.status != "ok"]
     lines.append(f"{len(verdicts) - len(bad)} ok, {sum(v.status == 'over' for v in verdicts)} "
                  f"over, {sum(v.status == 'failed' for v in verdicts)} failed")
