@@ -284,8 +284,12 @@ def test_tied_weight_gets_both_gradients(backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
-def test_bf16_weight_gradient_rounded_once_over_many_chunks(backend):
-    """128 chunks: the float32 accumulator keeps the weight gradient at one bf16 rounding."""
+def test_bf16_weight_gradient_rounded_once_over_many_chunks(backend, monkeypatch):
+    """128 chunks: the float32 accumulator keeps the weight gradient at one bf16 rounding.
+
+    With the head's matmuls in float32 (a CPU without native bf16; forced here so the test means
+    the same on every CPU); the native-bf16 head is bounded by its term sizes below."""
+    monkeypatch.setattr(linear_op, "compute_dtype", lambda dtype, device: torch.float32)
     hidden, weight, _, target = _inputs(512, 16, 24, torch.bfloat16, seed=10)
     h, w = _leaves(hidden, weight)
     ak.linear_cross_entropy(h, w, target, reduction="sum", chunk_size=4,
@@ -307,6 +311,29 @@ def test_bf16_weight_gradient_rounded_once_over_many_chunks(backend):
             dlogits[y == -100] = 0.0
             running += (dlogits.t() @ hidden[rows].float()).to(torch.bfloat16)
     assert not bool(((running.double() - exact).abs() <= allowed).all())
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_bf16_weight_gradient_native_matmuls_within_term_sizes(backend):
+    """Whatever dtype this CPU runs the head's matmuls in (bf16 where oneDNN has it), the weight
+    gradient over 128 chunks stays within bf16 roundings of its terms |dz_nv| |h_nh|: the
+    logits and their gradient are rounded per element in bf16, the sum is not."""
+    hidden, weight, _, target = _inputs(512, 16, 24, torch.bfloat16, seed=10)
+    h, w = _leaves(hidden, weight)
+    ak.linear_cross_entropy(h, w, target, reduction="sum", chunk_size=4,
+                            backend=backend).backward()
+    hd, wd = _leaves(hidden, weight, dtype=torch.float64)
+    logits = F.linear(hd, wd)
+    reference.cross_entropy(logits, target, reduction="sum").backward()
+    counted = target != -100
+    dlogits = torch.softmax(logits.detach(), -1)
+    dlogits[counted.nonzero()[:, 0], target[counted]] -= 1.0
+    dlogits[~counted] = 0.0
+    terms = dlogits.abs().t() @ hd.detach().abs()
+    # logits rounded (|dz| <= 2^-9 |z|, |z| < 14 here) and their gradient rounded: seen <= 2^-8.7
+    # of the terms on a CPU with native bf16 matmuls
+    allowed = terms * 2.0 ** -7 + wd.grad.abs() * 2.0 ** -8
+    assert bool(((w.grad.double() - wd.grad).abs() <= allowed).all())
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
