@@ -82,7 +82,8 @@ class GRPOParams:
     importance_sampling: str
     temperature: float
     backend: str
-    options: PolicyOptions = DEFAULT_OPTIONS
+    # no default: torch <= 2.11's Dynamo cannot wrap a dataclass instance as a default argument
+    options: PolicyOptions
 
 
 @dataclass
