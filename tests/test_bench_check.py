@@ -75,6 +75,14 @@ max_ratio = 1.0
 """
 
 
+# Fake-clock seconds with every case of BOUNDS within its bound: token_logprobs 0.2 s over a 2 S
+# floor of 0.1 s (the copy moves 2 S): 2.0x; cross_entropy 0.2 / 0.5 naive: 0.4x; linear 0.9x
+WITHIN = {("token_logprobs", "cpp", "fp32"): 0.2, ("cross_entropy", "cpp", "bf16"): 0.2,
+          ("cross_entropy", "naive", "bf16"): 0.5,
+          ("linear_cross_entropy", "cpp", "fp32"): 9.0,
+          ("linear_cross_entropy", "gemm", "fp32"): 10.0}
+
+
 @pytest.fixture
 def bounds_file(tmp_path):
     path = tmp_path / "bounds.toml"
@@ -88,12 +96,7 @@ def run(bounds_file, clock, capsys):
 
 
 def test_all_within_bounds(bounds_file, capsys):
-    # token_logprobs: 0.2 s over a 2 S floor of 0.1 s (the copy moves 2 S): 2.0x
-    clock = FakeClock({("token_logprobs", "cpp", "fp32"): 0.2,
-                       ("cross_entropy", "cpp", "bf16"): 0.2,
-                       ("cross_entropy", "naive", "bf16"): 0.5,
-                       ("linear_cross_entropy", "cpp", "fp32"): 9.0,
-                       ("linear_cross_entropy", "gemm", "fp32"): 10.0})
+    clock = FakeClock(dict(WITHIN))
     code, out = run(bounds_file, clock, capsys)
     assert code == 0, out
     assert "3 ok, 0 over, 0 failed" in out
@@ -108,10 +111,7 @@ def test_all_within_bounds(bounds_file, capsys):
 
 @pytest.mark.parametrize("slow", ["token_logprobs", "cross_entropy", "linear_cross_entropy"])
 def test_one_case_over_fails(bounds_file, capsys, slow):
-    seconds = {("token_logprobs", "cpp", "fp32"): 0.2, ("cross_entropy", "cpp", "bf16"): 0.2,
-               ("cross_entropy", "naive", "bf16"): 0.5,
-               ("linear_cross_entropy", "cpp", "fp32"): 9.0,
-               ("linear_cross_entropy", "gemm", "fp32"): 10.0}
+    seconds = dict(WITHIN)
     dtype = "bf16" if slow == "cross_entropy" else "fp32"
     seconds[(slow, "cpp", dtype)] *= 1.3
     code, out = run(bounds_file, FakeClock(seconds), capsys)
@@ -122,20 +122,17 @@ def test_one_case_over_fails(bounds_file, capsys, slow):
 
 
 def test_exactly_at_bound_is_ok(bounds_file, capsys):
-    clock = FakeClock({("token_logprobs", "cpp", "fp32"): 0.25,
-                       ("cross_entropy", "cpp", "bf16"): 0.25,
-                       ("cross_entropy", "naive", "bf16"): 0.5,
-                       ("linear_cross_entropy", "cpp", "fp32"): 10.0,
-                       ("linear_cross_entropy", "gemm", "fp32"): 10.0})
+    seconds = dict(WITHIN)
+    seconds[("token_logprobs", "cpp", "fp32")] = 0.25
+    seconds[("cross_entropy", "cpp", "bf16")] = 0.25
+    seconds[("linear_cross_entropy", "cpp", "fp32")] = 10.0
+    clock = FakeClock(seconds)
     code, out = run(bounds_file, clock, capsys)
     assert code == 0, out
 
 
 def test_failed_case_or_baseline_fails_the_check(bounds_file, capsys):
-    seconds = {("token_logprobs", "cpp", "fp32"): 0.2, ("cross_entropy", "cpp", "bf16"): 0.2,
-               ("linear_cross_entropy", "cpp", "fp32"): 9.0,
-               ("linear_cross_entropy", "gemm", "fp32"): 10.0}
-    clock = FakeClock(seconds, fail={("cross_entropy", "naive"),
+    clock = FakeClock(dict(WITHIN), fail={("cross_entropy", "naive"),
                                      ("token_logprobs", "cpp")})
     code, out = run(bounds_file, clock, capsys)
     assert code == 1

@@ -12,7 +12,7 @@ import astrai_kernels as ak
 from astrai_kernels.testing import assert_close
 from astrai_kernels.triton import config as triton_config
 
-from cases import KERNEL_BACKENDS
+from cases import KERNEL_BACKENDS, trl_generalized_jsd
 
 BACKENDS = KERNEL_BACKENDS + ["reference"]
 # the reductions are the op's (backend-independent) code: the interpreted triton kernels
@@ -25,43 +25,6 @@ def combos(full, triton_subset):
     same tuples without it) for triton."""
     return ([c for c in full if c[0] != "triton"]
             + [("triton", *c) for c in triton_subset])
-
-
-def trl_generalized_jsd(student_logits, teacher_logits, labels=None, beta=0.5,
-                        temperature=1.0, reduction="batchmean", num_items_in_batch=None,
-                        ignore_index=-100):
-    """TRL's function as written there (labels' ignore value made a parameter)."""
-    student_logits = student_logits / temperature
-    teacher_logits = teacher_logits / temperature
-    student_log_probs = F.log_softmax(student_logits, dim=-1)
-    teacher_log_probs = F.log_softmax(teacher_logits, dim=-1)
-    if beta == 0:
-        jsd = F.kl_div(student_log_probs, teacher_log_probs, reduction="none", log_target=True)
-    elif beta == 1:
-        jsd = F.kl_div(teacher_log_probs, student_log_probs, reduction="none", log_target=True)
-    else:
-        beta = torch.tensor(beta, dtype=student_log_probs.dtype)
-        mixture_log_probs = torch.logsumexp(
-            torch.stack([student_log_probs + torch.log1p(-beta),
-                         teacher_log_probs + torch.log(beta)]), dim=0)
-        kl_teacher = F.kl_div(mixture_log_probs, teacher_log_probs, reduction="none",
-                              log_target=True)
-        kl_student = F.kl_div(mixture_log_probs, student_log_probs, reduction="none",
-                              log_target=True)
-        jsd = beta * kl_teacher + (1 - beta) * kl_student
-    if labels is not None:
-        mask = labels != ignore_index
-        jsd = jsd[mask]
-    if num_items_in_batch is not None:
-        return jsd.sum() / num_items_in_batch
-    if reduction == "batchmean":
-        denom = mask.sum().clamp_min(1) if labels is not None else max(jsd.size(0), 1)
-        return jsd.sum() / denom
-    if reduction == "sum":
-        return jsd.sum()
-    if reduction == "mean":
-        return jsd.mean()
-    return jsd
 
 
 def expected_loss(student, teacher, target, beta, temperature, reduction, normalizer=None,

@@ -12,7 +12,7 @@ import astrai_kernels as ak
 from astrai_kernels import reference
 from astrai_kernels.testing import assert_close
 
-from cases import KERNEL_BACKENDS
+from cases import KERNEL_BACKENDS, trl_generalized_jsd
 
 NEG_INF = float("-inf")
 
@@ -216,43 +216,6 @@ def test_linear_distill_inf_bias(backend, beta):
 # ---------------------------------------------------------------------------------------------
 # item 5: batchmean without labels on [B, T, V] follows TRL (divides by B)
 
-def trl_generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta=0.5,
-                             temperature=1.0, reduction="batchmean"):
-    """``GKDTrainer.generalized_jsd_loss`` as TRL writes it (trl/experimental/gkd/
-    gkd_trainer.py, read at commit 7310b81), unchanged but for the comments."""
-    student_logits = student_logits / temperature
-    teacher_logits = teacher_logits / temperature
-    student_log_probs = F.log_softmax(student_logits, dim=-1)
-    teacher_log_probs = F.log_softmax(teacher_logits, dim=-1)
-    if beta == 0:
-        jsd = F.kl_div(student_log_probs, teacher_log_probs, reduction="none", log_target=True)
-    elif beta == 1:
-        jsd = F.kl_div(teacher_log_probs, student_log_probs, reduction="none", log_target=True)
-    else:
-        beta = torch.tensor(beta, dtype=student_log_probs.dtype)
-        mixture_log_probs = torch.logsumexp(
-            torch.stack([student_log_probs + torch.log(1 - beta),
-                         teacher_log_probs + torch.log(beta)]),
-            dim=0,
-        )
-        kl_teacher = F.kl_div(mixture_log_probs, teacher_log_probs, reduction="none",
-                              log_target=True)
-        kl_student = F.kl_div(mixture_log_probs, student_log_probs, reduction="none",
-                              log_target=True)
-        jsd = beta * kl_teacher + (1 - beta) * kl_student
-    if labels is not None:
-        mask = labels != -100
-        jsd = jsd[mask]
-    if reduction == "batchmean":
-        return jsd.sum() / mask.sum() if labels is not None else jsd.sum() / jsd.size(0)
-    elif reduction == "sum":
-        return jsd.sum()
-    elif reduction == "mean":
-        return jsd.mean()
-    else:
-        return jsd
-
-
 # the reduction is the op's code, not the kernels': one beta under the triton interpreter
 @pytest.mark.parametrize("backend, beta", [
     (backend, beta) for backend in ("torch", "cpp", "reference") for beta in (0.0, 0.5, 1.0)]
@@ -265,7 +228,7 @@ def test_distill_batchmean_3d_without_labels_is_trl(backend, beta):
     loss = ak.distill_loss(x, teacher, beta=beta, temperature=0.8, backend=backend)
     loss.backward()
     x64 = student.double().requires_grad_(True)
-    expected = trl_generalized_jsd_loss(x64, teacher.double(), beta=beta, temperature=0.8)
+    expected = trl_generalized_jsd(x64, teacher.double(), beta=beta, temperature=0.8)
     expected.backward()
     assert_close(loss, expected.detach(), "value", torch.float32, "loss")
     # the division by B = 2, not by the B * T = 10 rows
@@ -285,7 +248,7 @@ def test_linear_distill_batchmean_3d_without_labels_is_trl(backend):
     loss = ak.linear_distill_loss(sh, w, th, tw, beta=0.3, chunk_size=5, backend=backend)
     loss.backward()
     w64 = sw.double().requires_grad_(True)
-    expected = trl_generalized_jsd_loss(F.linear(sh.double(), w64), F.linear(th, tw).double(),
+    expected = trl_generalized_jsd(F.linear(sh.double(), w64), F.linear(th, tw).double(),
                                         beta=0.3)
     expected.backward()
     assert_close(loss, expected.detach(), "value", torch.float32, "loss")
