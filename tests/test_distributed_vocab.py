@@ -218,7 +218,7 @@ def _check_head(group, start, stop, dtype, fused_fn, logits_fn, upstream, grad_l
         results[precision] = (value.detach(), grads, inputs)
     exact, grads64, inputs64 = results[torch.float64]
     # the naive output: float32 math on logits from a GEMM in dtype (rounded to it, as the head
-    # computes them where the CPU has native bfloat16 GEMMs, ops/linear.py's compute_dtype)
+    # computes them where the CPU has native bfloat16 GEMMs, ops/head.py's compute_dtype)
     assert_close_elementwise(out, exact, results[dtype][0], dtype=torch.float32,
                              name="output")
     dz = grads64[3] if grad_logits_terms is None else grad_logits_terms(grads64[3], inputs64)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import astrai_kernels as ak
 from astrai_kernels import reference
-from astrai_kernels.ops import linear as linear_op
+from astrai_kernels.ops import head as head_op
 from astrai_kernels.testing import assert_close_elementwise, spec
 
 from cases import DTYPE_IDS, DTYPES, KERNEL_BACKENDS
@@ -289,7 +289,7 @@ def test_bf16_weight_gradient_rounded_once_over_many_chunks(backend, monkeypatch
 
     With the head's matmuls in float32 (a CPU without native bf16; forced here so the test means
     the same on every CPU); the native-bf16 head is bounded by its term sizes below."""
-    monkeypatch.setattr(linear_op, "compute_dtype", lambda dtype, device: torch.float32)
+    monkeypatch.setattr(head_op, "compute_dtype", lambda dtype, device: torch.float32)
     hidden, weight, _, target = _inputs(512, 16, 24, torch.bfloat16, seed=10)
     h, w = _leaves(hidden, weight)
     ak.linear_cross_entropy(h, w, target, reduction="sum", chunk_size=4,
@@ -376,14 +376,14 @@ def test_second_backward_and_frozen_weight(backend):
 
 def test_forward_only_under_no_grad_holds_no_gradient(monkeypatch):
     seen = []
-    original = linear_op._ChunkedHead.__init__
+    original = head_op.ChunkedHead.__init__
 
     def record(self, hidden, weight, bias, chunk_size, needs_grad=(False, False, False),
                *transform):
         seen.append(tuple(needs_grad))
         original(self, hidden, weight, bias, chunk_size, needs_grad, *transform)
 
-    monkeypatch.setattr(linear_op._ChunkedHead, "__init__", record)
+    monkeypatch.setattr(head_op.ChunkedHead, "__init__", record)
     hidden, weight, bias, target = _inputs(9, 6, 20, torch.float32, seed=13)
     h, w, b = _leaves(hidden, weight, bias)
     with torch.no_grad():
@@ -395,11 +395,11 @@ def test_forward_only_under_no_grad_holds_no_gradient(monkeypatch):
 
 def test_chunk_rule_bounds_the_workspace():
     for vocab in (1, 1000, 32768, 262144):
-        rows = linear_op.chunk_rows(10 ** 6, vocab, torch.device("cpu"))
+        rows = head_op.chunk_rows(10 ** 6, vocab, torch.device("cpu"))
         assert rows >= 1
-        assert rows == 1 or rows * vocab * 4 <= linear_op.CHUNK_BYTES["cpu"]
-    assert linear_op.chunk_rows(5, 100, torch.device("cpu"), chunk_size=3) == 3
-    assert linear_op.chunk_rows(5, 100, torch.device("cpu"), chunk_size=30) == 5
+        assert rows == 1 or rows * vocab * 4 <= head_op.CHUNK_BYTES["cpu"]
+    assert head_op.chunk_rows(5, 100, torch.device("cpu"), chunk_size=3) == 3
+    assert head_op.chunk_rows(5, 100, torch.device("cpu"), chunk_size=30) == 5
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])

@@ -290,6 +290,14 @@ def flat_target(target):
     return target.reshape(-1).contiguous()
 
 
+def dense_grad(grad, like):
+    """An upstream per-row gradient as a contiguous float32 vector (autograd may pass None:
+    zeros like ``like``)."""
+    if grad is None:
+        return torch.zeros_like(like)
+    return grad.reshape(-1).float().contiguous()
+
+
 def scale_grad_inplace(grad, grad_output):
     """``grad *= grad_output`` for a forward-computed gradient of a scalar loss.
 

@@ -20,10 +20,9 @@ from .. import reference
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-from . import _library
+from . import _library, vocab_parallel
 from ._backend import backend_module, resolve_backend
 from ._common import (
-    FLOAT32_MAX,
     AttachGrad,
     check_choice,
     check_in_range,
@@ -31,7 +30,6 @@ from ._common import (
     check_logits,
     check_no_overlap,
     check_positive,
-    check_real,
     check_target,
     finish_inplace_grad,
     flat_target,
@@ -40,6 +38,13 @@ from ._common import (
     inplace_grad_owner,
     refuse_double_backward,
     rows_view,
+)
+from .reduction import (
+    check_zero_normalizer,
+    checked_normalizer,
+    inverse_or_zero,
+    loss_grad_scale,
+    reduce_loss,
 )
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -56,77 +61,6 @@ class CrossEntropyParams:
     softcap: float
     inplace_backward: bool
     backend: str
-
-
-def _check_normalizer(normalizer, reduction, device):
-    """``normalizer`` as a float32 0-d tensor on ``device``, or None.
-
-    A number must be finite and > 0 (with a finite float32 reciprocal) or exactly 0. A
-    1-element tensor is checked on its own device: on CPU a negative, non-finite or too small
-    value raises here; elsewhere (CUDA) that check is an asynchronous device assert, so no
-    host sync is added (a failure surfaces at the next synchronization). Whether 0 is allowed
-    depends on the rows counted: :func:`check_zero_normalizer`.
-    """
-    if normalizer is None:
-        return None
-    if reduction != "mean":
-        raise ValueError(f"normalizer applies to reduction='mean' only, got reduction="
-                         f"{reduction!r}")
-    if isinstance(normalizer, torch.Tensor):
-        if normalizer.numel() != 1:
-            raise ValueError(f"normalizer must be a number or a 1-element tensor, got shape "
-                             f"{tuple(normalizer.shape)}")
-        if normalizer.dtype == torch.bool or normalizer.is_complex():
-            raise TypeError(f"normalizer must be a real tensor, got {normalizer.dtype}")
-        value = normalizer.detach().reshape(()).to(torch.float32)
-        ok = (value == 0) | ((value > 0) & (value.reciprocal() <= FLOAT32_MAX)
-                             & (value <= FLOAT32_MAX))
-        message = "normalizer must be 0 or a finite number > 0 (with a finite float32 inverse)"
-        if value.device.type != "cpu" or torch.compiler.is_compiling():
-            torch._assert_async(ok, message)
-        elif not bool(ok):
-            raise ValueError(f"{message}, got {value.item()}")
-        return value.to(device)
-    value = check_real(normalizer, "normalizer")
-    if value != 0:
-        value = check_positive(value, "normalizer")
-    return torch.full((), value, dtype=torch.float32, device=device)
-
-
-def check_zero_normalizer(normalizer, counted):
-    """The rule of every op's ``normalizer`` (GRPO's): 0 only when nothing is counted (an
-    empty micro-batch: loss 0.0, zero gradient); a 0 with counted rows would silently drop
-    them. ``counted`` is a bool tensor of the counted rows. On CPU this raises; on other
-    devices (CUDA) and under ``torch.compile`` it is an asynchronous device assert (no host
-    sync; a failure surfaces at the next synchronization)."""
-    bad = (normalizer == 0) & counted.any()
-    message = ("normalizer must be > 0 when a row is counted (0 only when every row is "
-               "ignored)")
-    if normalizer.device.type != "cpu" or torch.compiler.is_compiling():
-        torch._assert_async(~bad, message)
-    elif bool(bad):
-        raise ValueError(f"{message}, got 0 with {int(counted.sum())} counted")
-
-
-def _grad_scale(target_flat, params, normalizer):
-    """Per-loss gradient factor: 1 for ``sum``, ``1 / count`` for ``mean`` (on device); 0
-    when a given normalizer is 0."""
-    if params.reduction == "sum":
-        return torch.ones(1, dtype=torch.float32, device=target_flat.device)
-    if normalizer is None:
-        count = (target_flat != params.ignore_index).sum().clamp(min=1).to(torch.float32)
-        return count.reciprocal().reshape(1)
-    return _inverse_or_zero(normalizer).reshape(1)
-
-
-def _inverse_or_zero(count):
-    return torch.where(count > 0, count.reciprocal(), torch.zeros_like(count))
-
-
-def _reduce(rows_loss, grad_scale, params):
-    if params.reduction == "sum":
-        return rows_loss.sum()
-    return rows_loss.sum() * grad_scale.reshape(())
 
 
 class _CrossEntropyRows(torch.autograd.Function):
@@ -188,7 +122,7 @@ def checked_params(logits, target, ignore_index, reduction, label_smoothing, z_l
     label_smoothing = check_in_range(label_smoothing, "label_smoothing", 0.0, 1.0)
     z_loss = check_in_range(z_loss, "z_loss", 0.0, float("inf"))
     softcap_value = 0.0 if softcap is None else check_positive(softcap, "softcap")
-    normalizer_t = _check_normalizer(normalizer, reduction, logits.device)
+    normalizer_t = checked_normalizer(normalizer, reduction, logits.device)
     if normalizer_t is not None:
         check_zero_normalizer(normalizer_t, target != ignore_index)
     if not isinstance(inplace_backward, bool):
@@ -244,13 +178,9 @@ def cross_entropy(
     count of its counted targets, so ranks that disagree raise ``ValueError`` on every rank.
     """
     if process_group is not None:
-        from . import vocab_parallel
-
-        return vocab_parallel.cross_entropy(
-            logits, target, process_group=process_group, ignore_index=ignore_index,
-            reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-            normalizer=normalizer, inplace_backward=inplace_backward, backend=backend,
-            check_consistency=check_consistency)
+        return _vocab_parallel_cross_entropy(
+            logits, target, process_group, ignore_index, reduction, label_smoothing, z_loss,
+            softcap, normalizer, inplace_backward, backend, check_consistency)
     params, normalizer_t = checked_params(logits, target, ignore_index, reduction,
                                           label_smoothing, z_loss, softcap, normalizer,
                                           inplace_backward, backend)
@@ -260,7 +190,7 @@ def cross_entropy(
                                            label_smoothing, z_loss, softcap)
         total = reference.cross_entropy(logits.float(), target, ignore_index, "sum",
                                         label_smoothing, z_loss, softcap)
-        return total * _inverse_or_zero(normalizer_t)
+        return total * inverse_or_zero(normalizer_t)
     logits_rows, target_flat = rows_view(logits), flat_target(target)
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
     if reduction == "none":
@@ -274,10 +204,10 @@ def cross_entropy(
         base, starts = inplace
         return _CrossEntropyRows.apply(logits, None if starts is None else base, target_flat,
                                        params, starts).view(target.shape)
-    grad_scale = _grad_scale(target_flat, params, normalizer_t)
+    grad_scale = loss_grad_scale(target_flat, params, normalizer_t)
     if not needs_grad:
         loss, _, _ = _call(logits_rows, target_flat, params, None)
-        return _reduce(loss, grad_scale, params)
+        return reduce_loss(loss, grad_scale, params)
     inplace = inplace_grad_owner(logits, logits_rows) if inplace_backward else None
     with torch.no_grad():
         if inplace is None:
@@ -287,5 +217,29 @@ def cross_entropy(
             owner, starts = inplace
             loss, _, _ = _call(logits_rows, target_flat, params, grad_scale, logits_rows)
             grad = finish_inplace_grad(owner, starts, logits.shape)
-        value = _reduce(loss, grad_scale, params)
+        value = reduce_loss(loss, grad_scale, params)
     return AttachGrad.apply(owner, value, grad, "cross_entropy", TORCH_EQUIVALENT)
+
+
+def _vocab_parallel_cross_entropy(logits, target, process_group, ignore_index, reduction,
+                                  label_smoothing, z_loss, softcap, normalizer, inplace_backward,
+                                  backend, check_consistency):
+    """``cross_entropy`` of a vocabulary shard (``ops/vocab_parallel.py``)."""
+    check_logits(logits)
+    layout = vocab_parallel.shard_layout(process_group, logits.shape[-1], logits.device, target,
+                                         ignore_index, check_consistency)
+    params, normalizer_t = checked_params(
+        vocab_parallel.global_stand_in(logits, logits.shape[:-1], layout), target, ignore_index,
+        reduction, label_smoothing, z_loss, softcap, normalizer, False, backend)
+    vocab_parallel.check_inplace(logits, inplace_backward)
+    if params.backend == "reference":
+        return cross_entropy(vocab_parallel.gathered_logits(logits, layout), target,
+                             ignore_index=ignore_index, reduction=reduction,
+                             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                             normalizer=normalizer, backend="reference")
+    target_flat = flat_target(target)
+    rows_loss = vocab_parallel.cross_entropy_rows(
+        logits, target_flat, replace(params, inplace_backward=inplace_backward), layout, backend)
+    if reduction == "none":
+        return rows_loss.view(target.shape)
+    return reduce_loss(rows_loss, loss_grad_scale(target_flat, params, normalizer_t), params)

@@ -19,8 +19,6 @@ from torch import Tensor
 
 from .. import reference
 from . import _library
-from . import cross_entropy as ce_op
-from . import linear as linear_op
 from ._backend import backend_module, resolve_backend
 from ._common import (
     check_choice,
@@ -33,6 +31,17 @@ from ._common import (
     refuse_double_backward,
     rows_view,
 )
+from .head import (
+    AttachHeadGrads,
+    ChunkedHead,
+    check_head,
+    checked_transform,
+    grad_or_none,
+    head_needs,
+    logits_like,
+    reference_logits,
+)
+from .reduction import check_zero_normalizer, checked_normalizer, inverse_or_zero
 
 REDUCTIONS = ("batchmean", "sum", "mean", "none")
 
@@ -73,11 +82,11 @@ def checked_params(student, teacher, target, beta, temperature, ignore_index, re
     if normalizer is not None and reduction not in ("batchmean", "mean"):
         raise ValueError(f"normalizer applies to reduction='batchmean' or 'mean' only, got "
                          f"reduction={reduction!r}")
-    normalizer_t = ce_op._check_normalizer(normalizer, "mean", student.device)
+    normalizer_t = checked_normalizer(normalizer, "mean", student.device)
     if normalizer_t is not None:
         counted = (target != ignore_index if target is not None
                    else torch.tensor(student.shape[:-1].numel() > 0, device=student.device))
-        ce_op.check_zero_normalizer(normalizer_t, counted)
+        check_zero_normalizer(normalizer_t, counted)
     if target is None:
         ignore_index = -1  # the primitives then read zeros as targets: every row counts
     params = DistillParams(beta, temperature, ignore_index, reduction, hard_weight,
@@ -141,7 +150,7 @@ def row_grad_scale(target_flat, params, normalizer, vocab, lead_shape):
     if params.reduction == "sum":
         return torch.ones(1, dtype=torch.float32, device=target_flat.device)
     if normalizer is not None:
-        return ce_op._inverse_or_zero(normalizer).reshape(1)
+        return inverse_or_zero(normalizer).reshape(1)
     if params.reduction == "batchmean" and not params.has_target:
         batch = lead_shape[0] if len(lead_shape) else 1
         count = torch.full((), float(batch), device=target_flat.device)
@@ -150,7 +159,7 @@ def row_grad_scale(target_flat, params, normalizer, vocab, lead_shape):
     else:
         count = torch.full((), float(target_flat.numel()), device=target_flat.device)
     count = count.clamp(min=1.0) if params.reduction == "batchmean" else count * vocab
-    return ce_op._inverse_or_zero(count).reshape(1)
+    return inverse_or_zero(count).reshape(1)
 
 
 def reduce_rows(rows_loss, target_flat, params, normalizer, vocab, lead_shape):
@@ -246,10 +255,10 @@ def _heads(student_hidden, student_weight, student_bias, teacher_hidden, teacher
            teacher_bias, chunk_size, needs, transforms=((1.0, 0.0), (1.0, 0.0))):
     """The student's head (gradients as ``needs``) and the teacher's, walked in the same
     chunks (each holds one chunk of logits); ``transforms``: each head's
-    ``(logit_scale, softcap)`` (``linear_op._ChunkedHead``)."""
-    student_head = linear_op._ChunkedHead(student_hidden, student_weight, student_bias,
+    ``(logit_scale, softcap)`` (``ChunkedHead``)."""
+    student_head = ChunkedHead(student_hidden, student_weight, student_bias,
                                           chunk_size, needs, *transforms[0])
-    teacher_head = linear_op._ChunkedHead(teacher_hidden, teacher_weight, teacher_bias,
+    teacher_head = ChunkedHead(teacher_hidden, teacher_weight, teacher_bias,
                                           student_head.chunk, (False,) * 3, *transforms[1])
     return student_head, teacher_head
 
@@ -276,8 +285,8 @@ class _LinearDistillRows(torch.autograd.Function):
         heads = _heads(*tensors, ctx.chunk_size, ctx.needs_input_grad[:3], ctx.transforms)
         _, grad_hidden, grad_weight, grad_bias = _linear_distill_walk(
             *heads, target_flat, ctx.params, grad_rows.reshape(-1).float().contiguous())
-        return (linear_op._or_none(grad_hidden), linear_op._or_none(grad_weight),
-                linear_op._or_none(grad_bias), None, None, None, None, None, None, None)
+        return (grad_or_none(grad_hidden), grad_or_none(grad_weight),
+                grad_or_none(grad_bias), None, None, None, None, None, None, None)
 
 
 def linear_distill_loss(
@@ -312,12 +321,12 @@ def linear_distill_loss(
     transform each head's logits before the temperature, as in ``linear_token_logprobs``
     (``hard_weight``'s cross-entropy reads the student's transformed logits).
     """
-    transforms = (linear_op._checked_transform(logit_scale, softcap),
-                  linear_op._checked_transform(teacher_logit_scale, teacher_softcap))
-    student_rows = linear_op._check_head(student_hidden, student_weight, student_bias,
+    transforms = (checked_transform(logit_scale, softcap),
+                  checked_transform(teacher_logit_scale, teacher_softcap))
+    student_rows = check_head(student_hidden, student_weight, student_bias,
                                          chunk_size)
     try:
-        teacher_rows = linear_op._check_head(teacher_hidden, teacher_weight, teacher_bias,
+        teacher_rows = check_head(teacher_hidden, teacher_weight, teacher_bias,
                                              chunk_size)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"teacher head: {exc}") from None
@@ -333,21 +342,21 @@ def linear_distill_loss(
                    reduction=reduction, normalizer=normalizer, hard_weight=hard_weight)
     if backend == "reference":
         return distill_loss(
-            linear_op._reference_logits(student_hidden, student_weight, student_bias,
+            reference_logits(student_hidden, student_weight, student_bias,
                                         logit_scale, softcap),
-            linear_op._reference_logits(teacher_hidden, teacher_weight, teacher_bias,
+            reference_logits(teacher_hidden, teacher_weight, teacher_bias,
                                         teacher_logit_scale, teacher_softcap),
             target, backend="reference", **options)
     params, normalizer_t = checked_params(
-        linear_op._logits_like(student_hidden, student_weight),
-        linear_op._logits_like(teacher_hidden, teacher_weight), target, beta, temperature,
+        logits_like(student_hidden, student_weight),
+        logits_like(teacher_hidden, teacher_weight), target, beta, temperature,
         ignore_index, reduction, normalizer, hard_weight, backend)
     teacher_args = (teacher_rows.detach(), teacher_weight.detach(),
                     None if teacher_bias is None else teacher_bias.detach())
     lead_shape = student_hidden.shape[:-1]
     target_flat = row_targets(target, lead_shape.numel(), student_hidden.device)
     vocab = student_weight.shape[0]
-    needs = (linear_op._needs(student_hidden, student_weight, student_bias)
+    needs = (head_needs(student_hidden, student_weight, student_bias)
              if torch.is_grad_enabled() else (False,) * 3)
     if reduction == "none":
         if any(needs):
@@ -368,6 +377,6 @@ def linear_distill_loss(
         value = reduce_rows(loss, target_flat, params, normalizer_t, vocab, lead_shape)
     if not any(needs):
         return value
-    return linear_op._AttachHeadGrads.apply(student_rows, student_weight, student_bias, value,
+    return AttachHeadGrads.apply(student_rows, student_weight, student_bias, value,
                                             grad_hidden, grad_weight, grad_bias,
                                             "linear_distill_loss", None)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional, Tuple, U
 import torch
 from torch import Tensor
 
-from . import _library
+from . import _library, vocab_parallel
 from ._backend import resolve_backend
 from ._common import (
     AttachGrad,
@@ -366,11 +366,8 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
                    sampling_logprobs=sampling_logprobs,
                    top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef)
     if process_group is not None:
-        from . import vocab_parallel
-
-        return vocab_parallel.grpo_loss(logits, target, advantages, process_group=process_group,
-                                        backend=backend, check_consistency=check_consistency,
-                                        **options)
+        return _vocab_parallel_grpo_loss(logits, target, advantages, process_group, backend,
+                                         check_consistency, options)
     checked = plan(logits, target, advantages, backend=backend, **options)
     inputs, params = checked.inputs, checked.params
     if params.backend == "reference":
@@ -390,6 +387,33 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
 
         return from_logprobs(logprobs_of, target, checked)
     return _token_level(logits, target, checked)
+
+
+def _vocab_parallel_grpo_loss(logits, target, advantages, process_group, backend,
+                              check_consistency, options):
+    """``grpo_loss`` of a vocabulary shard: the differentiable token log-probs of the group,
+    then the per-token objective in torch (``ops/vocab_parallel.py``)."""
+    check_logits(logits)
+    if logits.dim() != 3:
+        raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
+    # the row count here; the targets' fingerprint (masked ones ignored) in token_logprobs
+    layout = vocab_parallel.shard_layout(process_group, logits.shape[-1], logits.device, target,
+                                         check_consistency=False)
+    vocab_parallel.check_consistency_flag(check_consistency)
+    checked = plan(vocab_parallel.global_stand_in(logits, logits.shape[:-1], layout), target,
+                   advantages, backend=backend, **options)
+    if checked.params.backend == "reference":
+        return grpo_loss(vocab_parallel.gathered_logits(logits, layout), target, advantages,
+                         backend="reference", **options)
+
+    def logprobs_of(masked_target, with_entropy):
+        out = token_logprobs(logits, masked_target, process_group=process_group,
+                             temperature=checked.params.temperature, ignore_index=-100,
+                             return_entropy=with_entropy, backend=backend,
+                             check_consistency=check_consistency)
+        return out if with_entropy else (out, None)
+
+    return from_logprobs(logprobs_of, target, checked)
 
 
 def _token_weight(valid: Tensor, loss_type: str, max_completion_length: Optional[int],

@@ -10,7 +10,7 @@ The forward keeps one float32 ``lse`` (and entropy) per row; the backward recomp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal, Optional, Tuple, Union, overload
 
 import torch
@@ -19,7 +19,7 @@ from .. import reference
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-from . import _library
+from . import _library, vocab_parallel
 from ._backend import backend_module, resolve_backend
 from ._common import (
     check_index,
@@ -27,6 +27,7 @@ from ._common import (
     check_no_overlap,
     check_positive,
     check_target,
+    dense_grad,
     finish_inplace_grad,
     flat_target,
     grad_for_owner,
@@ -84,8 +85,8 @@ class _TokenLogprobs(torch.autograd.Function):
         refuse_double_backward("token_logprobs", TORCH_EQUIVALENT)
         logits, target_flat, lse, entropy = ctx.saved_tensors
         params = ctx.params
-        grad_logp = _dense(grad_logp, lse)
-        grad_entropy = _dense(grad_entropy, lse) if params.with_entropy else lse.new_empty(0)
+        grad_logp = dense_grad(grad_logp, lse)
+        grad_entropy = dense_grad(grad_entropy, lse) if params.with_entropy else lse.new_empty(0)
         args = (target_flat, lse, entropy, grad_logp, grad_entropy, params.temperature,
                 params.ignore_index)
         logits_rows = rows_view(logits)
@@ -100,13 +101,6 @@ class _TokenLogprobs(torch.autograd.Function):
         if ctx.starts is None:
             return grad, None, None, None, None
         return None, grad_for_owner(grad, logits._base, ctx.starts), None, None, None
-
-
-def _dense(grad, like):
-    """Upstream gradient as a contiguous float32 vector (autograd may pass None)."""
-    if grad is None:
-        return torch.zeros_like(like)
-    return grad.reshape(-1).float().contiguous()
 
 
 def _forward_only(logits_rows, target_flat, params):
@@ -165,13 +159,9 @@ def token_logprobs(
     count of its counted targets, so ranks that disagree raise ``ValueError`` on every rank.
     """
     if process_group is not None:
-        from . import vocab_parallel
-
-        return vocab_parallel.token_logprobs(
-            logits, target, process_group=process_group, temperature=temperature,
-            ignore_index=ignore_index, return_entropy=return_entropy,
-            inplace_backward=inplace_backward, backend=backend,
-            check_consistency=check_consistency)
+        return _vocab_parallel_token_logprobs(
+            logits, target, process_group, temperature, ignore_index, return_entropy,
+            inplace_backward, backend, check_consistency)
     params = checked_params(logits, target, temperature, ignore_index, return_entropy,
                              inplace_backward, backend)
     lead_shape = target.shape
@@ -193,6 +183,27 @@ def token_logprobs(
             logp, entropy = _forward_only(logits_rows, target_flat, params)
         logp, entropy = logp.view(lead_shape), entropy.view(lead_shape) if return_entropy else None
     return (logp, entropy) if return_entropy else logp
+
+
+def _vocab_parallel_token_logprobs(logits, target, process_group, temperature, ignore_index,
+                                   return_entropy, inplace_backward, backend, check_consistency):
+    """``token_logprobs`` of a vocabulary shard (``ops/vocab_parallel.py``)."""
+    check_logits(logits)
+    layout = vocab_parallel.shard_layout(process_group, logits.shape[-1], logits.device, target,
+                                         ignore_index, check_consistency)
+    stand_in = vocab_parallel.global_stand_in(logits, logits.shape[:-1], layout)
+    params = checked_params(stand_in, target, temperature, ignore_index, return_entropy, False,
+                            backend)
+    vocab_parallel.check_inplace(logits, inplace_backward)
+    if params.backend == "reference":
+        return token_logprobs(vocab_parallel.gathered_logits(logits, layout), target,
+                              temperature=temperature, ignore_index=ignore_index,
+                              return_entropy=return_entropy, backend="reference")
+    params = replace(params, inplace_backward=inplace_backward)
+    logp, entropy = vocab_parallel.token_logprobs(logits, flat_target(target), params, layout,
+                                                  backend)
+    logp = logp.view(target.shape)
+    return (logp, entropy.view(target.shape)) if return_entropy else logp
 
 
 def sequence_logprobs(

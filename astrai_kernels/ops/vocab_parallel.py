@@ -49,20 +49,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import cross_entropy as ce_op
-from . import grpo as grpo_op
-from . import logprobs as lp_op
 from ._backend import backend_module
 from ._common import (
     check_index,
-    check_logits,
     check_no_overlap,
+    dense_grad,
     finish_inplace_grad,
-    flat_target,
     graph_is_retained,
     refuse_double_backward,
     rows_view,
 )
+from .head import ChunkedHead, check_head, head_needs
 
 # Local targets handed to the primitives: a row ignored by the caller, and (backward only) a
 # counted row whose target lies in another rank's shard. Local ids are >= 0, so neither can
@@ -319,11 +316,7 @@ def _write_grad(logits, kernels, targets, lse, coefficients, temperature, softca
     return grad
 
 
-def _dense(grad: Optional[Tensor], like: Tensor) -> Tensor:
-    return lp_op._dense(grad, like)
-
-
-class _ShardLogprobs(torch.autograd.Function):
+class ShardLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, params, layout):
         kernels = backend_module(params.backend)
@@ -341,14 +334,14 @@ class _ShardLogprobs(torch.autograd.Function):
         refuse_double_backward("token_logprobs", None)
         logits, lse, entropy = ctx.saved_tensors
         params = ctx.params
-        grad_entropy = _dense(grad_entropy, lse) if params.with_entropy else None
-        coefficients = logprobs_coefficients(_dense(grad_logp, lse), grad_entropy, entropy)
+        grad_entropy = dense_grad(grad_entropy, lse) if params.with_entropy else None
+        coefficients = logprobs_coefficients(dense_grad(grad_logp, lse), grad_entropy, entropy)
         grad = _write_grad(logits, backend_module(params.backend), ctx.targets, lse,
                            coefficients, params.temperature, 0.0, params.inplace_backward)
         return grad, None, None, None
 
 
-class _ShardCrossEntropy(torch.autograd.Function):
+class ShardCrossEntropy(torch.autograd.Function):
     """Per-row losses; the backward writes the shard's gradient with the upstream row grads."""
 
     @staticmethod
@@ -367,14 +360,14 @@ class _ShardCrossEntropy(torch.autograd.Function):
         refuse_double_backward("cross_entropy", None)
         logits, lse = ctx.saved_tensors
         params = ctx.params
-        coefficients = cross_entropy_coefficients(_dense(grad_rows, lse), lse, params,
+        coefficients = cross_entropy_coefficients(dense_grad(grad_rows, lse), lse, params,
                                                   ctx.vocab_total)
         grad = _write_grad(logits, backend_module(params.backend), ctx.targets, lse,
                            coefficients, 1.0, params.softcap, params.inplace_backward)
         return grad, None, None, None
 
 
-def _gathered_logits(logits: Tensor, layout: ShardLayout) -> Tensor:
+def gathered_logits(logits: Tensor, layout: ShardLayout) -> Tensor:
     """The full-vocabulary logits (the reference path): the other ranks' shards all-gathered
     (padded to the largest shard) and detached, this rank's shard differentiable in place."""
     group = layout.group
@@ -391,7 +384,7 @@ def _gathered_logits(logits: Tensor, layout: ShardLayout) -> Tensor:
     return torch.cat(pieces, dim=-1)
 
 
-class _SumGradOverGroup(torch.autograd.Function):
+class SumGradOverGroup(torch.autograd.Function):
     """Identity forward; the backward all-reduces the gradient (the hidden states feed every
     rank's shard of the LM head)."""
 
@@ -405,107 +398,20 @@ class _SumGradOverGroup(torch.autograd.Function):
         return _all_reduce(grad.contiguous().clone(), dist.ReduceOp.SUM, ctx.group), None
 
 
-def _check_inplace(logits, inplace_backward):
+def check_inplace(logits, inplace_backward):
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
     if inplace_backward:
         check_no_overlap(logits)
 
 
-def token_logprobs(logits, target, *, process_group, temperature, ignore_index, return_entropy,
-                   inplace_backward, backend, check_consistency=True):
-    check_logits(logits)
-    layout = shard_layout(process_group, logits.shape[-1], logits.device, target, ignore_index,
-                          check_consistency)
-    params = lp_op.checked_params(global_stand_in(logits, logits.shape[:-1], layout), target,
-                                  temperature, ignore_index, return_entropy, False, backend)
-    _check_inplace(logits, inplace_backward)
-    if params.backend == "reference":
-        return lp_op.token_logprobs(_gathered_logits(logits, layout), target,
-                                    temperature=temperature, ignore_index=ignore_index,
-                                    return_entropy=return_entropy, backend="reference")
-    needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    params = replace(params, inplace_backward=inplace_backward,
-                     backend=shard_backend(backend, params.backend, needs_grad))
-    targets = local_targets(flat_target(target), params.ignore_index, layout)
-    if needs_grad:
-        logp, entropy = _ShardLogprobs.apply(logits, targets, params, layout)
-    else:
-        n_rows = target.numel()
-        stats = logprobs_stats(backend_module(params.backend), ((0, n_rows, rows_view(logits)),),
-                               targets, params.temperature, return_entropy, n_rows,
-                               logits.device)
-        logp, entropy, _ = combine_logprobs(*stats, targets, process_group, return_entropy)
-    logp = logp.view(target.shape)
-    return (logp, entropy.view(target.shape)) if return_entropy else logp
-
-
-def cross_entropy(logits, target, *, process_group, ignore_index, reduction, label_smoothing,
-                  z_loss, softcap, normalizer, inplace_backward, backend, check_consistency=True):
-    check_logits(logits)
-    layout = shard_layout(process_group, logits.shape[-1], logits.device, target, ignore_index,
-                          check_consistency)
-    params, normalizer_t = ce_op.checked_params(
-        global_stand_in(logits, logits.shape[:-1], layout), target, ignore_index, reduction,
-        label_smoothing, z_loss, softcap, normalizer, False, backend)
-    _check_inplace(logits, inplace_backward)
-    if params.backend == "reference":
-        return ce_op.cross_entropy(_gathered_logits(logits, layout), target,
-                                   ignore_index=ignore_index, reduction=reduction,
-                                   label_smoothing=label_smoothing, z_loss=z_loss,
-                                   softcap=softcap, normalizer=normalizer, backend="reference")
-    needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    params = replace(params, inplace_backward=inplace_backward,
-                     backend=shard_backend(backend, params.backend, needs_grad))
-    target_flat = flat_target(target)
-    targets = local_targets(target_flat, params.ignore_index, layout)
-    if needs_grad:
-        rows_loss = _ShardCrossEntropy.apply(logits, targets, params, layout)
-    else:
-        n_rows = target.numel()
-        stats = cross_entropy_stats(backend_module(params.backend),
-                                    ((0, n_rows, rows_view(logits)),), targets, params, n_rows,
-                                    logits.device)
-        rows_loss, _ = combine_cross_entropy(*stats, targets, layout, params)
-    if reduction == "none":
-        return rows_loss.view(target.shape)
-    return ce_op._reduce(rows_loss, ce_op._grad_scale(target_flat, params, normalizer_t), params)
-
-
-def grpo_loss(logits, target, advantages, *, process_group, backend, check_consistency=True,
-              **options):
-    check_logits(logits)
-    if logits.dim() != 3:
-        raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
-    # the row count here; the targets' fingerprint (masked ones ignored) in token_logprobs
-    layout = shard_layout(process_group, logits.shape[-1], logits.device, target,
-                          check_consistency=False)
-    check_consistency_flag(check_consistency)
-    checked = grpo_op.plan(global_stand_in(logits, logits.shape[:-1], layout), target,
-                           advantages, backend=backend, **options)
-    if checked.params.backend == "reference":
-        return grpo_op.grpo_loss(_gathered_logits(logits, layout), target, advantages,
-                                 backend="reference", **options)
-
-    def logprobs_of(masked_target, with_entropy):
-        out = token_logprobs(logits, masked_target, process_group=process_group,
-                             temperature=checked.params.temperature, ignore_index=-100,
-                             return_entropy=with_entropy, inplace_backward=False,
-                             backend=backend, check_consistency=check_consistency)
-        return out if with_entropy else (out, None)
-
-    return grpo_op.from_logprobs(logprobs_of, target, checked)
-
-
 def _head_gradients(ctx, kernels, lse, coefficients, temperature, softcap):
     """The fused head's backward on this shard: chunk logits, their gradient over the chunk
     buffer, folded into hidden/weight/bias; the hidden states' gradient summed over the group.
     ``ctx`` saved ``(hidden_rows, weight, bias, ...)`` and holds the call's fields."""
-    from . import linear as lin_op
-
     hidden, weight, bias = ctx.saved_tensors[:3]
     needs = tuple(ctx.needs_input_grad[:3])
-    head = lin_op._ChunkedHead(hidden, weight, bias, ctx.chunk_size, needs)
+    head = ChunkedHead(hidden, weight, bias, ctx.chunk_size, needs)
     for start, stop, logits in head.chunks():
         rows = slice(start, stop)
         kernels.vocab_shard_backward(logits, ctx.targets.backward[rows], lse[rows],
@@ -518,18 +424,16 @@ def _head_gradients(ctx, kernels, lse, coefficients, temperature, softcap):
     return tuple(grad if need else None for grad, need in zip(grads, needs))
 
 
-def _head_chunks(hidden_rows, weight, bias, chunk_size):
-    from . import linear as lin_op
-
-    return lin_op._ChunkedHead(hidden_rows, weight, bias, chunk_size).chunks()
+def head_chunks(hidden_rows, weight, bias, chunk_size):
+    return ChunkedHead(hidden_rows, weight, bias, chunk_size).chunks()
 
 
-class _ShardHeadLogprobs(torch.autograd.Function):
+class ShardHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_rows, weight, bias, targets, params, chunk_size, layout):
         kernels = backend_module(params.backend)
         n_rows = hidden_rows.shape[0]
-        stats = logprobs_stats(kernels, _head_chunks(hidden_rows, weight, bias, chunk_size),
+        stats = logprobs_stats(kernels, head_chunks(hidden_rows, weight, bias, chunk_size),
                                targets, params.temperature, params.with_entropy, n_rows,
                                hidden_rows.device)
         logp, entropy, lse = combine_logprobs(*stats, targets, layout.group, params.with_entropy)
@@ -542,19 +446,19 @@ class _ShardHeadLogprobs(torch.autograd.Function):
         refuse_double_backward("linear_token_logprobs", None)
         lse, entropy = ctx.saved_tensors[3:]
         params = ctx.params
-        grad_entropy = _dense(grad_entropy, lse) if params.with_entropy else None
-        coefficients = logprobs_coefficients(_dense(grad_logp, lse), grad_entropy, entropy)
+        grad_entropy = dense_grad(grad_entropy, lse) if params.with_entropy else None
+        coefficients = logprobs_coefficients(dense_grad(grad_logp, lse), grad_entropy, entropy)
         grads = _head_gradients(ctx, backend_module(params.backend), lse,
                                 coefficients, params.temperature, 0.0)
         return (*grads, None, None, None, None)
 
 
-class _ShardHeadCrossEntropy(torch.autograd.Function):
+class ShardHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_rows, weight, bias, targets, params, chunk_size, layout):
         kernels = backend_module(params.backend)
         n_rows = hidden_rows.shape[0]
-        stats = cross_entropy_stats(kernels, _head_chunks(hidden_rows, weight, bias, chunk_size),
+        stats = cross_entropy_stats(kernels, head_chunks(hidden_rows, weight, bias, chunk_size),
                                     targets, params, n_rows, hidden_rows.device)
         loss, lse = combine_cross_entropy(*stats, targets, layout, params)
         ctx.save_for_backward(hidden_rows, weight, bias, lse)
@@ -566,112 +470,90 @@ class _ShardHeadCrossEntropy(torch.autograd.Function):
         refuse_double_backward("linear_cross_entropy", None)
         lse = ctx.saved_tensors[3]
         params = ctx.params
-        coefficients = cross_entropy_coefficients(_dense(grad_rows, lse), lse, params,
+        coefficients = cross_entropy_coefficients(dense_grad(grad_rows, lse), lse, params,
                                                   ctx.layout.vocab_total)
         grads = _head_gradients(ctx, backend_module(params.backend), lse,
                                 coefficients, 1.0, params.softcap)
         return (*grads, None, None, None, None)
 
 
-def _head_setup(hidden, weight, bias, chunk_size, process_group, target, ignore_index,
-                check_consistency):
-    from . import linear as lin_op
-
-    hidden_rows = lin_op._check_head(hidden, weight, bias, chunk_size)
+def head_setup(hidden, weight, bias, chunk_size, process_group, target, ignore_index,
+               check_consistency):
+    """``(hidden rows, layout, needs_grad)`` of a vocabulary-parallel head call, checked."""
+    hidden_rows = check_head(hidden, weight, bias, chunk_size)
     layout = shard_layout(process_group, weight.shape[0], hidden.device, target, ignore_index,
                           check_consistency)
-    needs = lin_op._needs(hidden, weight, bias) if torch.is_grad_enabled() else (False,) * 3
+    needs = head_needs(hidden, weight, bias) if torch.is_grad_enabled() else (False,) * 3
     return hidden_rows, layout, any(needs)
 
 
-def _reference_logits(hidden, weight, bias, process_group):
-    return torch.nn.functional.linear(_SumGradOverGroup.apply(hidden, process_group), weight,
+def head_reference_logits(hidden, weight, bias, process_group):
+    """This shard's logits with the hidden states' gradient summed over the group."""
+    return torch.nn.functional.linear(SumGradOverGroup.apply(hidden, process_group), weight,
                                       bias)
 
 
-def linear_token_logprobs(hidden, weight, target, *, process_group, bias, temperature,
-                          ignore_index, return_entropy, chunk_size, backend,
-                          check_consistency=True):
-    hidden_rows, layout, needs_grad = _head_setup(hidden, weight, bias, chunk_size,
-                                                  process_group, target, ignore_index,
-                                                  check_consistency)
-    params = lp_op.checked_params(global_stand_in(hidden, hidden.shape[:-1], layout), target,
-                                  temperature, ignore_index, return_entropy, False, backend)
-    if params.backend == "reference":
-        return token_logprobs(_reference_logits(hidden, weight, bias, process_group), target,
-                              process_group=process_group, temperature=temperature,
-                              ignore_index=ignore_index, return_entropy=return_entropy,
-                              inplace_backward=False, backend="reference")
-    params = replace(params, backend=shard_backend(backend, params.backend, needs_grad))
-    targets = local_targets(flat_target(target), params.ignore_index, layout)
-    if needs_grad:
-        logp, entropy = _ShardHeadLogprobs.apply(hidden_rows, weight, bias, targets, params,
-                                                 chunk_size, layout)
-    else:
-        stats = logprobs_stats(backend_module(params.backend),
-                               _head_chunks(hidden_rows, weight, bias, chunk_size), targets,
-                               params.temperature, return_entropy, hidden_rows.shape[0],
-                               hidden.device)
-        logp, entropy, _ = combine_logprobs(*stats, targets, process_group, return_entropy)
-    logp = logp.view(target.shape)
-    return (logp, entropy.view(target.shape)) if return_entropy else logp
+def _shard_params(params, requested_backend, needs_grad, **changes):
+    return replace(params, backend=shard_backend(requested_backend, params.backend, needs_grad),
+                   **changes)
 
 
-def linear_cross_entropy(hidden, weight, target, *, process_group, bias, ignore_index,
-                         reduction, label_smoothing, z_loss, softcap, normalizer, chunk_size,
-                         backend, check_consistency=True):
-    hidden_rows, layout, needs_grad = _head_setup(hidden, weight, bias, chunk_size,
-                                                  process_group, target, ignore_index,
-                                                  check_consistency)
-    params, normalizer_t = ce_op.checked_params(
-        global_stand_in(hidden, hidden.shape[:-1], layout), target, ignore_index, reduction,
-        label_smoothing, z_loss, softcap, normalizer, False, backend)
-    if params.backend == "reference":
-        return cross_entropy(_reference_logits(hidden, weight, bias, process_group), target,
-                             process_group=process_group, ignore_index=ignore_index,
-                             reduction=reduction, label_smoothing=label_smoothing,
-                             z_loss=z_loss, softcap=softcap, normalizer=normalizer,
-                             inplace_backward=False, backend="reference")
-    params = replace(params, backend=shard_backend(backend, params.backend, needs_grad))
-    target_flat = flat_target(target)
+def token_logprobs(logits, target_flat, params, layout, requested_backend):
+    """``(logp, entropy)`` per row of this shard's ``logits`` (``params``: the logprobs op's
+    checked ``LogprobsParams``; entropy empty unless ``params.with_entropy``)."""
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    params = _shard_params(params, requested_backend, needs_grad)
     targets = local_targets(target_flat, params.ignore_index, layout)
     if needs_grad:
-        rows_loss = _ShardHeadCrossEntropy.apply(hidden_rows, weight, bias, targets, params,
-                                                 chunk_size, layout)
-    else:
-        stats = cross_entropy_stats(backend_module(params.backend),
-                                    _head_chunks(hidden_rows, weight, bias, chunk_size),
-                                    targets, params, hidden_rows.shape[0], hidden.device)
-        rows_loss, _ = combine_cross_entropy(*stats, targets, layout, params)
-    if reduction == "none":
-        return rows_loss.view(target.shape)
-    return ce_op._reduce(rows_loss, ce_op._grad_scale(target_flat, params, normalizer_t), params)
+        return ShardLogprobs.apply(logits, targets, params, layout)
+    n_rows = target_flat.numel()
+    stats = logprobs_stats(backend_module(params.backend), ((0, n_rows, rows_view(logits)),),
+                           targets, params.temperature, params.with_entropy, n_rows,
+                           logits.device)
+    logp, entropy, _ = combine_logprobs(*stats, targets, layout.group, params.with_entropy)
+    return logp, entropy
 
 
-def linear_grpo_loss(hidden, weight, target, advantages, *, process_group, bias, chunk_size,
-                     backend, check_consistency=True, **options):
-    from . import linear as lin_op
+def cross_entropy_rows(logits, target_flat, params, layout, requested_backend):
+    """Per-row losses of this shard's ``logits`` (``params``: ``CrossEntropyParams``)."""
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    params = _shard_params(params, requested_backend, needs_grad)
+    targets = local_targets(target_flat, params.ignore_index, layout)
+    if needs_grad:
+        return ShardCrossEntropy.apply(logits, targets, params, layout)
+    n_rows = target_flat.numel()
+    stats = cross_entropy_stats(backend_module(params.backend), ((0, n_rows, rows_view(logits)),),
+                                targets, params, n_rows, logits.device)
+    rows_loss, _ = combine_cross_entropy(*stats, targets, layout, params)
+    return rows_loss
 
-    lin_op._check_head(hidden, weight, bias, chunk_size)
-    if hidden.dim() != 3:
-        raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
-    # the row count here; the targets' fingerprint (masked ones ignored) in the log-probs call
-    layout = shard_layout(process_group, weight.shape[0], hidden.device, target,
-                          check_consistency=False)
-    check_consistency_flag(check_consistency)
-    checked = grpo_op.plan(global_stand_in(hidden, hidden.shape[:-1], layout), target,
-                           advantages, backend=backend, **options)
-    if checked.params.backend == "reference":
-        return grpo_loss(_reference_logits(hidden, weight, bias, process_group), target,
-                         advantages, process_group=process_group, backend="reference",
-                         **options)
 
-    def logprobs_of(masked_target, with_entropy):
-        out = linear_token_logprobs(hidden, weight, masked_target, process_group=process_group,
-                                    bias=bias, temperature=checked.params.temperature,
-                                    ignore_index=-100, return_entropy=with_entropy,
-                                    chunk_size=chunk_size, backend=backend,
-                                    check_consistency=check_consistency)
-        return out if with_entropy else (out, None)
+def linear_token_logprobs(hidden_rows, weight, bias, target_flat, params, layout, chunk_size,
+                          requested_backend, needs_grad):
+    """``(logp, entropy)`` per row of the head whose weight holds this rank's shard."""
+    params = _shard_params(params, requested_backend, needs_grad)
+    targets = local_targets(target_flat, params.ignore_index, layout)
+    if needs_grad:
+        return ShardHeadLogprobs.apply(hidden_rows, weight, bias, targets, params, chunk_size,
+                                       layout)
+    stats = logprobs_stats(backend_module(params.backend),
+                           head_chunks(hidden_rows, weight, bias, chunk_size), targets,
+                           params.temperature, params.with_entropy, hidden_rows.shape[0],
+                           hidden_rows.device)
+    logp, entropy, _ = combine_logprobs(*stats, targets, layout.group, params.with_entropy)
+    return logp, entropy
 
-    return grpo_op.from_logprobs(logprobs_of, target, checked)
+
+def linear_cross_entropy_rows(hidden_rows, weight, bias, target_flat, params, layout,
+                              chunk_size, requested_backend, needs_grad):
+    """Per-row losses of the head whose weight holds this rank's shard."""
+    params = _shard_params(params, requested_backend, needs_grad)
+    targets = local_targets(target_flat, params.ignore_index, layout)
+    if needs_grad:
+        return ShardHeadCrossEntropy.apply(hidden_rows, weight, bias, targets, params,
+                                           chunk_size, layout)
+    stats = cross_entropy_stats(backend_module(params.backend),
+                                head_chunks(hidden_rows, weight, bias, chunk_size), targets,
+                                params, hidden_rows.shape[0], hidden_rows.device)
+    rows_loss, _ = combine_cross_entropy(*stats, targets, layout, params)
+    return rows_loss
