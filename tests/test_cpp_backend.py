@@ -18,6 +18,7 @@ import torch
 
 from astrai_kernels.cpu import cpp_backend as cb
 from astrai_kernels.cpu import torch_backend as tb
+from astrai_kernels.ops.primitives import CrossEntropyArgs, LogprobsArgs, SurrogateArgs
 
 from cases import (
     assert_matches_spec,
@@ -131,13 +132,14 @@ def test_logprobs_forward_backward(dtype, vocab, layout):
                 isa = "torch" if backend is tb else backend
                 kernels = tb if backend is tb else cb
                 what = f"{isa} T={temperature} entropy={with_entropy}"
-                got = kernels.logprobs_forward(x, target, temperature, IGNORE, with_entropy)
+                got = kernels.logprobs_forward(x, target,
+                                               LogprobsArgs(temperature, IGNORE, with_entropy))
                 assert_matches_spec(named(LOGPROBS, got), expected, naive, what, dtype)
                 for i in (1, 7):
                     assert got[0][i] == 0 and got[2][i] == 0
                 grad = empty_grad_like(x)
                 kernels.logprobs_backward(x, target, got[2], got[1], grad_logp, g_h,
-                                          temperature, IGNORE, grad)
+                                          LogprobsArgs(temperature, IGNORE, False), grad)
                 assert_matches_spec({"grad": grad}, expected, naive, what, dtype)
                 assert (grad[0, 1] == 0).all() and (grad[1, 2] == 0).all()  # ignored rows
 
@@ -153,15 +155,15 @@ def test_logprobs_backward_inplace_and_strided_grad(dtype, with_entropy):
     grad_entropy = torch.randn(12, generator=g) if with_entropy else torch.empty(0)
     expected, naive = spec_expected_and_naive(spec_logprobs, x0, target, 0.9, IGNORE,
                                               with_entropy, grad_logp, grad_entropy)
-    _, entropy, lse = tb.logprobs_forward(x0, target, 0.9, IGNORE, with_entropy)
+    _, entropy, lse = tb.logprobs_forward(x0, target, LogprobsArgs(0.9, IGNORE, with_entropy))
     for isa in each_isa():
         x = x0.clone()
-        cb.logprobs_backward(x, target, lse, entropy, grad_logp, grad_entropy, 0.9, IGNORE,
-                             x)  # grad is logits
+        cb.logprobs_backward(x, target, lse, entropy, grad_logp, grad_entropy,
+                             LogprobsArgs(0.9, IGNORE, False), x)  # grad is logits
         assert_matches_spec({"grad": x}, expected, naive, f"{isa} in-place", dtype)
         grad = empty_grad_like(x0, "strided")  # contiguous logits, vocab-strided grad
-        cb.logprobs_backward(x0, target, lse, entropy, grad_logp, grad_entropy, 0.9, IGNORE,
-                             grad)
+        cb.logprobs_backward(x0, target, lse, entropy, grad_logp, grad_entropy,
+                             LogprobsArgs(0.9, IGNORE, False), grad)
         assert_matches_spec({"grad": grad}, expected, naive, f"{isa} strided grad", dtype)
 
 
@@ -172,9 +174,10 @@ def test_logprobs_expanded_upstream_gradient():
     expected, naive = spec_expected_and_naive(spec_logprobs, x, target, 1.0, IGNORE, True,
                                               ones, ones)
     for isa in each_isa():
-        logp, entropy, lse = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
+        logp, entropy, lse = cb.logprobs_forward(x, target, LogprobsArgs(1.0, IGNORE, True))
         grad = torch.empty_like(x)
-        cb.logprobs_backward(x, target, lse, entropy, ones, ones, 1.0, IGNORE, grad)
+        cb.logprobs_backward(x, target, lse, entropy, ones, ones, LogprobsArgs(1.0, IGNORE, False),
+                             grad)
         assert_matches_spec({"grad": grad}, expected, naive, f"{isa} expanded grad_logp",
                             torch.float32)
 
@@ -207,22 +210,24 @@ def test_cross_entropy(dtype, vocab, layout):
             expected, naive = spec_expected_and_naive(spec_cross_entropy, x0, target, *config,
                                                       grad_scale)
             grad = empty_grad_like(x0)
-            got = tb.cross_entropy_forward(x0, target, *config, grad_scale, grad)
+            got = tb.cross_entropy_forward(x0, target, grad_scale, CrossEntropyArgs(*config), grad)
             what = f"eps={smoothing} z={z_loss} cap={softcap} scale={scale_rows}"
             assert_matches_spec({**named(CE, got), "grad": grad}, expected, naive,
                                 f"torch {what}", dtype)
             for isa in each_isa_and_path():
                 what = f"{isa} eps={smoothing} z={z_loss} cap={softcap} scale={scale_rows}"
-                got = cb.cross_entropy_forward(x0, target, *config, None, None)  # no gradient
+                got = cb.cross_entropy_forward(x0, target, None, CrossEntropyArgs(*config),
+                                               None)  # no gradient
                 assert_matches_spec(named(CE, got), expected, naive, f"{what} (no grad)", dtype)
                 grad = empty_grad_like(x0)
-                got = cb.cross_entropy_forward(x0, target, *config, grad_scale, grad)
+                got = cb.cross_entropy_forward(x0, target, grad_scale, CrossEntropyArgs(*config),
+                                               grad)
                 assert_matches_spec({**named(CE, got), "grad": grad}, expected, naive, what,
                                     dtype)
                 assert got[0][0] == 0 and (grad[0, 0] == 0).all()  # ignored row
                 if layout == "contiguous":
                     x = x0.clone()
-                    got = cb.cross_entropy_forward(x, target, *config, grad_scale,
+                    got = cb.cross_entropy_forward(x, target, grad_scale, CrossEntropyArgs(*config),
                                                    x)  # grad is logits
                     assert_matches_spec({**named(CE, got), "grad": x}, expected, naive,
                                         f"{what} (in-place)", dtype)
@@ -233,8 +238,8 @@ def test_cross_entropy_all_ignored():
     target = torch.full((4,), IGNORE)
     grad = empty_grad_like(x)
     for isa in each_isa():
-        loss, lse = cb.cross_entropy_forward(x, target, IGNORE, 0.1, 1e-3, 0.0,
-                                             torch.ones(1), grad)
+        loss, lse = cb.cross_entropy_forward(x, target, torch.ones(1),
+                                             CrossEntropyArgs(IGNORE, 0.1, 1e-3, 0.0), grad)
         assert (loss == 0).all() and (lse == 0).all() and (grad == 0).all(), isa
 
 
@@ -269,25 +274,27 @@ def test_grpo(dtype, layout):
             for delta in (0.0, 2.0, 1.2):  # 1.2 = 1 + clip_high: ties between the branches
                 args = (0.8, advantages, old_lp, ref_lp, token_weight, 0.2, 0.2, delta, beta)
                 expected, naive = spec_expected_and_naive(spec_grpo, x0, target, *args)
+                rows = (advantages, old_lp, ref_lp, token_weight)
+                surrogate = SurrogateArgs(0.8, 0.2, 0.2, delta, beta)
                 grad = empty_grad_like(x0)
-                got = tb.grpo_forward(x0, target, *args, grad)
+                got = tb.grpo_forward(x0, target, *rows, surrogate, grad)
                 what = f"old={old_lp is not None} beta={beta} delta={delta}"
                 assert_matches_spec({**named(GRPO, got), "grad": grad}, expected, naive,
                                     f"torch {what}", dtype)
                 for isa in each_isa_and_path():
                     what = f"{isa} old={old_lp is not None} beta={beta} delta={delta}"
-                    got = cb.grpo_forward(x0, target, *args, None)
+                    got = cb.grpo_forward(x0, target, *rows, surrogate, None)
                     assert_matches_spec(named(GRPO, got), expected, naive, f"{what} (no grad)",
                                         dtype)
                     grad = empty_grad_like(x0)
-                    got = cb.grpo_forward(x0, target, *args, grad)
+                    got = cb.grpo_forward(x0, target, *rows, surrogate, grad)
                     assert_matches_spec({**named(GRPO, got), "grad": grad}, expected, naive,
                                         what, dtype)
                     assert got[0][2] == 0 and got[1][13] == 0
                     assert (grad[0, 2] == 0).all() and (grad[1, 3] == 0).all()
                     if layout == "contiguous":
                         x = x0.clone()
-                        cb.grpo_forward(x, target, *args, x)
+                        cb.grpo_forward(x, target, *rows, surrogate, x)
                         assert_matches_spec({"grad": x}, expected, naive, f"{what} (in-place)",
                                             dtype)
 
@@ -297,13 +304,13 @@ def test_grpo_clipping_zeroes_gradient():
     no surrogate gradient."""
     x = make_logits((1, 4, 64), torch.float32)
     target = make_target(4, 64)
-    logp = tb.logprobs_forward(x, target, 1.0, IGNORE, False)[0]
+    logp = tb.logprobs_forward(x, target, LogprobsArgs(1.0, IGNORE, False))[0]
     old = logp - torch.tensor([30.0, -30.0, 1.0, -1.0])  # ratio e^30 (clamped), e^-30, e, 1/e
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])  # clipped side for rows 2, 3
     for isa in each_isa_and_path():
         grad = torch.empty_like(x)
-        cb.grpo_forward(x, target, 1.0, advantages, old, None, torch.ones(4), 0.2, 0.2, 0.0,
-                        0.0, grad)
+        cb.grpo_forward(x, target, advantages, old, None, torch.ones(4),
+                        SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.0), grad)
         assert (grad == 0).all(), isa
 
 
@@ -325,14 +332,16 @@ def test_negative_infinity_logits(dtype):
     ce_expected, ce_naive = spec_expected_and_naive(
         spec_cross_entropy, x, target, IGNORE, 0.0, 1e-3, 0.0, torch.ones(1))
     for isa in each_isa():
-        got = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
+        got = cb.logprobs_forward(x, target, LogprobsArgs(1.0, IGNORE, True))
         assert all(torch.isfinite(t).all() for t in got), isa
         assert_matches_spec(named(LOGPROBS, got), expected, naive, isa, dtype)
         grad = empty_grad_like(x)
-        cb.logprobs_backward(x, target, got[2], got[1], gl, gh, 1.0, IGNORE, grad)
+        cb.logprobs_backward(x, target, got[2], got[1], gl, gh, LogprobsArgs(1.0, IGNORE, False),
+                             grad)
         assert torch.isfinite(grad.float()).all(), isa
         assert_matches_spec({"grad": grad}, expected, naive, isa, dtype)
-        got = cb.cross_entropy_forward(x, target, IGNORE, 0.0, 1e-3, 0.0, torch.ones(1), grad)
+        got = cb.cross_entropy_forward(x, target, torch.ones(1),
+                                       CrossEntropyArgs(IGNORE, 0.0, 1e-3, 0.0), grad)
         assert_matches_spec({**named(CE, got), "grad": grad}, ce_expected, ce_naive,
                             f"{isa} ce", dtype)
         assert (grad[..., head:] == 0).all(), isa
@@ -359,11 +368,12 @@ def test_online_rescaling_across_blocks(dtype):
     expected, naive = spec_expected_and_naive(spec_logprobs, x, target, 1.0, IGNORE, True,
                                               gl, torch.zeros(6))
     for isa in each_isa():
-        logp, entropy, lse = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
+        logp, entropy, lse = cb.logprobs_forward(x, target, LogprobsArgs(1.0, IGNORE, True))
         assert torch.isfinite(entropy).all()
         assert_matches_spec(named(LOGPROBS, (logp, entropy, lse)), expected, naive, isa, dtype)
         grad = empty_grad_like(x)
-        cb.logprobs_backward(x, target, lse, entropy, gl, torch.empty(0), 1.0, IGNORE, grad)
+        cb.logprobs_backward(x, target, lse, entropy, gl, torch.empty(0),
+                             LogprobsArgs(1.0, IGNORE, False), grad)
         assert_matches_spec({"grad": grad}, expected, naive, isa, dtype)
 
 
@@ -374,11 +384,12 @@ def test_huge_logits_do_not_overflow():
     ce_expected, ce_naive = spec_expected_and_naive(spec_cross_entropy, x, target, IGNORE, 0.0,
                                                     0.0, 0.0, torch.ones(1))
     for isa in each_isa():
-        got = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
+        got = cb.logprobs_forward(x, target, LogprobsArgs(1.0, IGNORE, True))
         assert all(torch.isfinite(t).all() for t in got), isa
         assert_matches_spec(named(LOGPROBS, got), expected, naive, isa, torch.float32)
         grad = empty_grad_like(x)
-        got = cb.cross_entropy_forward(x, target, IGNORE, 0.0, 0.0, 0.0, torch.ones(1), grad)
+        got = cb.cross_entropy_forward(x, target, torch.ones(1),
+                                       CrossEntropyArgs(IGNORE, 0.0, 0.0, 0.0), grad)
         assert_matches_spec({**named(CE, got), "grad": grad}, ce_expected, ce_naive,
                             f"{isa} ce", torch.float32)
 
@@ -387,7 +398,7 @@ def test_nan_logits_propagate():
     x = make_logits((1, 3, 40), torch.float32)
     x[0, 1, 17] = float("nan")
     target = make_target(3, 40)
-    logp, _, lse = cb.logprobs_forward(x, target, 1.0, IGNORE, False)
+    logp, _, lse = cb.logprobs_forward(x, target, LogprobsArgs(1.0, IGNORE, False))
     assert torch.isnan(lse[1]) and torch.isnan(logp[1])
     assert torch.isfinite(lse[[0, 2]]).all()
 
@@ -395,11 +406,12 @@ def test_nan_logits_propagate():
 def test_vocab_of_one():
     x = make_logits((2, 3, 1), torch.bfloat16)
     target = torch.zeros(6, dtype=torch.int64)
-    logp, entropy, lse = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
+    logp, entropy, lse = cb.logprobs_forward(x, target, LogprobsArgs(1.0, IGNORE, True))
     assert (logp == 0).all() and (entropy == 0).all()
     assert torch.equal(lse, x.float().reshape(-1))
     grad = empty_grad_like(x)
-    cb.logprobs_backward(x, target, lse, entropy, torch.ones(6), torch.ones(6), 1.0, IGNORE, grad)
+    cb.logprobs_backward(x, target, lse, entropy, torch.ones(6), torch.ones(6),
+                         LogprobsArgs(1.0, IGNORE, False), grad)
     assert (grad == 0).all()
 
 
@@ -408,13 +420,15 @@ def test_zero_rows(shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     target = torch.zeros(0, dtype=torch.int64)
     e = torch.empty(0)
-    logp, entropy, lse = cb.logprobs_forward(x, target, 1.0, IGNORE, True)
+    logp, entropy, lse = cb.logprobs_forward(x, target, LogprobsArgs(1.0, IGNORE, True))
     assert logp.shape == entropy.shape == lse.shape == (0,)
     grad = torch.empty_like(x)
-    cb.logprobs_backward(x, target, lse, entropy, e, e, 1.0, IGNORE, grad)
-    loss, lse = cb.cross_entropy_forward(x, target, IGNORE, 0.1, 0.0, 0.0, torch.ones(1), grad)
+    cb.logprobs_backward(x, target, lse, entropy, e, e, LogprobsArgs(1.0, IGNORE, False), grad)
+    loss, lse = cb.cross_entropy_forward(x, target, torch.ones(1),
+                                         CrossEntropyArgs(IGNORE, 0.1, 0.0, 0.0), grad)
     assert loss.shape == lse.shape == (0,)
-    logp, loss = cb.grpo_forward(x, target, 1.0, e, None, None, e, 0.2, 0.2, 0.0, 0.0, grad)
+    logp, loss = cb.grpo_forward(x, target, e, None, None, e,
+                                 SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.0), grad)
     assert logp.shape == loss.shape == (0,)
 
 
@@ -423,13 +437,13 @@ def test_out_of_range_target_raises():
     for bad in (10, -1, 12345):
         target = torch.tensor([0, 1, bad, 3])
         with pytest.raises(ValueError, match="out of range"):
-            cb.logprobs_forward(x, target, 1.0, IGNORE, False)
+            cb.logprobs_forward(x, target, LogprobsArgs(1.0, IGNORE, False))
         with pytest.raises(ValueError, match="out of range"):
-            cb.cross_entropy_forward(x, target, IGNORE, 0.0, 0.0, 0.0, torch.ones(1),
-                                     torch.empty_like(x))
+            cb.cross_entropy_forward(x, target, torch.ones(1),
+                                     CrossEntropyArgs(IGNORE, 0.0, 0.0, 0.0), torch.empty_like(x))
         with pytest.raises(ValueError, match="out of range"):
-            cb.grpo_forward(x, target, 1.0, torch.ones(4), None, None, torch.ones(4), 0.2, 0.2,
-                            0.0, 0.0, None)
+            cb.grpo_forward(x, target, torch.ones(4), None, None, torch.ones(4),
+                            SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.0), None)
 
 
 def test_results_do_not_depend_on_thread_count():
@@ -441,8 +455,8 @@ def test_results_do_not_depend_on_thread_count():
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             grad = torch.empty_like(x)
-            loss, lse = cb.cross_entropy_forward(x, target, IGNORE, 0.0, 0.0, 0.0,
-                                                 torch.ones(1), grad)
+            loss, lse = cb.cross_entropy_forward(x, target, torch.ones(1),
+                                                 CrossEntropyArgs(IGNORE, 0.0, 0.0, 0.0), grad)
             outputs.append((loss, lse, grad))
     finally:
         torch.set_num_threads(before)
@@ -478,12 +492,12 @@ def test_softmax_tail_through_gradient():
     target = torch.zeros(t.numel(), dtype=torch.int64)
     d = t.double() - torch.log1p(torch.exp(t.double()))
     for isa in each_isa():
-        _, _, lse = cb.logprobs_forward(x, target, 1.0, IGNORE, False)
+        _, _, lse = cb.logprobs_forward(x, target, LogprobsArgs(1.0, IGNORE, False))
         torch.testing.assert_close(lse.double(), torch.log1p(torch.exp(t.double())),
                                    rtol=3e-7, atol=1e-7, msg=isa)
         grad = torch.empty_like(x)
-        cb.logprobs_backward(x, target, lse, torch.empty(0), torch.ones(t.numel()),
-                             torch.empty(0), 1.0, IGNORE, grad)
+        cb.logprobs_backward(x, target, lse, torch.empty(0), torch.ones(t.numel()), torch.empty(0),
+                             LogprobsArgs(1.0, IGNORE, False), grad)
         # d carries the float32 rounding of t - lse (|d| <= 87: about 4e-6 absolute)
         torch.testing.assert_close(-grad[0, :, 1].double(), torch.exp(d), rtol=1e-5, atol=0.0,
                                    msg=isa)
@@ -564,7 +578,7 @@ def test_build_failure_carries_compiler_output(monkeypatch, tmp_path):
 def test_lse_reference_value():
     """A hand-checked value, independent of the torch backend."""
     x = torch.tensor([[[1.0, 2.0, 3.0]]])
-    logp, entropy, lse = cb.logprobs_forward(x, torch.tensor([2]), 1.0, IGNORE, True)
+    logp, entropy, lse = cb.logprobs_forward(x, torch.tensor([2]), LogprobsArgs(1.0, IGNORE, True))
     expected_lse = math.log(math.exp(1) + math.exp(2) + math.exp(3))
     assert abs(lse.item() - expected_lse) < 1e-6
     assert abs(logp.item() - (3 - expected_lse)) < 1e-6

@@ -120,13 +120,14 @@ cpp_extension.load = refuse
 import astrai_kernels.cpu.cpp_backend as cb
 from astrai_kernels.ops._backend import resolve_backend
 from astrai_kernels.cpu import torch_backend
+from astrai_kernels.ops.primitives import LogprobsArgs
 
 reason = cb.unavailable_reason("cpu")
 gen = torch.Generator().manual_seed(0)
 logits = torch.randn(1, 6, 37, generator=gen, dtype=torch.float64).float()
 target = torch.randint(0, 37, (6,), generator=gen)
-got = cb.logprobs_forward(logits, target, 0.7, -100, True)
-want = torch_backend.logprobs_forward(logits, target, 0.7, -100, True)
+got = cb.logprobs_forward(logits, target, LogprobsArgs(0.7, -100, True))
+want = torch_backend.logprobs_forward(logits, target, LogprobsArgs(0.7, -100, True))
 print(json.dumps({
     "reason": reason,
     "auto": resolve_backend("auto", "cpu"),

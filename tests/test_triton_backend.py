@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from astrai_kernels.cpu import torch_backend as tb
+from astrai_kernels.ops.primitives import CrossEntropyArgs, LogprobsArgs, SurrogateArgs
 from astrai_kernels.testing import assert_close as check_close
 from astrai_kernels.triton import backend as kb
 from astrai_kernels.triton import config
@@ -99,12 +100,12 @@ def test_logprobs_forward_backward(dtype, vocab, with_entropy, tile):
                     else torch.empty(0, device=DEVICE))
     expected, naive = spec_expected_and_naive(spec_logprobs, logits, target, temperature, IGNORE,
                                               with_entropy, grad_logp, grad_entropy)
-    out_t = kb.logprobs_forward(logits, target, temperature, IGNORE, with_entropy)
+    out_t = kb.logprobs_forward(logits, target, LogprobsArgs(temperature, IGNORE, with_entropy))
     assert_matches_spec(named(LOGPROBS, out_t), expected, naive, "forward", dtype)
     logp, entropy, lse = out_t
     grad_t = torch.full_like(logits, float("nan"))
-    kb.logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, temperature,
-                         IGNORE, grad_t)
+    kb.logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy,
+                         LogprobsArgs(temperature, IGNORE, False), grad_t)
     assert_matches_spec({"grad": grad_t}, expected, naive, "backward", dtype)
     assert (grad_t[0, 0] == 0).all()  # row 0 is ignored
 
@@ -116,11 +117,11 @@ def test_logprobs_layouts_and_int32_target(layout, tile):
     grad_logp = torch.linspace(-1, 1, 9).to(DEVICE)
     expected, naive = spec_expected_and_naive(spec_logprobs, logits, target, 1.0, IGNORE, True,
                                               grad_logp, grad_logp.flip(0))
-    out_t = kb.logprobs_forward(logits, target, 1.0, IGNORE, True)
+    out_t = kb.logprobs_forward(logits, target, LogprobsArgs(1.0, IGNORE, True))
     assert_matches_spec(named(LOGPROBS, out_t), expected, naive, layout, torch.float32)
     grad_t = torch.empty(3, 3, 37, device=DEVICE).transpose(0, 1)  # a strided grad as well
-    kb.logprobs_backward(logits, target, out_t[2], out_t[1], grad_logp, grad_logp.flip(0), 1.0,
-                         IGNORE, grad_t)
+    kb.logprobs_backward(logits, target, out_t[2], out_t[1], grad_logp, grad_logp.flip(0),
+                         LogprobsArgs(1.0, IGNORE, False), grad_t)
     assert_matches_spec({"grad": grad_t}, expected, naive, layout, torch.float32)
 
 
@@ -130,12 +131,13 @@ def test_logprobs_expanded_grad_and_ignored_only(tile):
     grad_logp = torch.ones((), device=DEVICE).expand(4)  # what sum().backward() hands over
     expected, naive = spec_expected_and_naive(spec_logprobs, logits, target, 1.0, IGNORE, False,
                                               grad_logp)
-    logp, entropy, lse = kb.logprobs_forward(logits, target, 1.0, IGNORE, False)
+    logp, entropy, lse = kb.logprobs_forward(logits, target, LogprobsArgs(1.0, IGNORE, False))
     grad_t = torch.empty_like(logits)
-    kb.logprobs_backward(logits, target, lse, entropy, grad_logp, entropy, 1.0, IGNORE, grad_t)
+    kb.logprobs_backward(logits, target, lse, entropy, grad_logp, entropy,
+                         LogprobsArgs(1.0, IGNORE, False), grad_t)
     assert_matches_spec({"grad": grad_t}, expected, naive, "expanded", torch.float32)
     all_ignored = torch.full((4,), IGNORE, device=DEVICE)
-    logp, entropy, lse = kb.logprobs_forward(logits, all_ignored, 1.0, IGNORE, True)
+    logp, entropy, lse = kb.logprobs_forward(logits, all_ignored, LogprobsArgs(1.0, IGNORE, True))
     assert (logp == 0).all() and (entropy == 0).all() and (lse == 0).all()
 
 
@@ -147,10 +149,10 @@ def test_logprobs_backward_inplace(dtype, tile):
     grad_logp, grad_entropy = (torch.randn(6, generator=g).to(DEVICE) for _ in range(2))
     expected, naive = spec_expected_and_naive(spec_logprobs, logits, target, 1.3, IGNORE, True,
                                               grad_logp, grad_entropy)
-    logp, entropy, lse = tb.logprobs_forward(logits, target, 1.3, IGNORE, True)
+    logp, entropy, lse = tb.logprobs_forward(logits, target, LogprobsArgs(1.3, IGNORE, True))
     buffer = logits.clone()
-    kb.logprobs_backward(buffer, target, lse, entropy, grad_logp, grad_entropy, 1.3, IGNORE,
-                         buffer)
+    kb.logprobs_backward(buffer, target, lse, entropy, grad_logp, grad_entropy,
+                         LogprobsArgs(1.3, IGNORE, False), buffer)
     assert_matches_spec({"grad": buffer}, expected, naive, "in-place", dtype)
 
 
@@ -158,13 +160,14 @@ def test_grid_stride_loop(few_programs, tile):
     logits = make_logits(2, 5, 37, torch.float32)
     target = make_target(10, 37)
     expected, naive = spec_expected_and_naive(spec_logprobs, logits, target, 1.0, IGNORE, True)
-    out_t = kb.logprobs_forward(logits, target, 1.0, IGNORE, True)
+    out_t = kb.logprobs_forward(logits, target, LogprobsArgs(1.0, IGNORE, True))
     assert_matches_spec(named(LOGPROBS, out_t), expected, naive, "grid-stride", torch.float32)
     scale = torch.full((1,), 0.5, device=DEVICE)
     expected, naive = spec_expected_and_naive(spec_cross_entropy, logits, target, IGNORE, 0.1,
                                               0.0, 0.0, scale)
     grad_t = torch.empty_like(logits)
-    out_t = kb.cross_entropy_forward(logits, target, IGNORE, 0.1, 0.0, 0.0, scale, grad_t)
+    out_t = kb.cross_entropy_forward(logits, target, scale, CrossEntropyArgs(IGNORE, 0.1, 0.0, 0.0),
+                                     grad_t)
     assert_matches_spec({**named(CE, out_t), "grad": grad_t}, expected, naive,
                         "grid-stride ce", torch.float32)
 
@@ -176,10 +179,11 @@ def test_extreme_logits_stay_finite(tile):
     ones = torch.ones(1, device=DEVICE)
     expected, naive = spec_expected_and_naive(spec_logprobs, logits, target, 1.0, IGNORE, False,
                                               ones)
-    logp, entropy, lse = kb.logprobs_forward(logits, target, 1.0, IGNORE, False)
+    logp, entropy, lse = kb.logprobs_forward(logits, target, LogprobsArgs(1.0, IGNORE, False))
     assert_matches_spec({"logp": logp, "lse": lse}, expected, naive, "extreme", torch.float32)
     grad = torch.empty_like(logits)
-    kb.logprobs_backward(logits, target, lse, entropy, ones, entropy, 1.0, IGNORE, grad)
+    kb.logprobs_backward(logits, target, lse, entropy, ones, entropy,
+                         LogprobsArgs(1.0, IGNORE, False), grad)
     assert torch.isfinite(grad).all()
     assert_matches_spec({"grad": grad}, expected, naive, "extreme", torch.float32)
 
@@ -206,14 +210,15 @@ def test_cross_entropy(dtype, vocab, case, tile):
     logits = make_logits(2, 4, vocab, dtype, layout="shifted", seed=vocab)
     target = make_target(8, vocab)
     options = (IGNORE, label_smoothing, z_loss, softcap)
-    out_t = kb.cross_entropy_forward(logits, target, *options, None, None)
+    out_t = kb.cross_entropy_forward(logits, target, None, CrossEntropyArgs(*options), None)
     for grad_scale in (torch.full((1,), 1.0 / 5), torch.linspace(0.5, 2.0, 8)):
         grad_scale = grad_scale.to(DEVICE)
         expected, naive = spec_expected_and_naive(spec_cross_entropy, logits, target, *options,
                                                   grad_scale)
         assert_matches_spec(named(CE, out_t), expected, naive, "no grad", dtype)
         grad_t = torch.full_like(logits, float("nan"))
-        got = kb.cross_entropy_forward(logits, target, *options, grad_scale, grad_t)
+        got = kb.cross_entropy_forward(logits, target, grad_scale, CrossEntropyArgs(*options),
+                                       grad_t)
         assert_matches_spec({**named(CE, got), "grad": grad_t}, expected, naive,
                             f"scale {grad_scale.numel()}", dtype)
         assert (grad_t[0, 0] == 0).all()
@@ -228,7 +233,8 @@ def test_cross_entropy_inplace_and_strided(dtype, layout, tile):
     expected, naive = spec_expected_and_naive(spec_cross_entropy, logits, target, IGNORE, 0.1,
                                               1e-3, 3.0, scale)
     buffer = logits.clone()  # clone keeps the layout (a dense strided copy)
-    got = kb.cross_entropy_forward(buffer, target, IGNORE, 0.1, 1e-3, 3.0, scale, buffer)
+    got = kb.cross_entropy_forward(buffer, target, scale, CrossEntropyArgs(IGNORE, 0.1, 1e-3, 3.0),
+                                   buffer)
     assert_matches_spec({**named(CE, got), "grad": buffer}, expected, naive, layout, dtype)
 
 
@@ -236,8 +242,8 @@ def test_cross_entropy_int32_target_all_ignored(tile):
     logits = make_logits(1, 4, 37, torch.bfloat16)
     target = torch.full((4,), IGNORE, dtype=torch.int32, device=DEVICE)
     grad = torch.full_like(logits, float("nan"))
-    loss, lse = kb.cross_entropy_forward(logits, target, IGNORE, 0.1, 1e-3, 0.0,
-                                         torch.ones(1, device=DEVICE), grad)
+    loss, lse = kb.cross_entropy_forward(logits, target, torch.ones(1, device=DEVICE),
+                                         CrossEntropyArgs(IGNORE, 0.1, 1e-3, 0.0), grad)
     assert (loss == 0).all() and (lse == 0).all() and (grad == 0).all()
 
 
@@ -278,10 +284,11 @@ def test_grpo_forward(dtype, vocab, case, tile):
     ref = logp - noise.flip(0) if has_ref else None
     args = (temperature, advantages, old, ref, weight, 0.2, 0.28, delta, beta)
     expected, naive = spec_expected_and_naive(spec_grpo, logits, target, *args)
-    got = kb.grpo_forward(logits, target, *args, None)
+    rows, surrogate = args[1:5], SurrogateArgs(temperature, 0.2, 0.28, delta, beta)
+    got = kb.grpo_forward(logits, target, *rows, surrogate, None)
     assert_matches_spec(named(GRPO, got), expected, naive, "no grad", dtype)
     grad_t = torch.full_like(logits, float("nan"))
-    logp_t, loss_t = kb.grpo_forward(logits, target, *args, grad_t)
+    logp_t, loss_t = kb.grpo_forward(logits, target, *rows, surrogate, grad_t)
     assert_matches_spec({"logp": logp_t, "loss": loss_t, "grad": grad_t}, expected, naive,
                         "with grad", dtype)
     assert (grad_t[0, 1] == 0).all() and (logp_t[1] == 0) and (loss_t[1] == 0)  # masked row
@@ -293,8 +300,8 @@ def test_grpo_on_policy_gradient_flows():
     advantages = torch.tensor([1.0, -1.0, 0.5, 2.0], device=DEVICE)
     weight = torch.ones(4, device=DEVICE)
     grad = torch.empty_like(logits)
-    logp, loss = kb.grpo_forward(logits, target, 1.0, advantages, None, None, weight, 0.2, 0.2,
-                                 0.0, 0.0, grad)
+    logp, loss = kb.grpo_forward(logits, target, advantages, None, None, weight,
+                                 SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.0), grad)
     assert torch.equal(loss.cpu(), -advantages.cpu())  # ratio exactly 1
     p = torch.softmax(logits.double().cpu(), -1)[0]
     onehot = torch.nn.functional.one_hot(target.cpu(), 37).double()
@@ -307,11 +314,11 @@ def test_grpo_inplace_and_strided(tile):
     logits = make_logits(2, 3, 300, torch.bfloat16, layout="transposed")
     target = make_target(6, 300, ignore_every=0)
     advantages, weight, noise = grpo_inputs(6, spread=1.0)
-    logp, _, _ = tb.logprobs_forward(logits, target, 1.0, IGNORE, False)
+    logp, _, _ = tb.logprobs_forward(logits, target, LogprobsArgs(1.0, IGNORE, False))
     args = (1.0, advantages, logp + noise, logp - noise, weight, 0.2, 0.2, 0.0, 0.04)
     expected, naive = spec_expected_and_naive(spec_grpo, logits, target, *args)
     buffer = logits.clone()
-    kb.grpo_forward(buffer, target, *args, buffer)
+    kb.grpo_forward(buffer, target, *args[1:5], SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.04), buffer)
     assert_matches_spec({"grad": buffer}, expected, naive, "in-place", torch.bfloat16)
 
 
@@ -319,8 +326,8 @@ def test_grpo_requires_ref_with_beta():
     logits = make_logits(1, 2, 5, torch.float32)
     rows = torch.zeros(2, device=DEVICE)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        kb.grpo_forward(logits, torch.zeros(2, dtype=torch.long, device=DEVICE), 1.0, rows,
-                        None, None, rows + 1, 0.2, 0.2, 0.0, 0.1, None)
+        kb.grpo_forward(logits, torch.zeros(2, dtype=torch.long, device=DEVICE), rows, None, None,
+                        rows + 1, SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.1), None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import json, torch
 from torch._functorch.aot_autograd import aot_function
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 from astrai_kernels.ops import _library
+from astrai_kernels.ops.primitives import CrossEntropyArgs, LogprobsArgs, SurrogateArgs
 
 class Captured(Exception):
     pass
@@ -49,16 +50,19 @@ rows = torch.empty(16, dtype=torch.float32, **meta)
 one = torch.empty(1, dtype=torch.float32, **meta)
 graphs = {
     "logprobs_forward": graph_of(
-        lambda x, y: _library.logprobs_forward(x, y, 1.3, -100, True, "triton"), logits, target),
+        lambda x, y: _library.logprobs_forward(x, y, LogprobsArgs(1.3, -100, True), "triton"),
+        logits, target),
     "logprobs_backward": graph_of(
-        lambda x, y, r: _library.logprobs_backward(x, y, r, r, r, r, 1.3, -100, "triton"),
+        lambda x, y, r: _library.logprobs_backward(x, y, r, r, r, r,
+                                                   LogprobsArgs(1.3, -100, True), "triton"),
         logits, target, rows),
     "cross_entropy_forward": graph_of(
-        lambda x, y, s: _library.cross_entropy_forward(x, y, -100, 0.1, 1e-4, 30.0, s, "triton"),
+        lambda x, y, s: _library.cross_entropy_forward(
+            x, y, s, CrossEntropyArgs(-100, 0.1, 1e-4, 30.0), True, "triton"),
         logits, target, one),
     "grpo_forward": graph_of(
-        lambda x, y, r: _library.grpo_forward(x, y, 1.0, r, r, r, r, 0.2, 0.28, 0.0, 0.04, True,
-                                              "triton"),
+        lambda x, y, r: _library.grpo_forward(
+            x, y, r, r, r, r, SurrogateArgs(1.0, 0.2, 0.28, 0.0, 0.04), True, "triton"),
         logits, target, rows),
 }
 print(json.dumps({"triton_ops": _library.TRITON_OPS, "graphs": graphs}))

@@ -1,4 +1,4 @@
-"""The ``cpp`` backend: the primitives of ``ops/_backend.py`` as C++ kernels from ``csrc/``.
+"""The ``cpp`` backend: the primitives of ``ops/primitives.py`` as C++ kernels from ``csrc/``.
 
 The sources are the checkout's ``csrc/`` or, in an installed package, the copy the wheel carries
 as ``astrai_kernels/csrc/`` (setup.py puts it there). The extension is built on first use with
@@ -329,7 +329,7 @@ def set_isa(name):
 
 
 # ------------------------------------------------------------------------------------------
-# The primitives (see ops/_backend.py for the contract)
+# The primitives (see ops/primitives.py for the contract)
 # ------------------------------------------------------------------------------------------
 
 def _rows_f32(tensor):
@@ -346,54 +346,57 @@ def _target(target):
     return target.contiguous()
 
 
-def logprobs_forward(logits, target, temperature, ignore_index, with_entropy):
+def logprobs_forward(logits, target, params):
     ext = load_extension()
-    logp, entropy, lse = ext.logprobs_forward(logits, _target(target), float(temperature),
-                                              int(ignore_index), bool(with_entropy))
+    logp, entropy, lse = ext.logprobs_forward(logits, _target(target), float(params.temperature),
+                                              int(params.ignore_index), bool(params.with_entropy))
     return logp, entropy, lse
 
 
-def logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, temperature,
-                      ignore_index, grad):
+def logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, params, grad):
     ext = load_extension()
     with_entropy = grad_entropy is not None and grad_entropy.numel() > 0
     empty = lse.new_empty(0, dtype=torch.float32)
     ext.logprobs_backward(logits, _target(target), _rows_f32(lse),
                           _rows_f32(entropy) if with_entropy else empty, _rows_f32(grad_logp),
                           _rows_f32(grad_entropy) if with_entropy else empty,
-                          float(temperature), int(ignore_index), grad)
+                          float(params.temperature), int(params.ignore_index), grad)
 
 
-def cross_entropy_forward(logits, target, ignore_index, label_smoothing, z_loss, softcap,
-                          grad_scale, grad):
+def cross_entropy_forward(logits, target, grad_scale, params, grad):
     ext = load_extension()
     loss, lse = ext.cross_entropy_forward(
-        logits, _target(target), int(ignore_index), float(label_smoothing), float(z_loss),
-        float(softcap or 0.0), _rows_f32(grad_scale) if grad is not None else None, grad)
+        logits, _target(target), int(params.ignore_index), float(params.label_smoothing),
+        float(params.z_loss), float(params.softcap or 0.0),
+        _rows_f32(grad_scale) if grad is not None else None, grad)
     return loss, lse
 
 
-def grpo_forward(logits, target, temperature, advantages, old_logprobs, ref_logprobs,
-                 token_weight, clip_low, clip_high, delta, beta, grad):
+def grpo_forward(logits, target, advantages, old_logprobs, ref_logprobs, token_weight, params,
+                 grad):
     ext = load_extension()
     logp, loss = ext.grpo_forward(
-        logits, _target(target), float(temperature), _rows_f32(advantages),
+        logits, _target(target), float(params.temperature), _rows_f32(advantages),
         _rows_f32(old_logprobs), _rows_f32(ref_logprobs), _rows_f32(token_weight),
-        float(clip_low), float(clip_high), float(delta or 0.0), float(beta), grad)
+        float(params.clip_eps_low), float(params.clip_eps_high), float(params.delta or 0.0),
+        float(params.beta), grad)
     return logp, loss
 
 
-def distill_forward(student, teacher, target, ignore_index, beta, temperature, hard_weight):
+def distill_forward(student, teacher, target, params):
     ext = load_extension()
-    return tuple(ext.distill_forward(student, teacher, _target(target), int(ignore_index),
-                                     float(beta), float(temperature), float(hard_weight)))
+    return tuple(ext.distill_forward(student, teacher, _target(target), int(params.ignore_index),
+                                     float(params.beta), float(params.temperature),
+                                     float(params.hard_weight)))
 
 
-def distill_backward(student, teacher, target, ignore_index, beta, temperature, hard_weight,
-                     student_lse, teacher_lse, student_kl, hard_lse, grad_loss, grad):
+def distill_backward(student, teacher, target, student_lse, teacher_lse, student_kl, hard_lse,
+                     grad_loss, params, grad):
     ext = load_extension()
-    hard = _rows_f32(hard_lse) if hard_weight else student_lse.new_empty(0, dtype=torch.float32)
-    ext.distill_backward(student, teacher, _target(target), int(ignore_index), float(beta),
-                         float(temperature), float(hard_weight), _rows_f32(student_lse),
+    hard = (_rows_f32(hard_lse) if params.hard_weight
+            else student_lse.new_empty(0, dtype=torch.float32))
+    ext.distill_backward(student, teacher, _target(target), int(params.ignore_index),
+                         float(params.beta), float(params.temperature),
+                         float(params.hard_weight), _rows_f32(student_lse),
                          _rows_f32(teacher_lse), _rows_f32(student_kl), hard,
                          _rows_f32(grad_loss), grad)

@@ -1,4 +1,4 @@
-"""Pure-PyTorch chunked backend: the primitives of ``ops/_backend.py`` over blocks of rows.
+"""Pure-PyTorch chunked backend: the primitives of ``ops/primitives.py`` over blocks of rows.
 
 Each block is upcast to float32 on its own, so the extra memory is bounded by a few float32
 copies of one block (``CHUNK_ELEMENTS`` elements each), never by ``N x V``.
@@ -152,7 +152,9 @@ def _write_grad(grad_block, p, coef, y, target_value, valid):
     _store_grad(grad_block, g, y, target_value, valid)
 
 
-def logprobs_forward(logits, target, temperature, ignore_index, with_entropy):
+def logprobs_forward(logits, target, params):
+    temperature, ignore_index, with_entropy = (
+        params.temperature, params.ignore_index, params.with_entropy)
     n_rows = target.numel()
     logp = torch.zeros(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.zeros_like(logp)
@@ -178,8 +180,8 @@ def logprobs_forward(logits, target, temperature, ignore_index, with_entropy):
     return logp, entropy, lse
 
 
-def logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, temperature,
-                      ignore_index, grad):
+def logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, params, grad):
+    temperature, ignore_index = params.temperature, params.ignore_index
     if target.numel() == 0:
         return
     with_entropy = grad_entropy.numel() > 0
@@ -222,8 +224,9 @@ def _softcapped(block, softcap, bufs):
     return torch.mul(t, softcap, out=bufs[0]), t
 
 
-def cross_entropy_forward(logits, target, ignore_index, label_smoothing, z_loss, softcap,
-                          grad_scale, grad):
+def cross_entropy_forward(logits, target, grad_scale, params, grad):
+    ignore_index, label_smoothing, z_loss, softcap = (
+        params.ignore_index, params.label_smoothing, params.z_loss, params.softcap)
     n_rows = target.numel()
     vocab = logits.shape[-1]
     loss = torch.zeros(n_rows, dtype=torch.float32, device=logits.device)
@@ -313,8 +316,10 @@ def grpo_token_terms(logp, old_logprobs, ref_logprobs, advantages, clip_low, cli
     return loss, dloss
 
 
-def grpo_forward(logits, target, temperature, advantages, old_logprobs, ref_logprobs,
-                 token_weight, clip_low, clip_high, delta, beta, grad):
+def grpo_forward(logits, target, advantages, old_logprobs, ref_logprobs, token_weight, params,
+                 grad):
+    temperature, clip_low, clip_high, delta, beta = (
+        params.temperature, params.clip_eps_low, params.clip_eps_high, params.delta, params.beta)
     n_rows = target.numel()
     logp = torch.zeros(n_rows, dtype=torch.float32, device=logits.device)
     if n_rows == 0:
@@ -350,8 +355,8 @@ def grpo_forward(logits, target, temperature, advantages, old_logprobs, ref_logp
     return logp, torch.where(valid, loss, 0.0)
 
 
-def vocab_shard_backward(logits, target, lse, alpha, beta, gamma, delta, temperature, softcap,
-                         ignore_index, grad):
+def vocab_shard_backward(logits, target, lse, alpha, beta, gamma, delta, params, grad):
+    temperature, softcap, ignore_index = params.temperature, params.softcap, params.ignore_index
     n_rows = target.numel()
     if n_rows == 0:
         return
@@ -417,7 +422,9 @@ def _kl_rows(log_p, log_m, buf):
     return terms.sum(-1)
 
 
-def distill_forward(student, teacher, target, ignore_index, beta, temperature, hard_weight):
+def distill_forward(student, teacher, target, params):
+    ignore_index, beta, temperature, hard_weight = (
+        params.ignore_index, params.beta, params.temperature, params.hard_weight)
     n_rows = target.numel()
     loss, lse_s, lse_t, kl_s = (torch.zeros(n_rows, dtype=torch.float32, device=student.device)
                                 for _ in range(4))
@@ -459,8 +466,10 @@ def distill_forward(student, teacher, target, ignore_index, beta, temperature, h
     return tuple(outputs)
 
 
-def distill_backward(student, teacher, target, ignore_index, beta, temperature, hard_weight,
-                     student_lse, teacher_lse, student_kl, hard_lse, grad_loss, grad):
+def distill_backward(student, teacher, target, student_lse, teacher_lse, student_kl, hard_lse,
+                     grad_loss, params, grad):
+    ignore_index, beta, temperature, hard_weight = (
+        params.ignore_index, params.beta, params.temperature, params.hard_weight)
     if target.numel() == 0:
         return
     valid = target != ignore_index

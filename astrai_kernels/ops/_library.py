@@ -1,9 +1,13 @@
 """The backends' primitives as ``torch.library`` custom ops, so ``torch.compile`` traces through.
 
-Each op is functional (it allocates the gradient it returns) and dispatches on ``backend`` to
-the module named in ``_backend.py``; its fake implementation states the output shapes. The
-in-place-gradient paths call the backend modules directly instead (an op may not return an
-alias of its input).
+Everything here is generated from the declarations in ``ops/primitives.py``: each primitive's
+custom op (its schema: the declared tensors, then the fields of its params class, then
+``compute_grad`` for a gradient the caller may skip, then ``backend``), its fake implementation
+(the declared output lengths), its ``triton_op`` twin and the eager wrapper the ops call,
+``primitive_name(*tensors, params, [compute_grad,] backend)``. Each op is functional (it
+allocates the gradient it returns) and dispatches on ``backend`` to the module named in
+``_backend.py``. The in-place-gradient paths call the backend modules directly instead (an op
+may not return an alias of its input).
 
 :func:`traceable_op` makes these ops (and the fused head's in ``linear.py``):
 
@@ -29,13 +33,15 @@ triton call, not at import.
 """
 
 import inspect
-from typing import Optional
+from dataclasses import fields
+from typing import Tuple
 
 import torch
 from torch import Tensor
 
 from ..cpu.memory import empty_gradient
 from ._backend import backend_module
+from .primitives import ALWAYS, NONE, OPTIONAL, PRIMITIVES, args_of
 
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
@@ -94,262 +100,183 @@ def traceable_op(name, floats=()):
     return wrap
 
 
-def _rows(target):
-    return target.numel()
+def _schema_fields(primitive):
+    """``(name, annotation, is_runtime_float)`` of the params fields as schema arguments."""
+    out = []
+    for f in fields(primitive.params):
+        kind = {"float": float, "int": int, "bool": bool, "str": str}[str(f.type)]
+        out.append((f.name, kind, kind is float and not f.metadata.get("static")))
+    return out
+
+
+def _signature(primitive, runtime_floats_as_tensors, with_backend):
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter(name, kind, annotation=annotation)
+              for name, annotation in primitive.tensors]
+    for name, annotation, runtime_float in _schema_fields(primitive):
+        if runtime_float and runtime_floats_as_tensors:
+            annotation = Tensor
+        params.append(inspect.Parameter(name, kind, annotation=annotation))
+    if primitive.gradient == OPTIONAL:
+        params.append(inspect.Parameter("compute_grad", kind, annotation=bool))
+    if with_backend:
+        params.append(inspect.Parameter("backend", kind, annotation=str))
+    n_outputs = len(primitive.outputs(_AllOn(), 1))
+    if primitive.gradient == ALWAYS:
+        returns = Tensor
+    else:
+        returns = Tuple[(Tensor,) * (n_outputs + (primitive.gradient == OPTIONAL))]
+    return inspect.Signature(params, return_annotation=returns)
+
+
+class _AllOn:
+    """Params stand-in for counting outputs: every flag set."""
+
+    def __getattr__(self, name):
+        return 1
+
+
+def _run(primitive, module, tensors, params, compute_grad, new_grad):
+    """Call the backend's primitive; the gradient (when written) in a new tensor."""
+    fn = getattr(module, primitive.name)
+    if primitive.gradient == NONE:
+        return tuple(fn(*tensors, params))
+    if primitive.gradient == ALWAYS:
+        grad = new_grad(tensors[0])
+        fn(*tensors, params, grad)
+        return grad
+    grad = new_grad(tensors[0]) if compute_grad else tensors[0].new_empty(0)
+    outputs = fn(*tensors, params, grad if compute_grad else None)
+    return (*outputs, grad)
+
+
+def _fake(primitive, tensors, params, compute_grad):
+    first = tensors[0]
+    n_rows = tensors[primitive_target_index(primitive)].numel()
+    rows = tuple(first.new_empty(length, dtype=torch.float32)
+                 for length in primitive.outputs(params, n_rows))
+    if primitive.gradient == ALWAYS:
+        return first.new_empty(first.shape)
+    if primitive.gradient == OPTIONAL:
+        return (*rows, first.new_empty(first.shape) if compute_grad else first.new_empty(0))
+    return rows
+
+
+def primitive_target_index(primitive):
+    return [name for name, _ in primitive.tensors].index("target")
 
 
 def _grad_like(logits):
     return empty_gradient(logits.shape, logits.dtype, logits.device)
 
 
-def _fake_grad_like(logits):
-    return logits.new_empty(logits.shape)
+class _Generated:
+    """A primitive's custom op, its Triton twin (defined on first traced use) and its
+    eager wrapper."""
+
+    def __init__(self, primitive):
+        self.primitive = primitive
+        self.n_tensors = len(primitive.tensors)
+        self.field_names = [name for name, _, _ in _schema_fields(primitive)]
+        self.runtime_floats = [i for i, (_, _, runtime) in enumerate(_schema_fields(primitive))
+                               if runtime]
+        self.optional = primitive.gradient == OPTIONAL
+        entry = self._make_entry(_signature(primitive, True, True), self._op_body)
+        self.op = torch.library.custom_op(f"astrai_kernels::{primitive.name}", entry,
+                                          mutates_args=())
+        self.op.register_fake(self._make_entry(_signature(primitive, True, True),
+                                               self._fake_body))
+
+    @staticmethod
+    def _make_entry(signature, impl):
+        def entry(*args):
+            return impl(*args)
+        entry.__signature__ = signature
+        return entry
+
+    def _split(self, args, floats_are_tensors):
+        """``(tensors, params, compute_grad, rest)`` from a flat schema argument list."""
+        tensors = args[:self.n_tensors]
+        values = list(args[self.n_tensors:self.n_tensors + len(self.field_names)])
+        if floats_are_tensors:
+            for i in self.runtime_floats:
+                values[i] = values[i].item()
+        params = self.primitive.params(**dict(zip(self.field_names, values)))
+        rest = args[self.n_tensors + len(self.field_names):]
+        compute_grad = rest[0] if self.optional else None
+        return tensors, params, compute_grad, rest[1:] if self.optional else rest
+
+    def _op_body(self, *args):
+        tensors, params, compute_grad, (backend,) = self._split(args, True)
+        return _run(self.primitive, backend_module(backend), tensors, params, compute_grad,
+                    _grad_like)
+
+    def _fake_body(self, *args):
+        tensors = args[:self.n_tensors]
+        values = args[self.n_tensors:self.n_tensors + len(self.field_names)]
+        params = _FieldView(dict(zip(self.field_names, values)))
+        compute_grad = args[self.n_tensors + len(self.field_names)] if self.optional else None
+        return _fake(self.primitive, tensors, params, compute_grad)
+
+    def define_twin(self):
+        """The ``triton_op`` twin: its body launches the Triton kernels (traced, Inductor sees
+        them); it takes the floats as Python floats."""
+        def twin_body(*args):
+            tensors, params, compute_grad, _ = self._split(args, False)
+            return _run(self.primitive, backend_module("triton"), tensors, params,
+                        compute_grad, torch.empty_like)
+        entry = self._make_entry(_signature(self.primitive, False, False), twin_body)
+        return torch.library.triton_op(f"astrai_kernels::triton_{self.primitive.name}", entry,
+                                       mutates_args=())
+
+    def __call__(self, *args):
+        """``(*tensors, params, [compute_grad,] backend)``: the primitive's outputs."""
+        tensors = args[:self.n_tensors]
+        params = args[self.n_tensors]
+        compute_grad = args[self.n_tensors + 1] if self.optional else None
+        backend = args[-1]
+        if runs_eagerly(tensors):
+            return _run(self.primitive, backend_module(backend), tensors,
+                        args_of(params, self.primitive.params), compute_grad, _grad_like)
+        values = [getattr(params, name) for name in self.field_names]
+        flags = (compute_grad,) if self.optional else ()
+        if backend == "triton" and TRITON_OPS and _triton_twins_defined():
+            return _TRITON_TWINS[self.primitive.name](*tensors, *values, *flags)
+        for i in self.runtime_floats:
+            values[i] = float_arg(values[i])
+        return self.op(*tensors, *values, *flags, backend)
 
 
-@traceable_op("logprobs_forward", floats=("temperature",))
-def _logprobs_forward(logits: Tensor, target: Tensor, temperature: float, ignore_index: int,
-                     with_entropy: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    return backend_module(backend).logprobs_forward(logits, target, temperature, ignore_index,
-                                                    with_entropy)
+class _FieldView:
+    """The params' fields as attributes, as the fake implementation receives them."""
+
+    def __init__(self, values):
+        self.__dict__.update(values)
 
 
-@_logprobs_forward.register_fake
-def _(logits, target, temperature, ignore_index, with_entropy, backend):
-    n_rows = _rows(target)
-    f32 = dict(dtype=torch.float32, device=logits.device)
-    return (logits.new_empty(n_rows, **f32), logits.new_empty(n_rows if with_entropy else 0, **f32),
-            logits.new_empty(n_rows, **f32))
-
-
-@traceable_op("logprobs_backward", floats=("temperature",))
-def _logprobs_backward(logits: Tensor, target: Tensor, lse: Tensor, entropy: Tensor,
-                      grad_logp: Tensor, grad_entropy: Tensor, temperature: float,
-                      ignore_index: int, backend: str) -> Tensor:
-    grad = _grad_like(logits)
-    backend_module(backend).logprobs_backward(logits, target, lse, entropy, grad_logp,
-                                              grad_entropy, temperature, ignore_index, grad)
-    return grad
-
-
-@_logprobs_backward.register_fake
-def _(logits, target, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, backend):
-    return _fake_grad_like(logits)
-
-
-@traceable_op("cross_entropy_forward", floats=("label_smoothing", "z_loss", "softcap"))
-def _cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int,
-                          label_smoothing: float, z_loss: float, softcap: float,
-                          grad_scale: Optional[Tensor], backend: str
-                          ) -> tuple[Tensor, Tensor, Tensor]:
-    grad = _grad_like(logits) if grad_scale is not None else logits.new_empty(0)
-    loss, lse = backend_module(backend).cross_entropy_forward(
-        logits, target, ignore_index, label_smoothing, z_loss, softcap, grad_scale,
-        grad if grad_scale is not None else None)
-    return loss, lse, grad
-
-
-@_cross_entropy_forward.register_fake
-def _(logits, target, ignore_index, label_smoothing, z_loss, softcap, grad_scale, backend):
-    n_rows = _rows(target)
-    grad = _fake_grad_like(logits) if grad_scale is not None else logits.new_empty(0)
-    return (logits.new_empty(n_rows, dtype=torch.float32),
-            logits.new_empty(n_rows, dtype=torch.float32), grad)
-
-
-@traceable_op("grpo_forward", floats=("temperature", "clip_low", "clip_high", "delta", "beta"))
-def _grpo_forward(logits: Tensor, target: Tensor, temperature: float, advantages: Tensor,
-                 old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor],
-                 token_weight: Tensor, clip_low: float, clip_high: float, delta: float,
-                 beta: float, compute_grad: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    grad = _grad_like(logits) if compute_grad else logits.new_empty(0)
-    logp, loss = backend_module(backend).grpo_forward(
-        logits, target, temperature, advantages, old_logprobs, ref_logprobs, token_weight,
-        clip_low, clip_high, delta, beta, grad if compute_grad else None)
-    return logp, loss, grad
-
-
-@_grpo_forward.register_fake
-def _(logits, target, temperature, advantages, old_logprobs, ref_logprobs, token_weight,
-      clip_low, clip_high, delta, beta, compute_grad, backend):
-    n_rows = _rows(target)
-    grad = _fake_grad_like(logits) if compute_grad else logits.new_empty(0)
-    return (logits.new_empty(n_rows, dtype=torch.float32),
-            logits.new_empty(n_rows, dtype=torch.float32), grad)
-
-
-# hard_weight stays a Python float in the schema: the forward's outputs depend on whether it
-# is 0 (no hard-term statistics), which a fake implementation must know at trace time.
-@traceable_op("distill_forward", floats=("beta", "temperature"))
-def _distill_forward(student: Tensor, teacher: Tensor, target: Tensor, ignore_index: int,
-                     beta: float, temperature: float, hard_weight: float, backend: str
-                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return backend_module(backend).distill_forward(student, teacher, target, ignore_index, beta,
-                                                   temperature, hard_weight)
-
-
-@_distill_forward.register_fake
-def _(student, teacher, target, ignore_index, beta, temperature, hard_weight, backend):
-    n_rows = _rows(target)
-    f32 = dict(dtype=torch.float32, device=student.device)
-    return (*(student.new_empty(n_rows, **f32) for _ in range(4)),
-            student.new_empty(n_rows if hard_weight else 0, **f32))
-
-
-@traceable_op("distill_backward", floats=("beta", "temperature"))
-def _distill_backward(student: Tensor, teacher: Tensor, target: Tensor, ignore_index: int,
-                      beta: float, temperature: float, hard_weight: float, student_lse: Tensor,
-                      teacher_lse: Tensor, student_kl: Tensor, hard_lse: Tensor,
-                      grad_loss: Tensor, backend: str) -> Tensor:
-    grad = _grad_like(student)
-    backend_module(backend).distill_backward(student, teacher, target, ignore_index, beta,
-                                             temperature, hard_weight, student_lse, teacher_lse,
-                                             student_kl, hard_lse, grad_loss, grad)
-    return grad
-
-
-@_distill_backward.register_fake
-def _(student, teacher, target, ignore_index, beta, temperature, hard_weight, student_lse,
-      teacher_lse, student_kl, hard_lse, grad_loss, backend):
-    return _fake_grad_like(student)
 
 
 TRITON_OPS = hasattr(torch.library, "triton_op")
 _TRITON_TWINS = {}
 
 
-def _define_triton_twins():
-    """The ``triton_op`` twins of the primitives, by primitive name."""
-    def triton():
-        return backend_module("triton")
-
-    @torch.library.triton_op("astrai_kernels::triton_logprobs_forward", mutates_args=())
-    def logprobs_forward(logits: Tensor, target: Tensor, temperature: float, ignore_index: int,
-                         with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
-        return triton().logprobs_forward(logits, target, temperature, ignore_index, with_entropy)
-
-    @torch.library.triton_op("astrai_kernels::triton_logprobs_backward", mutates_args=())
-    def logprobs_backward(logits: Tensor, target: Tensor, lse: Tensor, entropy: Tensor,
-                          grad_logp: Tensor, grad_entropy: Tensor, temperature: float,
-                          ignore_index: int) -> Tensor:
-        grad = torch.empty_like(logits)
-        triton().logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy,
-                                   temperature, ignore_index, grad)
-        return grad
-
-    @torch.library.triton_op("astrai_kernels::triton_cross_entropy_forward", mutates_args=())
-    def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int,
-                              label_smoothing: float, z_loss: float, softcap: float,
-                              grad_scale: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        grad = torch.empty_like(logits) if grad_scale is not None else logits.new_empty(0)
-        loss, lse = triton().cross_entropy_forward(
-            logits, target, ignore_index, label_smoothing, z_loss, softcap, grad_scale,
-            grad if grad_scale is not None else None)
-        return loss, lse, grad
-
-    @torch.library.triton_op("astrai_kernels::triton_grpo_forward", mutates_args=())
-    def grpo_forward(logits: Tensor, target: Tensor, temperature: float, advantages: Tensor,
-                     old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor],
-                     token_weight: Tensor, clip_low: float, clip_high: float, delta: float,
-                     beta: float, compute_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
-        grad = torch.empty_like(logits) if compute_grad else logits.new_empty(0)
-        logp, loss = triton().grpo_forward(
-            logits, target, temperature, advantages, old_logprobs, ref_logprobs, token_weight,
-            clip_low, clip_high, delta, beta, grad if compute_grad else None)
-        return logp, loss, grad
-
-    @torch.library.triton_op("astrai_kernels::triton_distill_forward", mutates_args=())
-    def distill_forward(student: Tensor, teacher: Tensor, target: Tensor, ignore_index: int,
-                        beta: float, temperature: float, hard_weight: float
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        return triton().distill_forward(student, teacher, target, ignore_index, beta,
-                                        temperature, hard_weight)
-
-    @torch.library.triton_op("astrai_kernels::triton_distill_backward", mutates_args=())
-    def distill_backward(student: Tensor, teacher: Tensor, target: Tensor, ignore_index: int,
-                         beta: float, temperature: float, hard_weight: float,
-                         student_lse: Tensor, teacher_lse: Tensor, student_kl: Tensor,
-                         hard_lse: Tensor, grad_loss: Tensor) -> Tensor:
-        grad = torch.empty_like(student)
-        triton().distill_backward(student, teacher, target, ignore_index, beta, temperature,
-                                  hard_weight, student_lse, teacher_lse, student_kl, hard_lse,
-                                  grad_loss, grad)
-        return grad
-
-    return dict(logprobs_forward=logprobs_forward, logprobs_backward=logprobs_backward,
-                cross_entropy_forward=cross_entropy_forward, grpo_forward=grpo_forward,
-                distill_forward=distill_forward, distill_backward=distill_backward)
-
-
-def _use_triton_twins(backend, args):
-    """True when ``backend`` is ``triton``, the call is traced and the ``triton_op`` twins exist
-    (defined now if this is the first such call)."""
-    if backend != "triton" or not TRITON_OPS or runs_eagerly(args):
-        return False
-    return _triton_twins_defined()
-
-
 def _triton_twins_defined():
+    """Define the ``triton_op`` twins on the first traced triton call (it imports Inductor and
+    Triton); True."""
     if not _TRITON_TWINS:
-        _TRITON_TWINS.update(_define_triton_twins())
+        _TRITON_TWINS.update({name: generated.define_twin()
+                              for name, generated in _GENERATED.items()})
     return True
 
 
-# Run as plain Python when Dynamo meets it (the twins' definition cannot be traced); it takes
+# Run as plain Python when Dynamo meets it (defining the twins cannot be traced); it takes
 # no argument, so its result is a constant.
 _triton_twins_defined._dynamo_marked_constant = True
 
-
-def logprobs_forward(logits, target, temperature, ignore_index, with_entropy, backend):
-    """``(logp, entropy, lse)``: ``ops/_backend.py``'s primitive as a traceable op."""
-    if _use_triton_twins(backend, (logits, target)):
-        return _TRITON_TWINS["logprobs_forward"](logits, target, temperature, ignore_index,
-                                                 with_entropy)
-    return _logprobs_forward(logits, target, temperature, ignore_index, with_entropy, backend)
-
-
-def logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, temperature,
-                      ignore_index, backend):
-    """The gradient w.r.t. ``logits``, a new tensor: ``ops/_backend.py``'s primitive."""
-    args = (logits, target, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index)
-    if _use_triton_twins(backend, args):
-        return _TRITON_TWINS["logprobs_backward"](*args)
-    return _logprobs_backward(*args, backend)
-
-
-def cross_entropy_forward(logits, target, ignore_index, label_smoothing, z_loss, softcap,
-                          grad_scale, backend):
-    """``(loss, lse, grad)``; ``grad`` is empty unless ``grad_scale`` is given."""
-    args = (logits, target, ignore_index, label_smoothing, z_loss, softcap, grad_scale)
-    if _use_triton_twins(backend, args):
-        return _TRITON_TWINS["cross_entropy_forward"](*args)
-    return _cross_entropy_forward(*args, backend)
-
-
-def grpo_forward(logits, target, temperature, advantages, old_logprobs, ref_logprobs,
-                 token_weight, clip_low, clip_high, delta, beta, compute_grad, backend):
-    """``(logp, loss, grad)``; ``grad`` is empty unless ``compute_grad``."""
-    args = (logits, target, temperature, advantages, old_logprobs, ref_logprobs, token_weight,
-            clip_low, clip_high, delta, beta, compute_grad)
-    if _use_triton_twins(backend, args):
-        return _TRITON_TWINS["grpo_forward"](*args)
-    return _grpo_forward(*args, backend)
-
-
-def distill_forward(student, teacher, target, ignore_index, beta, temperature, hard_weight,
-                    backend):
-    """``(loss, student_lse, teacher_lse, student_kl, hard_lse)``: ``ops/_backend.py``'s
-    primitive as a traceable op."""
-    args = (student, teacher, target, ignore_index, beta, temperature, hard_weight)
-    if _use_triton_twins(backend, args):
-        return _TRITON_TWINS["distill_forward"](*args)
-    return _distill_forward(*args, backend)
-
-
-def distill_backward(student, teacher, target, ignore_index, beta, temperature, hard_weight,
-                     student_lse, teacher_lse, student_kl, hard_lse, grad_loss, backend):
-    """The gradient w.r.t. ``student``, a new tensor: ``ops/_backend.py``'s primitive."""
-    args = (student, teacher, target, ignore_index, beta, temperature, hard_weight, student_lse,
-            teacher_lse, student_kl, hard_lse, grad_loss)
-    if _use_triton_twins(backend, args):
-        return _TRITON_TWINS["distill_backward"](*args)
-    return _distill_backward(*args, backend)
+_GENERATED = {name: _Generated(primitive) for name, primitive in PRIMITIVES.items()}
+logprobs_forward = _GENERATED["logprobs_forward"]
+logprobs_backward = _GENERATED["logprobs_backward"]
+cross_entropy_forward = _GENERATED["cross_entropy_forward"]
+grpo_forward = _GENERATED["grpo_forward"]
+distill_forward = _GENERATED["distill_forward"]
+distill_backward = _GENERATED["distill_backward"]

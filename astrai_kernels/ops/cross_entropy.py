@@ -39,6 +39,7 @@ from ._common import (
     refuse_double_backward,
     rows_view,
 )
+from .primitives import CrossEntropyArgs, args_of
 from .reduction import (
     check_zero_normalizer,
     checked_normalizer,
@@ -53,12 +54,9 @@ TORCH_EQUIVALENT = "torch.nn.functional.cross_entropy(logits.float(), target, ..
 
 
 @dataclass(frozen=True)
-class CrossEntropyParams:
-    ignore_index: int
+class CrossEntropyParams(CrossEntropyArgs):
+    """The kernel's parameters (``ops/primitives.py``) and the op's own."""
     reduction: str
-    label_smoothing: float
-    z_loss: float
-    softcap: float
     inplace_backward: bool
     backend: str
 
@@ -100,13 +98,12 @@ class _CrossEntropyRows(torch.autograd.Function):
 
 def _call(logits_rows, target_flat, params, grad_scale, grad_out=None):
     """Run the primitive; ``grad_out`` set means write the gradient there (in-place path)."""
-    args = (params.ignore_index, params.label_smoothing, params.z_loss, params.softcap)
     if grad_out is not None:
         loss, lse = backend_module(params.backend).cross_entropy_forward(
-            logits_rows, target_flat, *args, grad_scale, grad_out)
+            logits_rows, target_flat, grad_scale, args_of(params, CrossEntropyArgs), grad_out)
         return loss, lse, grad_out
-    return _library.cross_entropy_forward(logits_rows, target_flat, *args, grad_scale,
-                                          params.backend)
+    return _library.cross_entropy_forward(logits_rows, target_flat, grad_scale, params,
+                                          grad_scale is not None, params.backend)
 
 
 def checked_params(logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap,
@@ -129,8 +126,10 @@ def checked_params(logits, target, ignore_index, reduction, label_smoothing, z_l
         raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
     if inplace_backward:
         check_no_overlap(logits)
-    params = CrossEntropyParams(ignore_index, reduction, label_smoothing, z_loss, softcap_value,
-                                inplace_backward, resolve_backend(backend, logits.device))
+    params = CrossEntropyParams(
+        ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+        softcap=softcap_value, reduction=reduction, inplace_backward=inplace_backward,
+        backend=resolve_backend(backend, logits.device))
     return params, normalizer_t
 
 

@@ -41,18 +41,16 @@ from .head import (
     logits_like,
     reference_logits,
 )
+from .primitives import DistillArgs, args_of
 from .reduction import check_zero_normalizer, checked_normalizer, inverse_or_zero
 
 REDUCTIONS = ("batchmean", "sum", "mean", "none")
 
 
 @dataclass(frozen=True)
-class DistillParams:
-    beta: float
-    temperature: float
-    ignore_index: int
+class DistillParams(DistillArgs):
+    """The kernel's parameters (``ops/primitives.py``) and the op's own."""
     reduction: str
-    hard_weight: float
     has_target: bool
     backend: str
 
@@ -89,8 +87,10 @@ def checked_params(student, teacher, target, beta, temperature, ignore_index, re
         check_zero_normalizer(normalizer_t, counted)
     if target is None:
         ignore_index = -1  # the primitives then read zeros as targets: every row counts
-    params = DistillParams(beta, temperature, ignore_index, reduction, hard_weight,
-                           target is not None, resolve_backend(backend, student.device))
+    params = DistillParams(beta=beta, temperature=temperature, ignore_index=ignore_index,
+                           hard_weight=hard_weight, reduction=reduction,
+                           has_target=target is not None,
+                           backend=resolve_backend(backend, student.device))
     return params, normalizer_t
 
 
@@ -113,9 +113,8 @@ class _DistillRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student, teacher, target_flat, params):
         student_rows, teacher_rows = matching_rows(student, teacher)
-        loss, *stats = _library.distill_forward(
-            student_rows, teacher_rows, target_flat, params.ignore_index, params.beta,
-            params.temperature, params.hard_weight, params.backend)
+        loss, *stats = _library.distill_forward(student_rows, teacher_rows, target_flat,
+                                                params, params.backend)
         ctx.save_for_backward(student, teacher, target_flat, *stats)
         ctx.params = params
         return loss
@@ -127,9 +126,8 @@ class _DistillRows(torch.autograd.Function):
         params = ctx.params
         student_rows, teacher_rows = matching_rows(student, teacher)
         grad = _library.distill_backward(
-            student_rows, teacher_rows, target_flat, params.ignore_index, params.beta,
-            params.temperature, params.hard_weight, *stats,
-            grad_loss.reshape(-1).float().contiguous(), params.backend)
+            student_rows, teacher_rows, target_flat, *stats,
+            grad_loss.reshape(-1).float().contiguous(), params, params.backend)
         return grad.view(student.shape), None, None, None
 
 
@@ -223,9 +221,8 @@ def distill_loss(
         rows_loss = _DistillRows.apply(student_logits, teacher_logits, target_flat, params)
     else:
         student_rows, teacher_rows = matching_rows(student_logits, teacher_logits)
-        rows_loss = _library.distill_forward(
-            student_rows, teacher_rows, target_flat, params.ignore_index, params.beta,
-            params.temperature, params.hard_weight, params.backend)[0]
+        rows_loss = _library.distill_forward(student_rows, teacher_rows, target_flat, params,
+                                             params.backend)[0]
     return reduce_rows(rows_loss, target_flat, params, normalizer_t, student_logits.shape[-1],
                        lead_shape)
 
@@ -237,16 +234,16 @@ def _linear_distill_walk(student_head, teacher_head, target_flat, params, grad_r
     kernels = backend_module(params.backend)
     n_rows = target_flat.numel()
     loss = torch.empty(n_rows, dtype=torch.float32, device=target_flat.device)
-    args = (params.ignore_index, params.beta, params.temperature, params.hard_weight)
+    args = args_of(params, DistillArgs)
     for (start, stop, student), (_, _, teacher) in zip(student_head.chunks(),
                                                        teacher_head.chunks()):
         rows = target_flat[start:stop]
-        loss[start:stop], *stats = kernels.distill_forward(student, teacher, rows, *args)
+        loss[start:stop], *stats = kernels.distill_forward(student, teacher, rows, args)
         if grad_rows is None:
             continue
         upstream = (grad_rows.expand(stop - start) if grad_rows.numel() == 1
                     else grad_rows[start:stop]).contiguous()
-        kernels.distill_backward(student, teacher, rows, *args, *stats, upstream, student)
+        kernels.distill_backward(student, teacher, rows, *stats, upstream, args, student)
         student_head.fold(start, stop, student)
     return (loss, *student_head.gradients())
 

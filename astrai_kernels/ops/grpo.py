@@ -38,6 +38,7 @@ from ._common import (
     rows_view,
 )
 from .logprobs import token_logprobs
+from .primitives import SurrogateArgs
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -73,14 +74,10 @@ DEFAULT_OPTIONS = PolicyOptions()
 
 
 @dataclass(frozen=True)
-class GRPOParams:
-    beta: float
-    clip_eps_low: float
-    clip_eps_high: float
-    delta: float  # 0.0: off
+class GRPOParams(SurrogateArgs):
+    """The surrogate kernel's parameters (``ops/primitives.py``) and the op's own."""
     loss_type: str
     importance_sampling: str
-    temperature: float
     backend: str
     # no default: torch <= 2.11's Dynamo cannot wrap a dataclass instance as a default argument
     options: PolicyOptions
@@ -257,9 +254,10 @@ def _check(logits, target, advantages, mask, old_logprobs, ref_logprobs, beta, c
     sampling = _check_logprobs_input(sampling_logprobs, "sampling_logprobs", shape, device)
     options = _check_options(loss_type, ref, sampling, options)
     _check_values(mask, valid, normalizer, weights)
-    params = GRPOParams(beta, clip_eps_low, clip_eps_high, delta, loss_type, importance_sampling,
-                        check_positive(temperature, "temperature"),
-                        resolve_backend(backend, device), options)
+    params = GRPOParams(temperature=check_positive(temperature, "temperature"),
+                        clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
+                        beta=beta, loss_type=loss_type, importance_sampling=importance_sampling,
+                        backend=resolve_backend(backend, device), options=options)
 
     def select(values: Optional[Tensor]) -> Optional[Tensor]:
         if values is None:
@@ -484,9 +482,8 @@ def _token_level(logits: Tensor, target: Tensor,
     params, flat = checked.params, checked.flat_rows()
     with torch.no_grad():
         logp, token_loss, grad = _library.grpo_forward(
-            rows_view(logits), flat_target(target), params.temperature, flat.advantages,
-            flat.old, flat.ref, flat.weight, params.clip_eps_low, params.clip_eps_high,
-            params.delta, params.beta, needs_grad, params.backend)
+            rows_view(logits), flat_target(target), flat.advantages, flat.old, flat.ref,
+            flat.weight, params, needs_grad, params.backend)
         value, metrics = token_level_result(logp, token_loss, checked)
     loss = (AttachGrad.apply(rows_view(logits), value, grad, "grpo_loss", None) if needs_grad
             else value)

@@ -3,7 +3,7 @@
 Contract (docs/architecture.md, "Fused LM head"): each ``linear_*`` op equals its logits op
 applied to ``F.linear(hidden, weight, bias)``, up to the rounding of the logits. The rows are
 walked in chunks: a chunk's logits come from one matmul into a reused ``[chunk, V]`` buffer,
-the backend's logits primitive (``ops/_backend.py``) runs on it and writes the chunk's logit
+the backend's logits primitive (``ops/primitives.py``) runs on it and writes the chunk's logit
 gradient over the same buffer, and three more matmuls fold that gradient into the gradients of
 ``hidden``, ``weight`` and ``bias``. Nothing ``[N, V]`` is ever allocated.
 
@@ -43,6 +43,7 @@ from .head import (
     reference_logits,
     row_floats,
 )
+from .primitives import CrossEntropyArgs, LogprobsArgs, SurrogateArgs
 from .reduction import loss_grad_scale, reduce_loss
 
 if TYPE_CHECKING:
@@ -67,13 +68,13 @@ def _linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
     head = ChunkedHead(hidden, weight, bias, chunk_size, needs)
     kernels = backend_module(backend)
     loss = row_floats(hidden.shape[0], hidden.device)
+    args = CrossEntropyArgs(ignore_index, label_smoothing, z_loss, softcap)
     for start, stop, logits in head.chunks():
         scale = None
         if grad_scale is not None:
             scale = grad_scale if grad_scale.numel() == 1 else grad_scale[start:stop]
         loss[start:stop], _ = kernels.cross_entropy_forward(
-            logits, target[start:stop], ignore_index, label_smoothing, z_loss, softcap, scale,
-            logits if scale is not None else None)
+            logits, target[start:stop], scale, args, logits if scale is not None else None)
         if scale is not None:
             head.fold(start, stop, logits)
     return (loss, *head.gradients())
@@ -105,7 +106,7 @@ def _linear_logprobs_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tens
     stats = hidden.new_empty((len(chosen), n_rows), dtype=torch.float32)
     for start, stop, logits in head.chunks():
         chunk_logp, chunk_entropy, chunk_lse = kernels.logprobs_forward(
-            logits, target[start:stop], temperature, ignore_index, with_entropy)
+            logits, target[start:stop], LogprobsArgs(temperature, ignore_index, with_entropy))
         logp[start:stop], lse[start:stop] = chunk_logp, chunk_lse
         if with_entropy:
             entropy[start:stop] = chunk_entropy
@@ -174,12 +175,12 @@ def _linear_logprobs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Ten
                         logit_scale, softcap)
     kernels = backend_module(backend)
     with_entropy = entropy.numel() > 0
+    args = LogprobsArgs(temperature, ignore_index, with_entropy)
     for start, stop, logits in head.chunks():
         rows = slice(start, stop)
         kernels.logprobs_backward(
             logits, target[rows], lse[rows], entropy[rows] if with_entropy else entropy,
-            grad_logp[rows], grad_entropy[rows] if with_entropy else grad_entropy, temperature,
-            ignore_index, logits)
+            grad_logp[rows], grad_entropy[rows] if with_entropy else grad_entropy, args, logits)
         head.fold(start, stop, logits)
     return head.gradients()
 
@@ -206,6 +207,7 @@ def _linear_grpo_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
     kernels = backend_module(backend)
     n_rows = hidden.shape[0]
     logp, token_loss = row_floats(n_rows, hidden.device), row_floats(n_rows, hidden.device)
+    args = SurrogateArgs(temperature, clip_low, clip_high, delta, beta)
 
     def rows_of(values, rows):
         return None if values is None else values[rows]
@@ -213,8 +215,8 @@ def _linear_grpo_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
     for start, stop, logits in head.chunks():
         rows = slice(start, stop)
         logp[rows], token_loss[rows] = kernels.grpo_forward(
-            logits, target[rows], temperature, advantages[rows], rows_of(old_logprobs, rows),
-            rows_of(ref_logprobs, rows), token_weight[rows], clip_low, clip_high, delta, beta,
+            logits, target[rows], advantages[rows], rows_of(old_logprobs, rows),
+            rows_of(ref_logprobs, rows), token_weight[rows], args,
             logits if any(needs) else None)
         if any(needs):
             head.fold(start, stop, logits)

@@ -36,6 +36,7 @@ from ._common import (
     refuse_double_backward,
     rows_view,
 )
+from .primitives import LogprobsArgs, args_of
 
 # named by the error of a double backward (refuse_double_backward)
 TORCH_EQUIVALENT = ("torch.log_softmax(logits.float() / temperature, -1)"
@@ -43,10 +44,8 @@ TORCH_EQUIVALENT = ("torch.log_softmax(logits.float() / temperature, -1)"
 
 
 @dataclass(frozen=True)
-class LogprobsParams:
-    temperature: float
-    ignore_index: int
-    with_entropy: bool
+class LogprobsParams(LogprobsArgs):
+    """The kernel's parameters (``ops/primitives.py``) and the op's own."""
     inplace_backward: bool
     backend: str
 
@@ -61,8 +60,10 @@ def checked_params(logits, target, temperature, ignore_index, return_entropy,
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if inplace_backward:
         check_no_overlap(logits)
-    return LogprobsParams(check_positive(temperature, "temperature"), ignore_index,
-                          return_entropy, inplace_backward, resolve_backend(backend, logits.device))
+    return LogprobsParams(temperature=check_positive(temperature, "temperature"),
+                          ignore_index=ignore_index, with_entropy=return_entropy,
+                          inplace_backward=inplace_backward,
+                          backend=resolve_backend(backend, logits.device))
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -71,9 +72,8 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, base, target_flat, params, starts):
-        logp, entropy, lse = _library.logprobs_forward(
-            rows_view(logits), target_flat, params.temperature, params.ignore_index,
-            params.with_entropy, params.backend)
+        logp, entropy, lse = _library.logprobs_forward(rows_view(logits), target_flat, params,
+                                                       params.backend)
         ctx.save_for_backward(logits, target_flat, lse, entropy)
         ctx.params, ctx.starts = params, starts
         if params.with_entropy:
@@ -87,25 +87,25 @@ class _TokenLogprobs(torch.autograd.Function):
         params = ctx.params
         grad_logp = dense_grad(grad_logp, lse)
         grad_entropy = dense_grad(grad_entropy, lse) if params.with_entropy else lse.new_empty(0)
-        args = (target_flat, lse, entropy, grad_logp, grad_entropy, params.temperature,
-                params.ignore_index)
+        args = (target_flat, lse, entropy, grad_logp, grad_entropy)
         logits_rows = rows_view(logits)
         # a retained graph may run this again: then the logits must survive
         if params.inplace_backward and not graph_is_retained():
-            backend_module(params.backend).logprobs_backward(logits_rows, *args, logits_rows)
+            backend_module(params.backend).logprobs_backward(
+                logits_rows, *args, args_of(params, LogprobsArgs), logits_rows)
             if ctx.starts is None:
                 return finish_inplace_grad(logits, None, logits.shape), None, None, None, None
             grad_base = finish_inplace_grad(logits._base, ctx.starts, logits.shape)
             return None, grad_base, None, None, None
-        grad = _library.logprobs_backward(logits_rows, *args, params.backend).view(logits.shape)
+        grad = _library.logprobs_backward(logits_rows, *args, params, params.backend)
+        grad = grad.view(logits.shape)
         if ctx.starts is None:
             return grad, None, None, None, None
         return None, grad_for_owner(grad, logits._base, ctx.starts), None, None, None
 
 
 def _forward_only(logits_rows, target_flat, params):
-    logp, entropy, _ = _library.logprobs_forward(logits_rows, target_flat, params.temperature,
-                                                 params.ignore_index, params.with_entropy,
+    logp, entropy, _ = _library.logprobs_forward(logits_rows, target_flat, params,
                                                  params.backend)
     return logp, entropy
 
@@ -173,8 +173,7 @@ def token_logprobs(
         if torch.is_grad_enabled() and logits.requires_grad:
             inplace = inplace_grad_owner(logits, logits_rows) if inplace_backward else None
             if inplace is None:
-                params = LogprobsParams(params.temperature, params.ignore_index,
-                                        params.with_entropy, False, params.backend)
+                params = replace(params, inplace_backward=False)
                 inplace = (logits, None)
             base, starts = inplace
             logp, entropy = _TokenLogprobs.apply(logits, None if starts is None else base,

@@ -1,6 +1,10 @@
 """Vocabulary-parallel losses: each rank of ``process_group`` holds a contiguous vocabulary shard.
 
-Contract (DESIGN.md, "Distributed"): rank ``r`` of the group passes logits ``[..., V_r]`` (or a
+The shard machinery below the ops: each op's ``process_group=`` branch (in the op's own module)
+checks its arguments with its own rules, then calls the row-level functions at the end of this
+module, which import no op module.
+
+Contract (docs/distributed.md): rank ``r`` of the group passes logits ``[..., V_r]`` (or a
 weight ``[V_r, H]``) holding the vocabulary ids ``[start_r, start_r + V_r)``, shards in rank
 order, sizes free; targets hold global ids. Every rank gets the full-vocabulary result and the
 gradient of its own shard; the ``linear_*`` forms also sum the hidden states' gradient over
@@ -19,7 +23,7 @@ so a row costs 4 bytes (the max) plus 8 to 16 (a sum of 2 floats; 3 with label s
 with entropy) on the wire, never a logits row; the ``linear_*`` backward adds the all-reduce of
 the hidden states' gradient (``H`` floats per row, as in Megatron). The gradient needs the
 group's ``lse`` and no collective: the backend primitive ``vocab_shard_backward``
-(``ops/_backend.py``) writes ``p_j (alpha + beta log p_j) + gamma d_jy + delta`` per row, times
+(``ops/primitives.py``) writes ``p_j (alpha + beta log p_j) + gamma d_jy + delta`` per row, times
 the chain rule of the temperature and the softcap. GRPO is the token log-probs followed by its
 per-token surrogate in torch (O(B*T)); the fused single-pass GRPO kernel cannot be used, since
 ``dL/dlogp`` needs the group's ``logp`` before the gradient pass.
@@ -60,6 +64,7 @@ from ._common import (
     rows_view,
 )
 from .head import ChunkedHead, check_head, head_needs
+from .primitives import CrossEntropyArgs, LogprobsArgs, ShardGradArgs
 
 # Local targets handed to the primitives: a row ignored by the caller, and (backward only) a
 # counted row whose target lies in another rank's shard. Local ids are >= 0, so neither can
@@ -246,7 +251,7 @@ def logprobs_stats(kernels, chunks, targets: LocalTargets, temperature, with_ent
     for start, stop, logits in chunks:
         rows = slice(start, stop)
         logp[rows], chunk_entropy, lse[rows] = kernels.logprobs_forward(
-            logits, targets.forward[rows], temperature, LOCAL_IGNORE, with_entropy)
+            logits, targets.forward[rows], LogprobsArgs(temperature, LOCAL_IGNORE, with_entropy))
         if with_entropy:
             entropy[rows] = chunk_entropy
     return logp, entropy, lse
@@ -257,14 +262,16 @@ def cross_entropy_stats(kernels, chunks, targets: LocalTargets, params, n_rows, 
     second (label smoothing only) costs a second pass of the forward primitive."""
     nll, lse = _row_floats(n_rows, device), _row_floats(n_rows, device)
     smooth = _row_floats(n_rows if params.label_smoothing else 0, device)
+    # lse - z_y and (all smoothing) lse - mean z, without the z-loss: combined over the group
+    nll_args = CrossEntropyArgs(LOCAL_IGNORE, 0.0, 0.0, params.softcap)
+    smooth_args = CrossEntropyArgs(LOCAL_IGNORE, 1.0, 0.0, params.softcap)
     for start, stop, logits in chunks:
         rows = slice(start, stop)
         nll[rows], lse[rows] = kernels.cross_entropy_forward(
-            logits, targets.forward[rows], LOCAL_IGNORE, 0.0, 0.0, params.softcap, None, None)
+            logits, targets.forward[rows], None, nll_args, None)
         if params.label_smoothing:
             smooth[rows], _ = kernels.cross_entropy_forward(
-                logits, targets.forward[rows], LOCAL_IGNORE, 1.0, 0.0, params.softcap, None,
-                None)
+                logits, targets.forward[rows], None, smooth_args, None)
     return nll, smooth, lse
 
 
@@ -298,8 +305,8 @@ def cross_entropy_coefficients(row_scale: Tensor, lse: Tensor, params,
 
 def shard_grad(kernels, logits_rows, targets: LocalTargets, lse, coefficients: Coefficients,
                temperature, softcap, grad_rows) -> None:
-    kernels.vocab_shard_backward(logits_rows, targets.backward, lse, *coefficients, temperature,
-                                 softcap, LOCAL_IGNORE, grad_rows)
+    kernels.vocab_shard_backward(logits_rows, targets.backward, lse, *coefficients,
+                                 ShardGradArgs(temperature, softcap, LOCAL_IGNORE), grad_rows)
 
 
 def _write_grad(logits, kernels, targets, lse, coefficients, temperature, softcap, inplace):
@@ -412,11 +419,11 @@ def _head_gradients(ctx, kernels, lse, coefficients, temperature, softcap):
     hidden, weight, bias = ctx.saved_tensors[:3]
     needs = tuple(ctx.needs_input_grad[:3])
     head = ChunkedHead(hidden, weight, bias, ctx.chunk_size, needs)
+    shard_args = ShardGradArgs(temperature, softcap, LOCAL_IGNORE)
     for start, stop, logits in head.chunks():
         rows = slice(start, stop)
         kernels.vocab_shard_backward(logits, ctx.targets.backward[rows], lse[rows],
-                                     *coefficients.rows(rows), temperature, softcap,
-                                     LOCAL_IGNORE, logits)
+                                     *coefficients.rows(rows), shard_args, logits)
         head.fold(start, stop, logits)
     grads = head.gradients()
     if needs[0]:

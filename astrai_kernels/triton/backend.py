@@ -1,4 +1,4 @@
-"""The ``triton`` backend: the primitives of ``ops/_backend.py`` as fused Triton kernels.
+"""The ``triton`` backend: the primitives of ``ops/primitives.py`` as fused Triton kernels.
 
 Runs on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` was set before this module
 was imported (the kernels are then built for Triton's interpreter; that is how the tests run them).
@@ -104,9 +104,11 @@ def _tile_config(logits, grad=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# primitives (signatures and semantics: ops/_backend.py)
+# primitives (signatures and semantics: ops/primitives.py)
 
-def logprobs_forward(logits, target, temperature, ignore_index, with_entropy):
+def logprobs_forward(logits, target, params):
+    temperature, ignore_index, with_entropy = (
+        params.temperature, params.ignore_index, params.with_entropy)
     outer, inner, vocab = logits.shape
     n_rows = outer * inner
     target = target.reshape(-1).contiguous()
@@ -125,8 +127,8 @@ def logprobs_forward(logits, target, temperature, ignore_index, with_entropy):
     return logp, entropy, lse
 
 
-def logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, temperature,
-                      ignore_index, grad):
+def logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, params, grad):
+    temperature, ignore_index = params.temperature, params.ignore_index
     outer, inner, vocab = logits.shape
     n_rows = outer * inner
     if n_rows == 0 or vocab == 0:
@@ -150,8 +152,9 @@ def logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, tem
     return None
 
 
-def cross_entropy_forward(logits, target, ignore_index, label_smoothing, z_loss, softcap,
-                          grad_scale, grad):
+def cross_entropy_forward(logits, target, grad_scale, params, grad):
+    ignore_index, label_smoothing, z_loss, softcap = (
+        params.ignore_index, params.label_smoothing, params.z_loss, params.softcap)
     outer, inner, vocab = logits.shape
     n_rows = outer * inner
     target = target.reshape(-1).contiguous()
@@ -180,8 +183,10 @@ def cross_entropy_forward(logits, target, ignore_index, label_smoothing, z_loss,
     return loss, lse
 
 
-def grpo_forward(logits, target, temperature, advantages, old_logprobs, ref_logprobs,
-                 token_weight, clip_low, clip_high, delta, beta, grad):
+def grpo_forward(logits, target, advantages, old_logprobs, ref_logprobs, token_weight, params,
+                 grad):
+    temperature, clip_low, clip_high, delta, beta = (
+        params.temperature, params.clip_eps_low, params.clip_eps_high, params.delta, params.beta)
     outer, inner, vocab = logits.shape
     n_rows = outer * inner
     beta = float(beta or 0.0)
@@ -234,7 +239,9 @@ def _distill_weights(beta):
     return beta, 1.0 - beta, math.log1p(-beta) / math.log(2.0), math.log2(beta)
 
 
-def distill_forward(student, teacher, target, ignore_index, beta, temperature, hard_weight):
+def distill_forward(student, teacher, target, params):
+    ignore_index, beta, temperature, hard_weight = (
+        params.ignore_index, params.beta, params.temperature, params.hard_weight)
     outer, inner, vocab = student.shape
     n_rows = outer * inner
     target = target.reshape(-1).contiguous()
@@ -257,8 +264,10 @@ def distill_forward(student, teacher, target, ignore_index, beta, temperature, h
     return loss, lse_s, lse_t, kl, hard_lse
 
 
-def distill_backward(student, teacher, target, ignore_index, beta, temperature, hard_weight,
-                     student_lse, teacher_lse, student_kl, hard_lse, grad_loss, grad):
+def distill_backward(student, teacher, target, student_lse, teacher_lse, student_kl, hard_lse,
+                     grad_loss, params, grad):
+    ignore_index, beta, temperature, hard_weight = (
+        params.ignore_index, params.beta, params.temperature, params.hard_weight)
     outer, inner, vocab = student.shape
     n_rows = outer * inner
     if n_rows == 0 or vocab == 0:

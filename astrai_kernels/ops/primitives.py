@@ -1,0 +1,249 @@
+"""The kernel primitives, each declared once: its tensors, its parameters, its outputs.
+
+Every kernel backend (``triton/backend.py``, ``cpu/cpp_backend.py``, ``cpu/torch_backend.py``)
+is a module with the functions that :class:`Backend` lists; ``ops/_library.py`` generates each
+primitive's ``torch.library`` custom op, its fake implementation, its Triton twin and its eager
+wrapper from :data:`PRIMITIVES`. A primitive's non-tensor arguments travel as one frozen params
+object (:class:`LogprobsArgs`, :class:`CrossEntropyArgs`, :class:`SurrogateArgs`,
+:class:`DistillArgs`, :class:`ShardGradArgs`); the ops' own params classes extend these, so an op
+hands its checked params straight down. Adding a kernel option is a field here, its reading in
+the kernels, and its math in ``reference.py``.
+
+Conventions shared by every primitive:
+
+* ``logits`` is a 3-D view ``[A, B, V]`` of the caller's logits with arbitrary strides (any of
+  them may be non-unit, the vocabulary stride included); row ``n`` of the flattened ``N = A * B``
+  rows is ``logits[n // B, n % B]``. Dtype float32, bfloat16 or float16, read as is (no upcast
+  copy); all arithmetic accumulates in float32.
+* ``target`` is a contiguous int64 or int32 tensor of ``N`` elements, already validated: every
+  entry is in ``[0, V)`` or equals ``ignore_index``.
+* ``grad`` (when given) is a ``[A, B, V]`` tensor of the logits' dtype with arbitrary strides,
+  written completely (every element, zeros on ignored rows). It may be ``logits`` itself
+  (in-place backward): a backend must finish reading a row before it writes that row.
+* Every returned per-row tensor is a new contiguous float32 tensor of ``N`` elements.
+* Float parameters are Python floats; kernels take them as runtime arguments.
+
+Primitives (``s = z / T``, ``p = softmax(s)``, ``lse = logsumexp(s)``, ``d_jy`` the one-hot):
+
+``logprobs_forward(logits, target, params: LogprobsArgs)`` -> ``(logp, entropy, lse)``
+    ``logp = s_y - lse``; ``entropy = lse - sum_j p_j s_j`` (an empty tensor unless
+    ``with_entropy``). Ignored rows: ``logp = entropy = 0``, ``lse = 0``.
+
+``logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, params, grad)``
+    writes ``grad_j = (1/T) * (g_lp * (d_jy - p_j) - g_H * p_j * (s_j - lse + H))``; ``entropy``
+    and ``grad_entropy`` are empty tensors when entropy was not requested (then ``g_H = 0``).
+
+``cross_entropy_forward(logits, target, grad_scale, params: CrossEntropyArgs, grad)`` ->
+``(loss, lse)``
+    with ``c = softcap`` (``0.0`` means off) the row's logits are ``z = c * tanh(x / c)``;
+    ``loss = (1 - eps) * (lse - z_y) + eps * (lse - mean_j z_j) + z_loss * lse**2``, ``lse`` that
+    of ``z``; ignored rows give 0. When ``grad`` is not None, ``grad_scale`` is a float32 tensor
+    of 1 or N elements (row ``n`` uses element ``n`` or the single one) and the primitive also
+    writes ``grad_j = grad_scale * ((1 + 2 * z_loss * lse) * p_j - (1 - eps) * d_jy - eps / V)``,
+    times ``1 - (z_j / c)**2`` when softcap is on (the ``d_jy`` term folded in float32 before the
+    cast). Ignored rows get zeros.
+
+``grpo_forward(logits, target, advantages, old_logprobs, ref_logprobs, token_weight,
+params: SurrogateArgs, grad)`` -> ``(logp, loss)``
+    per row, float32 inputs of N elements (``old_logprobs``/``ref_logprobs`` may be None; None
+    old means on-policy: ``old = logp`` detached). Rows with ``token_weight == 0`` are masked:
+    their target is not read, ``logp = loss = 0`` and grad is zero. Otherwise, with ``A`` the
+    advantage::
+
+        lr = clamp(logp - old, -20, 20);  r = exp(lr)
+        r_u = min(r, delta) if delta > 0 else r          (delta <= 0 means off)
+        l = -min(r_u * A, clamp(r, 1 - clip_eps_low, 1 + clip_eps_high) * A)
+        if beta > 0:  dr = clamp(ref - logp, -20, 20);  l += beta * (exp(dr) - dr - 1)
+
+    ``loss`` is ``l`` (unweighted). When ``grad`` is given it writes
+    ``grad_j = token_weight * dl/dlogp * (d_jy - p_j) / T``, with ``dl/dlogp`` the derivative of
+    the formula above, taking clamp's gradient as zero outside its range and, where the two
+    branches of the min are equal, the unclipped branch.
+
+``distill_forward(student, teacher, target, params: DistillArgs)``
+    -> ``(loss, student_lse, teacher_lse, student_kl, hard_lse)``. ``teacher`` is an
+    ``[A, B, V]`` view of the same ``A, B, V`` as ``student`` (its own strides and dtype).
+    With ``a = log softmax(student / T)``, ``b = log softmax(teacher / T)`` (TRL's generalized
+    JSD): ``beta = 0``: ``loss = sum_j p_t (b - a)``; otherwise ``m = b`` when ``beta = 1``,
+    else ``m = log((1 - beta) p_s + beta p_t)``, ``student_kl = sum_j p_s (a - m)`` and
+    ``loss = beta * sum_j p_t (b - m) + (1 - beta) * student_kl`` (``loss = student_kl`` at
+    ``beta = 1``); terms with ``p = 0`` are 0. ``hard_weight > 0`` adds
+    ``hard_weight * (hard_lse - x_y)``, ``hard_lse = logsumexp(student)`` at temperature 1
+    (an empty tensor when ``hard_weight == 0``). The lses are those of ``z / T``. Ignored rows:
+    every output 0. ``student_kl`` is 0 when ``beta = 0``.
+
+``distill_backward(student, teacher, target, student_lse, teacher_lse, student_kl, hard_lse,
+grad_loss, params, grad)``
+    writes the student's gradient ``grad_j = g / T * (p_s,j - p_t,j)`` (``beta = 0``), else
+    ``g / T * (1 - beta') * p_s,j * (a_j - m_j - student_kl)`` (``beta' = 0`` at ``beta = 1``),
+    plus ``g * hard_weight * (softmax(student)_j - d_jy)``; ``g`` the row's ``grad_loss``.
+    ``grad`` may be ``student`` itself (the fused head writes over its logits chunk).
+
+Optional primitive (vocabulary parallel, ``ops/vocab_parallel.py``; ``torch`` implements it,
+``cpp`` and ``triton`` not yet: ``auto`` then runs a vocab-parallel gradient on ``torch``, and
+asking for them by name raises ``NotImplementedError``):
+
+``vocab_shard_backward(logits, target, lse, alpha, beta, gamma, delta, params: ShardGradArgs,
+grad)``
+    ``logits`` hold one vocabulary shard; ``lse`` (float32, N) is the row's log-sum-exp over the
+    whole vocabulary, of ``s = z / T`` with ``z = c * tanh(x / c)`` when ``softcap = c`` is
+    not 0.0 (else ``z = x``). ``target`` entries in ``[0, V)`` are local target columns,
+    ``ignore_index`` rows get zeros, any other value is a counted row whose target lies in
+    another shard. With ``p_j = exp(s_j - lse)`` and per-row float32 coefficients (``beta``
+    and ``delta`` may be None: 0) it writes
+    ``grad_j = (1/T) * dz_j/dx_j * (p_j * (alpha + beta * log p_j) + gamma * d_jy + delta)``.
+    The forward statistics of a shard come from ``logprobs_forward`` and
+    ``cross_entropy_forward`` above, so every backend serves forward-only calls.
+
+``reference.py`` states the same math naively in float64; ``cpu/torch_backend.py`` is the
+readable chunked implementation of these primitives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Callable, Optional, Protocol, Tuple, runtime_checkable
+
+import torch
+from torch import Tensor
+
+#: field metadata of a float that stays a Python float in a custom op's schema: the outputs'
+#: shapes depend on it, which a fake implementation must know at trace time
+STATIC = {"static": True}
+
+
+@dataclass(frozen=True)
+class LogprobsArgs:
+    temperature: float
+    ignore_index: int
+    with_entropy: bool
+
+
+@dataclass(frozen=True)
+class CrossEntropyArgs:
+    ignore_index: int
+    label_smoothing: float
+    z_loss: float
+    softcap: float  # 0.0: off
+
+
+@dataclass(frozen=True)
+class SurrogateArgs:
+    """GRPO's per-token clipped surrogate and k3 penalty."""
+    temperature: float
+    clip_eps_low: float
+    clip_eps_high: float
+    delta: float  # 0.0: off
+    beta: float
+
+
+@dataclass(frozen=True)
+class DistillArgs:
+    beta: float
+    temperature: float
+    ignore_index: int
+    hard_weight: float = field(metadata=STATIC)
+
+
+@dataclass(frozen=True)
+class ShardGradArgs:
+    temperature: float
+    softcap: float  # 0.0: off
+    ignore_index: int
+
+
+def args_of(params, kind: type):
+    """The ``kind`` fields of ``params`` (an op's params object extends one of the classes
+    above) as a ``kind`` instance."""
+    if type(params) is kind:
+        return params
+    return kind(**{f.name: getattr(params, f.name) for f in fields(kind)})
+
+
+#: gradient modes: NONE (the primitive writes none), ALWAYS (it returns only the gradient),
+#: OPTIONAL (outputs plus the gradient, written when the caller's ``compute_grad`` is true)
+NONE, ALWAYS, OPTIONAL = "none", "always", "optional"
+
+
+@dataclass(frozen=True)
+class Primitive:
+    """One primitive: the tensors it takes (in order; ``Optional`` ones may be None), its
+    params class, the lengths of its per-row float32 outputs given the params and N, and
+    whether it writes the gradient of its first tensor (``grad`` is then its last argument)."""
+    name: str
+    tensors: Tuple[Tuple[str, object], ...]
+    params: type
+    outputs: Callable[[object, int], Tuple[int, ...]]
+    gradient: str = NONE
+
+
+def _rows(count: int) -> Callable[[object, int], Tuple[int, ...]]:
+    return lambda params, n_rows: (n_rows,) * count
+
+
+_T, _OT = Tensor, Optional[Tensor]
+
+PRIMITIVES = {p.name: p for p in (
+    Primitive("logprobs_forward", (("logits", _T), ("target", _T)), LogprobsArgs,
+              lambda p, n: (n, n if p.with_entropy else 0, n)),
+    Primitive("logprobs_backward",
+              (("logits", _T), ("target", _T), ("lse", _T), ("entropy", _T),
+               ("grad_logp", _T), ("grad_entropy", _T)), LogprobsArgs, _rows(0), ALWAYS),
+    Primitive("cross_entropy_forward", (("logits", _T), ("target", _T), ("grad_scale", _OT)),
+              CrossEntropyArgs, _rows(2), OPTIONAL),
+    Primitive("grpo_forward",
+              (("logits", _T), ("target", _T), ("advantages", _T), ("old_logprobs", _OT),
+               ("ref_logprobs", _OT), ("token_weight", _T)), SurrogateArgs, _rows(2), OPTIONAL),
+    Primitive("distill_forward", (("student", _T), ("teacher", _T), ("target", _T)),
+              DistillArgs, lambda p, n: (n, n, n, n, n if p.hard_weight else 0)),
+    Primitive("distill_backward",
+              (("student", _T), ("teacher", _T), ("target", _T), ("student_lse", _T),
+               ("teacher_lse", _T), ("student_kl", _T), ("hard_lse", _T), ("grad_loss", _T)),
+              DistillArgs, _rows(0), ALWAYS),
+)}
+
+#: the optional primitive, eager only (no custom op): ``vocab_shard_backward``
+SHARD_PRIMITIVE = Primitive(
+    "vocab_shard_backward",
+    (("logits", _T), ("target", _T), ("lse", _T), ("alpha", _T), ("beta", _OT), ("gamma", _T),
+     ("delta", _OT)), ShardGradArgs, _rows(0), ALWAYS)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a kernel backend module provides (the contract in this module's docstring)."""
+
+    def unavailable_reason(self, device: torch.device) -> Optional[str]: ...
+
+    def logprobs_forward(self, logits: Tensor, target: Tensor,
+                         params: LogprobsArgs) -> Tuple[Tensor, Tensor, Tensor]: ...
+
+    def logprobs_backward(self, logits: Tensor, target: Tensor, lse: Tensor, entropy: Tensor,
+                          grad_logp: Tensor, grad_entropy: Tensor, params: LogprobsArgs,
+                          grad: Tensor) -> None: ...
+
+    def cross_entropy_forward(self, logits: Tensor, target: Tensor,
+                              grad_scale: Optional[Tensor], params: CrossEntropyArgs,
+                              grad: Optional[Tensor]) -> Tuple[Tensor, Tensor]: ...
+
+    def grpo_forward(self, logits: Tensor, target: Tensor, advantages: Tensor,
+                     old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor],
+                     token_weight: Tensor, params: SurrogateArgs,
+                     grad: Optional[Tensor]) -> Tuple[Tensor, Tensor]: ...
+
+    def distill_forward(self, student: Tensor, teacher: Tensor, target: Tensor,
+                        params: DistillArgs) -> Tuple[Tensor, ...]: ...
+
+    def distill_backward(self, student: Tensor, teacher: Tensor, target: Tensor,
+                         student_lse: Tensor, teacher_lse: Tensor, student_kl: Tensor,
+                         hard_lse: Tensor, grad_loss: Tensor, params: DistillArgs,
+                         grad: Tensor) -> None: ...
+
+
+@runtime_checkable
+class VocabShardBackend(Backend, Protocol):
+    """A backend that also serves the vocabulary-parallel gradient."""
+
+    def vocab_shard_backward(self, logits: Tensor, target: Tensor, lse: Tensor, alpha: Tensor,
+                             beta: Optional[Tensor], gamma: Tensor, delta: Optional[Tensor],
+                             params: ShardGradArgs, grad: Tensor) -> None: ...

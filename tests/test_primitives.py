@@ -1,0 +1,96 @@
+"""The primitives' declarations (``ops/primitives.py``): every backend module satisfies the
+``Backend`` protocol, and the custom ops ``ops/_library.py`` generates follow the declarations."""
+
+import inspect
+from dataclasses import fields
+
+import pytest
+import torch
+
+from astrai_kernels.cpu import cpp_backend, torch_backend
+from astrai_kernels.ops import _library, primitives
+from astrai_kernels.ops.cross_entropy import CrossEntropyParams
+from astrai_kernels.ops.primitives import (
+    PRIMITIVES,
+    SHARD_PRIMITIVE,
+    Backend,
+    CrossEntropyArgs,
+    VocabShardBackend,
+    args_of,
+)
+from astrai_kernels.triton import backend as triton_backend
+
+MODULES = {"torch": torch_backend, "cpp": cpp_backend, "triton": triton_backend}
+
+
+def _protocol_parameters(protocol, name):
+    return list(inspect.signature(getattr(protocol, name)).parameters)[1:]  # without self
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_backend_modules_satisfy_the_protocol(name):
+    module = MODULES[name]
+    assert isinstance(module, Backend)
+    for primitive in (*PRIMITIVES, "unavailable_reason"):
+        assert (list(inspect.signature(getattr(module, primitive)).parameters)
+                == _protocol_parameters(Backend, primitive)), (name, primitive)
+
+
+def test_the_torch_backend_serves_the_shard_gradient():
+    assert isinstance(torch_backend, VocabShardBackend)
+    assert (list(inspect.signature(torch_backend.vocab_shard_backward).parameters)
+            == _protocol_parameters(VocabShardBackend, "vocab_shard_backward"))
+    assert not isinstance(cpp_backend, VocabShardBackend)
+
+
+@pytest.mark.parametrize("primitive", [*PRIMITIVES.values(), SHARD_PRIMITIVE],
+                         ids=lambda p: p.name)
+def test_declarations_state_the_protocol(primitive):
+    """A declaration's tensors, then ``params``, then ``grad`` when it writes one: the
+    protocol's order."""
+    protocol = VocabShardBackend if primitive is SHARD_PRIMITIVE else Backend
+    expected = [name for name, _ in primitive.tensors] + ["params"]
+    if primitive.gradient != primitives.NONE:
+        expected.append("grad")
+    assert _protocol_parameters(protocol, primitive.name) == expected
+
+
+@pytest.mark.parametrize("name", sorted(PRIMITIVES))
+def test_generated_schema_follows_the_declaration(name):
+    primitive = PRIMITIVES[name]
+    schema = _library._GENERATED[name].op._opoverload._schema
+    names = [argument.name for argument in schema.arguments]
+    expected = [tensor for tensor, _ in primitive.tensors]
+    expected += [field.name for field in fields(primitive.params)]
+    if primitive.gradient == primitives.OPTIONAL:
+        expected.append("compute_grad")
+    assert names == expected + ["backend"]
+    for argument, field in zip(schema.arguments[len(primitive.tensors):],
+                               fields(primitive.params)):
+        runtime_float = field.type == "float" and not field.metadata.get("static")
+        assert ("Tensor" in str(argument.type)) == runtime_float, (name, field.name)
+
+
+def test_op_params_extend_the_kernel_params():
+    params = CrossEntropyParams(ignore_index=-1, label_smoothing=0.1, z_loss=0.0, softcap=30.0,
+                                reduction="sum", inplace_backward=False, backend="torch")
+    kernel = args_of(params, CrossEntropyArgs)
+    assert type(kernel) is CrossEntropyArgs
+    assert kernel == CrossEntropyArgs(-1, 0.1, 0.0, 30.0)
+    assert args_of(kernel, CrossEntropyArgs) is kernel
+
+
+def test_generated_op_matches_the_eager_call():
+    """The same primitive through the custom op (as under tracing) and eagerly."""
+    logits = torch.randn(1, 5, 11, generator=torch.Generator().manual_seed(0))
+    target = torch.tensor([0, 3, -100, 10, 2])
+    params = CrossEntropyArgs(-100, 0.1, 1e-3, 0.0)
+    scale = torch.full((1,), 0.25)
+    eager = _library.cross_entropy_forward(logits, target, scale, params, True, "torch")
+    generated = _library._GENERATED["cross_entropy_forward"]
+    floats = [_library.float_arg(value) if isinstance(value, float) else value
+              for value in (params.ignore_index, params.label_smoothing, params.z_loss,
+                            params.softcap)]
+    traced = generated.op(logits, target, scale, *floats, True, "torch")
+    for a, b in zip(eager, traced):
+        assert torch.equal(a, b)
