@@ -5,6 +5,7 @@ from .ops._backend import available_backends
 from .ops.cross_entropy import cross_entropy
 from .ops.distill import distill_loss, linear_distill_loss
 from .ops.grpo import grpo_loss
+from .ops.grpo_options import GRPOOptions
 from .ops.linear import (
     linear_cross_entropy,
     linear_grpo_loss,
@@ -17,6 +18,7 @@ from .ops.preference import cpo_loss, dpo_loss, group_advantages, kto_loss, orpo
 __version__ = "0.1.0"
 
 __all__ = [
+    "GRPOOptions",
     "available_backends",
     "cpo_loss",
     "cross_entropy",

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .ops.grpo_options import GRPOOptions, options_from
+
 LOG_RATIO_CLAMP = 20.0
 
 
@@ -140,7 +142,8 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
               kl_ratio_correction: bool = False, importance_weights: Optional[Tensor] = None,
               off_policy_threshold: Optional[float] = None,
               sampling_logprobs: Optional[Tensor] = None, top_entropy_quantile: float = 1.0,
-              entropy_coef: float = 0.0) -> Tuple[Tensor, Dict[str, Tensor]]:
+              entropy_coef: float = 0.0,
+              options: Optional[GRPOOptions] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
     """The GRPO family on ``[B, T, V]`` logits aligned with ``target [B, T]`` (TRL's
     ``GRPOTrainer._compute_loss``). With ``w`` the token log-ratio ``logp - old`` (or its
     masked mean per sequence, GSPO) and ``r = exp(w)``, each token's policy term is:
@@ -161,8 +164,28 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
     normalizer types: their entropy sum / normalizer).
 
     Masked tokens are selected away before any arithmetic: their logits, targets, advantages
-    and old/reference log-probs may hold anything (inf, NaN, out-of-range ids).
+    and old/reference log-probs may hold anything (inf, NaN, out-of-range ids). ``options``: a
+    ``GRPOOptions`` holding every scalar keyword at once, as ``ak.grpo_loss`` takes it.
     """
+    options = options_from(options, dict(
+        beta=beta, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
+        loss_type=loss_type, importance_sampling=importance_sampling, temperature=temperature,
+        max_completion_length=max_completion_length, sapo_tau_pos=sapo_tau_pos,
+        sapo_tau_neg=sapo_tau_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+        kl_ratio_correction=kl_ratio_correction, off_policy_threshold=off_policy_threshold,
+        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef))
+    return _grpo_loss(logits, target, advantages, mask, old_logprobs, ref_logprobs, normalizer,
+                      importance_weights, sampling_logprobs, options)
+
+
+def _grpo_loss(logits, target, advantages, mask, old_logprobs, ref_logprobs, normalizer,
+               importance_weights, sampling_logprobs, options: GRPOOptions):
+    o = options
+    beta, clip_eps_low, clip_eps_high, delta = o.beta, o.clip_eps_low, o.clip_eps_high, o.delta
+    loss_type, importance_sampling, temperature = (o.loss_type, o.importance_sampling,
+                                                   o.temperature)
+    max_completion_length = o.max_completion_length
     batch, length = target.shape
     dtype = logits.dtype
     valid = (torch.ones_like(target, dtype=torch.bool) if mask is None else mask != 0)
@@ -188,7 +211,7 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
     if loss_type == "cispo":
         loss = -ratio.clamp(max=clip_eps_high).detach() * advantages * logp
     elif loss_type == "sapo":
-        tau = torch.where(advantages > 0, sapo_tau_pos, sapo_tau_neg).to(dtype)
+        tau = torch.where(advantages > 0, o.sapo_tau_pos, o.sapo_tau_neg).to(dtype)
         loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
     elif loss_type == "vespo":
         log_floor = math.log(1e-8)
@@ -197,13 +220,13 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
             log_is = torch.log(select(importance_weights)).clamp(log_floor, LOG_RATIO_CLAMP)
             log_w = log_w + torch.where(valid, log_is, 0.0).sum(-1, keepdim=True)
         log_w = log_w.clamp(log_floor, LOG_RATIO_CLAMP)
-        k = torch.where(advantages >= 0, vespo_k_pos, vespo_k_neg).to(dtype)
-        lam = torch.where(advantages >= 0, vespo_lambda_pos, vespo_lambda_neg).to(dtype)
+        k = torch.where(advantages >= 0, o.vespo_k_pos, o.vespo_k_neg).to(dtype)
+        lam = torch.where(advantages >= 0, o.vespo_lambda_pos, o.vespo_lambda_neg).to(dtype)
         phi = torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, 0.0, 0.0)
         loss = -phi * advantages * logp
     extra = {}
     keep = valid
-    if off_policy_threshold is not None:
+    if o.off_policy_threshold is not None:
         # TRL's fallbacks: the old log-probs, then the current ones.
         if sampling_logprobs is not None:
             sampling = select(sampling_logprobs)
@@ -212,15 +235,15 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
         else:
             sampling = logp.detach()
         gap = ((sampling - logp.detach()) * mask).sum(-1, keepdim=True) / lengths.unsqueeze(1)
-        kept = (advantages >= 0) | (gap <= off_policy_threshold)
+        kept = (advantages >= 0) | (gap <= o.off_policy_threshold)
         keep = keep & kept
         extra["mask/off_policy"] = kept
     entropy_keep = valid
-    if top_entropy_quantile < 1.0:
+    if o.top_entropy_quantile < 1.0:
         if valid.any():
             kept = entropy.detach()[valid]  # quantile takes float32/float64 only
             kept = kept.to(torch.promote_types(kept.dtype, torch.float32))
-            threshold = torch.quantile(kept, 1.0 - top_entropy_quantile)
+            threshold = torch.quantile(kept, 1.0 - o.top_entropy_quantile)
             entropy_keep = valid & (entropy.detach() >= threshold)
         else:
             entropy_keep = torch.zeros_like(valid)
@@ -229,7 +252,7 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
     if importance_weights is not None and loss_type != "vespo":
         loss = loss * select(importance_weights)
     loss = torch.where(keep, loss, 0.0)
-    if kl_ratio_correction:
+    if o.kl_ratio_correction:
         k3 = k3 * ratio
     if beta > 0:
         loss = loss + beta * k3
@@ -248,13 +271,13 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
         total = loss.sum(-1).mean()
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
-    if entropy_coef != 0.0:
+    if o.entropy_coef != 0.0:
         kept_entropy = torch.where(entropy_keep, entropy, 0.0).sum()
         if loss_type in ("dapo", "cispo", "vespo"):
             bonus = _divide_or_zero(kept_entropy, global_count)
         else:
             bonus = kept_entropy / entropy_keep.sum().clamp(min=1).to(dtype)
-        total = total - entropy_coef * bonus
+        total = total - o.entropy_coef * bonus
     eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     count = mask.sum().clamp(min=1.0)
 
@@ -272,7 +295,7 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
     elif loss_type == "vespo":
         metrics["vespo/phi_mean"] = masked_mean(phi)
     metrics.update({key: masked_mean(kept) for key, kept in extra.items()})
-    if entropy_coef != 0.0 or top_entropy_quantile < 1.0:
+    if o.entropy_coef != 0.0 or o.top_entropy_quantile < 1.0:
         metrics["entropy"] = masked_mean(entropy)
     return total, metrics
 

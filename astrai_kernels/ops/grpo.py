@@ -37,6 +37,7 @@ from ._common import (
     flat_target,
     rows_view,
 )
+from .grpo_options import DEFAULT_OPTIONS, OPTION_NAMES, GRPOOptions, options_from
 from .logprobs import token_logprobs
 from .primitives import SurrogateArgs
 
@@ -52,35 +53,13 @@ VESPO_LOG_FLOOR = math.log(1e-8)  # TRL's lower clamp of VESPO's log-ratios
 
 
 @dataclass(frozen=True)
-class PolicyOptions:
-    """The GRPO-family options beyond the clipped surrogate (defaults: off / TRL's values)."""
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    kl_ratio_correction: bool = False
-    off_policy_threshold: Optional[float] = None
-    top_entropy_quantile: float = 1.0
-    entropy_coef: float = 0.0
-
-    @property
-    def needs_entropy(self) -> bool:
-        return self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0
-
-
-DEFAULT_OPTIONS = PolicyOptions()
-
-
-@dataclass(frozen=True)
 class GRPOParams(SurrogateArgs):
     """The surrogate kernel's parameters (``ops/primitives.py``) and the op's own."""
     loss_type: str
     importance_sampling: str
     backend: str
     # no default: torch <= 2.11's Dynamo cannot wrap a dataclass instance as a default argument
-    options: PolicyOptions
+    options: GRPOOptions  # as checked
 
 
 @dataclass
@@ -159,50 +138,50 @@ def _check_values(mask: Optional[Tensor], valid: Tensor, normalizer: Optional[Te
             raise ValueError(message + detail)
 
 
-def _check_options(loss_type: str, ref: Optional[Tensor], sampling: Optional[Tensor],
-                   options: dict) -> PolicyOptions:
-    """The GRPO-family keywords: each in its range, and none set where it would be unused."""
-    unknown = set(options) - set(PolicyOptions.__dataclass_fields__)
-    if unknown:
-        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
+def _checked_extras(options: GRPOOptions, ref: Optional[Tensor],
+                    sampling: Optional[Tensor]) -> GRPOOptions:
+    """The GRPO-family options: each in its range, and none set where it would be unused."""
+    loss_type, checked = options.loss_type, {}
     for name, family in (("sapo_tau_pos", "sapo"), ("sapo_tau_neg", "sapo"),
                          ("vespo_k_pos", "vespo"), ("vespo_lambda_pos", "vespo"),
                          ("vespo_k_neg", "vespo"), ("vespo_lambda_neg", "vespo")):
-        if name not in options:
-            continue
+        value = getattr(options, name)
         if name.startswith("vespo_k"):
-            options[name] = check_in_range(options[name], name, 0.0, float("inf"))
+            checked[name] = check_in_range(value, name, 0.0, float("inf"))
         else:
-            options[name] = check_positive(options[name], name)
-        if loss_type != family and options[name] != getattr(DEFAULT_OPTIONS, name):
+            checked[name] = check_positive(value, name)
+        if loss_type != family and checked[name] != getattr(DEFAULT_OPTIONS, name):
             raise ValueError(f"{name} applies to loss_type={family!r} only, got "
                              f"loss_type={loss_type!r}")
-    correction = options.get("kl_ratio_correction", False)
+    correction = options.kl_ratio_correction
     if not isinstance(correction, bool):
         raise TypeError(f"kl_ratio_correction must be a bool, got {type(correction).__name__}")
     if correction and ref is None:
         raise ValueError("kl_ratio_correction=True needs ref_logprobs (it scales the k3 KL "
                          "term by the importance ratio)")
-    threshold = options.get("off_policy_threshold")
+    threshold = options.off_policy_threshold
     if threshold is not None:
-        options["off_policy_threshold"] = check_in_range(
+        checked["off_policy_threshold"] = check_in_range(
             threshold, "off_policy_threshold", 0.0, float("inf"))
     elif sampling is not None:
         raise ValueError("sampling_logprobs is used only by the off-policy sequence mask: pass "
                          "off_policy_threshold too")
-    if "top_entropy_quantile" in options:
-        options["top_entropy_quantile"] = check_in_range(
-            options["top_entropy_quantile"], "top_entropy_quantile", 0.0, 1.0)
-    if "entropy_coef" in options:
-        options["entropy_coef"] = check_in_range(
-            options["entropy_coef"], "entropy_coef", -float("inf"), float("inf"))
-    return PolicyOptions(**options)
+    checked["top_entropy_quantile"] = check_in_range(
+        options.top_entropy_quantile, "top_entropy_quantile", 0.0, 1.0)
+    checked["entropy_coef"] = check_in_range(options.entropy_coef, "entropy_coef",
+                                             -float("inf"), float("inf"))
+    return dataclasses.replace(options, **checked)
 
 
-def _check(logits, target, advantages, mask, old_logprobs, ref_logprobs, beta, clip_eps_low,
-           clip_eps_high, delta, loss_type, importance_sampling, temperature,
-           max_completion_length, normalizer, backend, importance_weights=None,
-           sampling_logprobs=None, **options) -> Tuple[_Inputs, GRPOParams]:
+def _check(logits, target, advantages, options: GRPOOptions, mask, old_logprobs, ref_logprobs,
+           normalizer, backend, importance_weights=None,
+           sampling_logprobs=None) -> Tuple[_Inputs, GRPOParams]:
+    if not isinstance(options, GRPOOptions):
+        raise TypeError(f"options must be a GRPOOptions, got {type(options).__name__}")
+    beta, clip_eps_low, clip_eps_high = options.beta, options.clip_eps_low, options.clip_eps_high
+    delta, loss_type, importance_sampling = (options.delta, options.loss_type,
+                                             options.importance_sampling)
+    temperature, max_completion_length = options.temperature, options.max_completion_length
     check_logits(logits)
     if logits.dim() != 3:
         raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
@@ -252,9 +231,11 @@ def _check(logits, target, advantages, mask, old_logprobs, ref_logprobs, beta, c
     if weights is not None and not weights.is_floating_point():
         raise TypeError(f"importance_weights must be a floating tensor, got {weights.dtype}")
     sampling = _check_logprobs_input(sampling_logprobs, "sampling_logprobs", shape, device)
-    options = _check_options(loss_type, ref, sampling, options)
+    options = _checked_extras(dataclasses.replace(
+        options, beta=beta, clip_eps_low=clip_eps_low, temperature=check_positive(
+            temperature, "temperature")), ref, sampling)
     _check_values(mask, valid, normalizer, weights)
-    params = GRPOParams(temperature=check_positive(temperature, "temperature"),
+    params = GRPOParams(temperature=options.temperature,
                         clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
                         beta=beta, loss_type=loss_type, importance_sampling=importance_sampling,
                         backend=resolve_backend(backend, device), options=options)
@@ -290,7 +271,7 @@ class GRPOPlan:
         fold into the token weights when there is no KL term for them to leave alone."""
         params, options = self.params, self.params.options
         return (params.loss_type in CLIPPED_LOSS_TYPES and params.importance_sampling == "token"
-                and options == DEFAULT_OPTIONS
+                and options.extras_at_defaults
                 and (self.inputs.importance_weights is None or params.beta == 0))
 
     def flat_rows(self) -> FlatRows:
@@ -304,20 +285,22 @@ class GRPOPlan:
                         flat(self.inputs.ref), flat(weight))
 
 
-def plan(logits: Tensor, target: Tensor, advantages: Tensor, *, mask=None, old_logprobs=None,
-         ref_logprobs=None, beta=0.0, clip_eps_low=0.2, clip_eps_high=None, delta=None,
-         loss_type="bnpo", importance_sampling="token", temperature=1.0,
-         max_completion_length=None, normalizer=None, importance_weights=None,
-         sampling_logprobs=None, backend="auto", **options) -> GRPOPlan:
+def plan(logits: Tensor, target: Tensor, advantages: Tensor,
+         options: Optional[GRPOOptions] = None, *, mask=None, old_logprobs=None,
+         ref_logprobs=None, normalizer=None, importance_weights=None, sampling_logprobs=None,
+         backend="auto", **keywords) -> GRPOPlan:
     """Check a call's arguments and weigh its tokens. ``logits`` may be a zero-byte stand-in of
-    the logits' shape, dtype and device (the fused LM head's checks). ``options`` are
-    :class:`PolicyOptions`' fields."""
-    inputs, params = _check(
-        logits, target, advantages, mask, old_logprobs, ref_logprobs, beta, clip_eps_low,
-        clip_eps_high, delta, loss_type, importance_sampling, temperature,
-        max_completion_length, normalizer, backend, importance_weights, sampling_logprobs,
-        **options)
-    weight = _token_weight(inputs.valid, loss_type, max_completion_length, inputs.normalizer)
+    the logits' shape, dtype and device (the fused LM head's checks). The options come as
+    ``options`` or as ``GRPOOptions``' fields in ``keywords``."""
+    unknown = set(keywords) - set(OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
+    options = options_from(options, {**DEFAULT_OPTIONS.keywords(), **keywords})
+    inputs, params = _check(logits, target, advantages, options, mask, old_logprobs,
+                            ref_logprobs, normalizer, backend, importance_weights,
+                            sampling_logprobs)
+    weight = _token_weight(inputs.valid, params.loss_type, options.max_completion_length,
+                           inputs.normalizer)
     return GRPOPlan(inputs, params, weight)
 
 
@@ -335,7 +318,7 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
               kl_ratio_correction: bool = False, importance_weights: Optional[Tensor] = None,
               off_policy_threshold: Optional[float] = None,
               sampling_logprobs: Optional[Tensor] = None, top_entropy_quantile: float = 1.0,
-              entropy_coef: float = 0.0,
+              entropy_coef: float = 0.0, options: Optional[GRPOOptions] = None,
               backend: str = "auto", process_group: Optional["ProcessGroup"] = None,
               check_consistency: bool = True) -> Tuple[Tensor, Dict[str, Tensor]]:
     """GRPO-family policy loss and detached float32 metrics (means over the unmasked tokens).
@@ -350,33 +333,28 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
     shard, ``target`` global ids (``ops/vocab_parallel.py``); ``check_consistency`` as in
     ``cross_entropy`` (the fingerprint is of the unmasked targets; advantages, mask and
     log-probs must agree too but are not compared).
+
+    ``options``: a :class:`GRPOOptions` holding every scalar keyword above at once (the
+    individual keywords then stay at their defaults).
     """
-    options = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta,
-                   clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
-                   loss_type=loss_type, importance_sampling=importance_sampling,
-                   temperature=temperature, max_completion_length=max_completion_length,
-                   normalizer=normalizer, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
-                   vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
-                   vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
-                   kl_ratio_correction=kl_ratio_correction,
-                   importance_weights=importance_weights,
-                   off_policy_threshold=off_policy_threshold,
-                   sampling_logprobs=sampling_logprobs,
-                   top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef)
+    options = options_from(options, dict(
+        beta=beta, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
+        loss_type=loss_type, importance_sampling=importance_sampling, temperature=temperature,
+        max_completion_length=max_completion_length, sapo_tau_pos=sapo_tau_pos,
+        sapo_tau_neg=sapo_tau_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+        kl_ratio_correction=kl_ratio_correction, off_policy_threshold=off_policy_threshold,
+        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef))
+    inputs = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                  normalizer=normalizer, importance_weights=importance_weights,
+                  sampling_logprobs=sampling_logprobs)
     if process_group is not None:
         return _vocab_parallel_grpo_loss(logits, target, advantages, process_group, backend,
-                                         check_consistency, options)
-    checked = plan(logits, target, advantages, backend=backend, **options)
-    inputs, params = checked.inputs, checked.params
+                                         check_consistency, options, inputs)
+    checked = plan(logits, target, advantages, options, backend=backend, **inputs)
+    params = checked.params
     if params.backend == "reference":
-        from .. import reference
-
-        return reference.grpo_loss(
-            logits.float(), target, inputs.advantages, inputs.valid, inputs.old, inputs.ref,
-            params.beta, params.clip_eps_low, params.clip_eps_high, params.delta or None,
-            loss_type, importance_sampling, params.temperature, max_completion_length,
-            inputs.normalizer, importance_weights=inputs.importance_weights,
-            sampling_logprobs=inputs.sampling, **dataclasses.asdict(params.options))
+        return reference_loss(logits, target, checked)
     if not checked.fused:
         def logprobs_of(masked_target: Tensor, with_entropy: bool):
             out = token_logprobs(logits, masked_target, temperature=params.temperature,
@@ -387,8 +365,21 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
     return _token_level(logits, target, checked)
 
 
+def reference_loss(logits: Tensor, target: Tensor, checked: GRPOPlan):
+    """``backend="reference"``: the spec on the checked inputs, in the logits' float32."""
+    from .. import reference
+
+    inputs, params = checked.inputs, checked.params
+    options = dataclasses.replace(params.options, clip_eps_high=params.clip_eps_high,
+                                  delta=params.delta or None)
+    return reference.grpo_loss(
+        logits.float(), target, inputs.advantages, inputs.valid, inputs.old, inputs.ref,
+        normalizer=inputs.normalizer, importance_weights=inputs.importance_weights,
+        sampling_logprobs=inputs.sampling, options=options)
+
+
 def _vocab_parallel_grpo_loss(logits, target, advantages, process_group, backend,
-                              check_consistency, options):
+                              check_consistency, options, inputs):
     """``grpo_loss`` of a vocabulary shard: the differentiable token log-probs of the group,
     then the per-token objective in torch (``ops/vocab_parallel.py``)."""
     check_logits(logits)
@@ -399,10 +390,10 @@ def _vocab_parallel_grpo_loss(logits, target, advantages, process_group, backend
                                          check_consistency=False)
     vocab_parallel.check_consistency_flag(check_consistency)
     checked = plan(vocab_parallel.global_stand_in(logits, logits.shape[:-1], layout), target,
-                   advantages, backend=backend, **options)
+                   advantages, options, backend=backend, **inputs)
     if checked.params.backend == "reference":
         return grpo_loss(vocab_parallel.gathered_logits(logits, layout), target, advantages,
-                         backend="reference", **options)
+                         backend="reference", options=options, **inputs)
 
     def logprobs_of(masked_target, with_entropy):
         out = token_logprobs(logits, masked_target, process_group=process_group,
@@ -502,7 +493,7 @@ def token_level_result(logp: Tensor, token_loss: Tensor,
     return value, _metrics(ratio, _k3(logp, inputs.ref), inputs, params)
 
 
-def _vespo_weight(token_log_ratio: Tensor, inputs: _Inputs, options: PolicyOptions) -> Tensor:
+def _vespo_weight(token_log_ratio: Tensor, inputs: _Inputs, options: GRPOOptions) -> Tensor:
     """VESPO's detached gamma weight ``phi(W) = exp(lambda + k log W - lambda W)`` of the
     sequence ratio ``log W = sum_t (logp - old) + sum_t log(importance_weights)`` (each term and
     ``log W`` clamped to ``[log 1e-8, 20]`` as TRL's ``get_gamma_weights``), ``k, lambda`` by

@@ -29,6 +29,7 @@ from . import vocab_parallel
 from ._backend import backend_module, resolve_backend
 from ._common import dense_grad, flat_target, refuse_double_backward
 from ._library import traceable_op
+from .grpo_options import GRPOOptions, options_from
 from .head import (
     AttachHeadGrads,
     ChunkedHead,
@@ -471,7 +472,8 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
                      off_policy_threshold: Optional[float] = None,
                      sampling_logprobs: Optional[Tensor] = None,
                      top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0,
-                     softcap: Optional[float] = None, logit_scale: float = 1.0,
+                     options: Optional[GRPOOptions] = None, softcap: Optional[float] = None,
+                     logit_scale: float = 1.0,
                      chunk_size: Optional[int] = None, backend: str = "auto",
                      process_group: Optional["ProcessGroup"] = None,
                      check_consistency: bool = True) -> Tuple[Tensor, Dict[str, Tensor]]:
@@ -486,31 +488,31 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
     ``linear_cross_entropy`` (no softcap or logit scale there).
     """
     logit_scale, softcap_value = checked_transform(logit_scale, softcap)
-    options = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta,
-                   clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
-                   loss_type=loss_type, importance_sampling=importance_sampling,
-                   temperature=temperature, max_completion_length=max_completion_length,
-                   normalizer=normalizer, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
-                   vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
-                   vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
-                   kl_ratio_correction=kl_ratio_correction,
-                   importance_weights=importance_weights,
-                   off_policy_threshold=off_policy_threshold,
-                   sampling_logprobs=sampling_logprobs,
-                   top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef)
+    options = options_from(options, dict(
+        beta=beta, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
+        loss_type=loss_type, importance_sampling=importance_sampling, temperature=temperature,
+        max_completion_length=max_completion_length, sapo_tau_pos=sapo_tau_pos,
+        sapo_tau_neg=sapo_tau_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+        kl_ratio_correction=kl_ratio_correction, off_policy_threshold=off_policy_threshold,
+        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef))
+    inputs = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                  normalizer=normalizer, importance_weights=importance_weights,
+                  sampling_logprobs=sampling_logprobs)
     if process_group is not None:
         _refuse_transform_with_process_group(logit_scale, softcap_value, 0)
         return _vocab_parallel_grpo_loss(hidden, weight, target, advantages, process_group, bias,
-                                         chunk_size, backend, check_consistency, options)
+                                         chunk_size, backend, check_consistency, options, inputs)
     check_head(hidden, weight, bias, chunk_size)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
     backend = resolve_backend(backend, hidden.device)
     if backend == "reference":
         logits = reference_logits(hidden, weight, bias, logit_scale, softcap)
-        return grpo_op.grpo_loss(logits, target, advantages, backend="reference", **options)
-    plan = grpo_op.plan(logits_like(hidden, weight), target, advantages, backend=backend,
-                        **options)
+        return grpo_op.grpo_loss(logits, target, advantages, backend="reference",
+                                 options=options, **inputs)
+    plan = grpo_op.plan(logits_like(hidden, weight), target, advantages, options,
+                        backend=backend, **inputs)
     if not plan.fused:
         def logprobs_of(masked_target, with_entropy):
             out = linear_token_logprobs(hidden, weight, masked_target, bias=bias,
@@ -583,7 +585,7 @@ def _vocab_parallel_token_logprobs(hidden, weight, target, process_group, bias, 
 
 
 def _vocab_parallel_grpo_loss(hidden, weight, target, advantages, process_group, bias,
-                              chunk_size, backend, check_consistency, options):
+                              chunk_size, backend, check_consistency, options, inputs):
     """``linear_grpo_loss`` with this rank's vocabulary shard of the head: its token log-probs,
     then the per-token objective in torch."""
     check_head(hidden, weight, bias, chunk_size)
@@ -594,11 +596,11 @@ def _vocab_parallel_grpo_loss(hidden, weight, target, advantages, process_group,
                                          check_consistency=False)
     vocab_parallel.check_consistency_flag(check_consistency)
     checked = grpo_op.plan(vocab_parallel.global_stand_in(hidden, hidden.shape[:-1], layout),
-                           target, advantages, backend=backend, **options)
+                           target, advantages, options, backend=backend, **inputs)
     if checked.params.backend == "reference":
         logits = vocab_parallel.head_reference_logits(hidden, weight, bias, process_group)
         return grpo_op.grpo_loss(logits, target, advantages, process_group=process_group,
-                                 backend="reference", **options)
+                                 backend="reference", options=options, **inputs)
 
     def logprobs_of(masked_target, with_entropy):
         out = linear_token_logprobs(hidden, weight, masked_target, process_group=process_group,

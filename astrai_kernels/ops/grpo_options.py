@@ -1,0 +1,72 @@
+"""The GRPO family's scalar options, one object carried from the public ops (``grpo_loss``,
+``linear_grpo_loss``, their vocabulary-parallel forms) through the checks to the spec
+(``reference.grpo_loss``) and the strategies. A leaf module: the spec imports it too.
+
+The defaults are ``ak.grpo_loss``'s (TRL's). The per-token tensors (mask, old and reference
+log-probs, importance weights, sampling log-probs) and the ``normalizer`` are inputs, not options.
+"""
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+#: options beyond the clipped surrogate on token ratios: the fused single-pass kernel covers a
+#: call only when every one of them is at its default
+POLICY_EXTRAS = ("sapo_tau_pos", "sapo_tau_neg", "vespo_k_pos", "vespo_lambda_pos",
+                 "vespo_k_neg", "vespo_lambda_neg", "kl_ratio_correction", "off_policy_threshold",
+                 "top_entropy_quantile", "entropy_coef")
+
+
+@dataclass(frozen=True)
+class GRPOOptions:
+    """Every scalar keyword of ``ak.grpo_loss`` (see its docstring and docs/objectives.md)."""
+    beta: float = 0.0
+    clip_eps_low: float = 0.2
+    clip_eps_high: Optional[float] = None
+    delta: Optional[float] = None
+    loss_type: str = "bnpo"
+    importance_sampling: str = "token"
+    temperature: float = 1.0
+    max_completion_length: Optional[int] = None
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    kl_ratio_correction: bool = False
+    off_policy_threshold: Optional[float] = None
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0
+
+    @property
+    def extras_at_defaults(self) -> bool:
+        return all(getattr(self, name) == getattr(DEFAULT_OPTIONS, name)
+                   for name in POLICY_EXTRAS)
+
+    def keywords(self) -> dict:
+        """The options as ``ak.grpo_loss`` keywords."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+DEFAULT_OPTIONS = GRPOOptions()
+OPTION_NAMES = tuple(f.name for f in fields(GRPOOptions))
+
+
+def options_from(given: Optional[GRPOOptions], keywords: dict) -> GRPOOptions:
+    """``given`` (the ``options=`` keyword) or the object of the individual ``keywords``; both
+    only when every individual keyword is at its default."""
+    if given is None:
+        return GRPOOptions(**keywords)
+    if not isinstance(given, GRPOOptions):
+        raise TypeError(f"options must be a GRPOOptions or None, got {type(given).__name__}")
+    changed = sorted(name for name, value in keywords.items()
+                     if value is not getattr(DEFAULT_OPTIONS, name)
+                     and value != getattr(DEFAULT_OPTIONS, name))
+    if changed:
+        raise ValueError(f"pass the GRPO options either as options= or as keywords, not both: "
+                         f"{changed} given beside options")
+    return given
