@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cli import _split
 from . import spec
 from .tolerances import compare, result_dtype, tolerance
 
@@ -358,56 +357,9 @@ def format_table(rows, failures_only=False):
     return "\n".join(lines)
 
 
-def add_arguments(parser):
-    parser.add_argument("--ops", default=",".join(OPS), help="comma-separated (default: all: "
-                                                              "%(default)s)")
-    parser.add_argument("--backends", default=None,
-                        help="comma-separated (default: the available ones except reference)")
-    parser.add_argument("--dtypes", "--dtype", dest="dtypes", default="fp32,bf16,fp16",
-                        help="comma-separated (default: %(default)s)")
-    parser.add_argument("--shapes", default=None,
-                        help="comma-separated BxTxV[:shifted] (default: "
-                             f"{','.join(DEFAULT_SHAPES)}; on CUDA also "
-                             f"{','.join(CUDA_EXTRA_SHAPES)}; interpreted triton: "
-                             f"{','.join(INTERPRETED_SHAPES)})")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                        help="write the rows as JSON to PATH (no PATH: print JSON instead of "
-                             "the table)")
-    parser.add_argument("--failures-only", action="store_true",
-                        help="print only the failed rows and the summary")
-
-
-def run_from_args(args):
-    import astrai_kernels as ak
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        ops = _split(args.ops)
-        for op in ops:
-            if op not in OPS:
-                raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
-        dtypes = _split(args.dtypes)
-        for name in dtypes:
-            if name not in DTYPES:
-                raise ValueError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
-        shapes = [Shape.parse(s) for s in _split(args.shapes)] if args.shapes else None
-    except ValueError as exc:
-        print(f"verify: {exc}", file=sys.stderr)
-        return 2
-    available = ak.available_backends(device)
-    if args.backends:
-        backends = _split(args.backends)
-        missing = [b for b in backends if b not in available]
-        if missing:
-            from ..ops._backend import unavailable_reason
-
-            for name in missing:
-                print(f"verify: backend {name!r} is not available on {device}: "
-                      f"{unavailable_reason(name, device)}", file=sys.stderr)
-            return 2
-    else:
-        backends = [b for b in available if b != "reference"]
+def report(ops, backends, dtypes, shapes, device, json_path=None, failures_only=False):
+    """Run the checks (arguments as checked by ``astrai-kernels verify``), print the table (or
+    JSON with ``json_path="-"``; a file at any other ``json_path``); the exit status."""
     start = time.perf_counter()
     stream = sys.stderr
 
@@ -422,21 +374,21 @@ def run_from_args(args):
     elapsed = time.perf_counter() - start
     payload = {"device": device, "backends": backends, "dtypes": dtypes, "ops": ops,
                "seconds": elapsed, "ok": all(r["ok"] for r in rows), "rows": rows}
-    if args.json == "-":
+    if json_path == "-":
         print(json.dumps(payload, indent=1))
     else:
         print(f"astrai-kernels verify on {device}: backends {', '.join(backends) or 'none'}; "
               f"reference.py in float64; tolerances from astrai_kernels.testing.tolerances")
-        print(format_table(rows, failures_only=args.failures_only))
+        print(format_table(rows, failures_only=failures_only))
         print(f"{elapsed:.1f} s")
-        if args.json:
+        if json_path:
             import os
 
-            directory = os.path.dirname(os.path.abspath(args.json))
+            directory = os.path.dirname(os.path.abspath(json_path))
             os.makedirs(directory, exist_ok=True)
-            with open(args.json, "w") as out:
+            with open(json_path, "w") as out:
                 json.dump(payload, out, indent=1)
-            print(f"JSON: {args.json}")
+            print(f"JSON: {json_path}")
     if not backends:
         print("verify: no backend to check", file=sys.stderr)
         return 1
