@@ -8,9 +8,10 @@
 * Bad arguments (an unknown op or backend, an empty list, a count below 1, an output path that
   cannot be written, ``--plot`` without matplotlib) give a one-line error and exit status 2
   before anything runs.
-* ``verify``: every op x available backend x dtype x shape against ``reference.py`` in float64,
-  values and gradients, against the tolerance table; exit status 1 on any failure
-  (see :mod:`astrai_kernels.testing.verify`).
+* ``verify``: token_logprobs, cross_entropy, grpo_loss and sequence_logprobs x available backend
+  x dtype x shape against ``reference.py`` in float64, values and gradients, against the
+  tolerance table; exit status 1 on any failure (see :mod:`astrai_kernels.testing.verify`, which
+  also says why the other ops are not in it).
 * ``compile-check``: AOT-compile every Triton kernel for real GPU targets
   (:mod:`astrai_kernels.triton.compile_check`; its own options).
 """
@@ -121,7 +122,9 @@ def add_verify_arguments(parser):
     from .testing import verify as vf
 
     parser.add_argument("--ops", default=",".join(vf.OPS),
-                        help="comma-separated (default: all it checks: %(default)s)")
+                        help="comma-separated, from %(default)s (default: all four); "
+                             "distill_loss, the linear_* ops and the preference ops are not "
+                             "checked here (the test suite checks them)")
     parser.add_argument("--backends", default=None,
                         help="comma-separated (default: the available ones except reference)")
     parser.add_argument("--dtypes", "--dtype", dest="dtypes", default="fp32,bf16,fp16",
@@ -437,8 +440,13 @@ def build_parser():
                       "the naive path and torch.compile")
     add_bench_arguments(bench_parser)
     verify_parser = sub.add_parser(
-        "verify", help="each logits op (and sequence_logprobs) x backend x dtype x shape "
-                       "against reference.py in float64")
+        "verify", help="token_logprobs, cross_entropy, grpo_loss and sequence_logprobs x "
+                       "backend x dtype x shape against reference.py in float64",
+        description="Checks token_logprobs, cross_entropy, grpo_loss and sequence_logprobs, "
+                    "values and gradients, on each available backend x dtype x shape against "
+                    "reference.py in float64. Not checked here: distill_loss and the linear_* "
+                    "ops (the test suite compares them with reference.py), the preference ops "
+                    "and group_advantages (plain PyTorch, no backend to choose).")
     add_verify_arguments(verify_parser)
     sub.add_parser("compile-check", add_help=False,
                    help="AOT-compile every Triton kernel for sm_80/sm_90 and report registers, "

@@ -147,9 +147,9 @@ def test_naive_grpo_step_matches_the_spec():
     # The seed computes in float32: judge its gradient by the sizes of the terms forming it.
     token_weight = mask / mask.sum()
     per_token = advantages.double().unsqueeze(1).expand(batch, length)
-    terms = spec.grpo(policy, target.reshape(-1), 1.0, per_token.reshape(-1), old.reshape(-1),
-                      ref.reshape(-1), token_weight.reshape(-1), 0.2, 0.2, 0.0,
-                      0.05)["grad_terms"]
+    terms = spec.grpo_terms(policy, target.reshape(-1), 1.0, per_token.reshape(-1),
+                            old.reshape(-1), ref.reshape(-1), token_weight.reshape(-1), 0.2, 0.2,
+                            0.0, 0.05)
     assert_close(x.grad, xd.grad, "grad", torch.float32, scale=terms)
 
 

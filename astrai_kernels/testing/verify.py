@@ -1,6 +1,12 @@
-"""``astrai-kernels verify``: every op x backend x dtype x shape against ``reference.py``.
+"""``astrai-kernels verify``: the logits ops x backend x dtype x shape against ``reference.py``.
 
-What a user runs after installing on a new machine (a new GPU): each public op is called with
+It checks ``token_logprobs``, ``cross_entropy``, ``grpo_loss`` and ``sequence_logprobs``
+(:data:`OPS`), the ops whose kernels differ per backend and per GPU. It does not check
+``distill_loss`` or the fused-LM-head ``linear_*`` ops (the test suite compares them with
+``reference.py``: ``tests/test_distill.py``, ``tests/test_linear.py``), nor the preference ops
+and ``group_advantages``, which are plain PyTorch on ``[B]`` tensors with no backend to choose.
+
+What a user runs after installing on a new machine (a new GPU): each of these ops is called with
 each available kernel backend on random inputs rounded to each dtype, and compared with
 ``reference.py`` run in float64 on the same rounded inputs, forward values and the gradient
 w.r.t. the logits (with random upstream gradients), per element by the one tolerance model
@@ -127,8 +133,8 @@ def _check_token_logprobs(ak, reference, backend, base, shape, g, device):
             return {"logp": ref_lp.detach(), "entropy": ref_h.detach()}
 
         expected, naive = _reference(run, base)
-        terms = spec.logprobs(_view(base, shape), target.reshape(-1), temperature, -100,
-                              entropy, g_lp.reshape(-1), g_h.reshape(-1))
+        terms = spec.logprobs_terms(_view(base, shape), target.reshape(-1), temperature, -100,
+                                    entropy, g_lp.reshape(-1), g_h.reshape(-1))
         out += [("logp", lp, expected["logp"], naive["logp"], None, "value"),
                 ("grad", x.grad, expected["grad"], naive["grad"],
                  _full_terms(terms["grad_terms"], base, shape), "grad")]
@@ -165,8 +171,8 @@ def _check_cross_entropy(ak, reference, backend, base, shape, g, device):
             return {"loss": ref.detach()}
 
         expected, naive = _reference(run, base)
-        terms = spec.cross_entropy(_view(base, shape), target.reshape(-1), *options[:3],
-                                   options[3] or 0.0, upstream.reshape(-1))["grad_terms"]
+        terms = spec.cross_entropy_terms(_view(base, shape), target.reshape(-1), *options[:3],
+                                         options[3] or 0.0, upstream.reshape(-1))
         out += [("loss", loss, expected["loss"], naive["loss"], None, "value"),
                 ("grad", x.grad, expected["grad"], naive["grad"],
                  _full_terms(terms, base, shape), "grad")]
@@ -208,7 +214,7 @@ def _check_grpo_loss(ak, reference, backend, base, shape, g, device):
 
         expected, naive = _reference(run, base)
         # each row is c * (d_jy - p_j) / T, c formed by exps of log-prob differences: its
-        # entries' terms are |grad_j| times the log-probs' size (as testing/spec.grpo)
+        # entries' terms are |grad_j| times the log-probs' size (as testing/spec.grpo_terms)
         size = 1 + logp.abs() + old.cpu().abs() + ref.cpu().abs()
         scale = expected["grad"].abs().cpu()
         _view(scale, shape).mul_(size.double().unsqueeze(-1))
@@ -242,8 +248,9 @@ def _check_sequence_logprobs(ak, reference, backend, base, shape, g, device):
         per_token = upstream.unsqueeze(1) * mask
         if average:
             per_token = per_token / mask.sum(-1, keepdim=True).clamp(min=1)
-        terms = spec.logprobs(_view(base, shape), torch.where(mask, target, -100).reshape(-1),
-                              temperature, -100, False, per_token.reshape(-1))["grad_terms"]
+        terms = spec.logprobs_terms(_view(base, shape),
+                                    torch.where(mask, target, -100).reshape(-1), temperature,
+                                    -100, False, per_token.reshape(-1))["grad_terms"]
         out += [("value", value, expected["value"], naive["value"], None, "value"),
                 ("grad", x.grad, expected["grad"], naive["grad"],
                  _full_terms(terms, base, shape), "grad")]
