@@ -8,9 +8,10 @@
 * Bad arguments (an unknown op or backend, an empty list, a count below 1, an output path that
   cannot be written, ``--plot`` without matplotlib) give a one-line error and exit status 2
   before anything runs.
-* ``verify``: every op x available backend x dtype x shape against ``reference.py`` in float64,
-  values and gradients, against the tolerance table; exit status 1 on any failure
-  (see :mod:`astrai_kernels.testing.verify`).
+* ``verify``: token_logprobs, cross_entropy, grpo_loss and sequence_logprobs x available backend
+  x dtype x shape against ``reference.py`` in float64, values and gradients, against the
+  tolerance table; exit status 1 on any failure (see :mod:`astrai_kernels.testing.verify`, which
+  also says why the other ops are not in it).
 * ``compile-check``: AOT-compile every Triton kernel for real GPU targets
   (:mod:`astrai_kernels.triton.compile_check`; its own options).
 """
@@ -113,20 +114,65 @@ def at_least(flag, value, low):
     return value
 
 
-def check_verify_args(args):
-    """The verify arguments that ``testing.verify`` would otherwise fail on with a traceback
-    (or run nothing for)."""
-    from .ops._backend import BACKENDS
-    from .testing import verify as verify_module
+# ---------------------------------------------------------------------------------------------
+# verify
 
-    nonempty("--ops", _split(args.ops), verify_module.OPS)
-    nonempty("--dtypes", _split(args.dtypes))
+
+def add_verify_arguments(parser):
+    from .testing import verify as vf
+
+    parser.add_argument("--ops", default=",".join(vf.OPS),
+                        help="comma-separated, from %(default)s (default: all four); "
+                             "distill_loss, the linear_* ops and the preference ops are not "
+                             "checked here (the test suite checks them)")
+    parser.add_argument("--backends", default=None,
+                        help="comma-separated (default: the available ones except reference)")
+    parser.add_argument("--dtypes", "--dtype", dest="dtypes", default="fp32,bf16,fp16",
+                        help="comma-separated (default: %(default)s)")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated BxTxV[:shifted] (default: "
+                             f"{','.join(vf.DEFAULT_SHAPES)}; on CUDA also "
+                             f"{','.join(vf.CUDA_EXTRA_SHAPES)}; interpreted triton: "
+                             f"{','.join(vf.INTERPRETED_SHAPES)})")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                        help="write the rows as JSON to PATH (no PATH: print JSON instead of "
+                             "the table)")
+    parser.add_argument("--failures-only", action="store_true",
+                        help="print only the failed rows and the summary")
+
+
+def verify_plan(args):
+    """The checked verify arguments as ``verify.report`` keywords (a UsageError when bad);
+    nothing is run."""
+    from .ops._backend import BACKENDS, available_backends, unavailable_reason
+    from .testing import verify as vf
+
+    ops = nonempty("--ops", _split(args.ops), vf.OPS)
+    dtypes = nonempty("--dtypes", _split(args.dtypes), tuple(vf.DTYPES))
+    shapes = None
+    if args.shapes is not None:
+        try:
+            shapes = [vf.Shape.parse(text) for text in nonempty("--shapes", _split(args.shapes))]
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     if args.backends is not None:
         nonempty("--backends", _split(args.backends), BACKENDS)
-    if args.device is not None:
-        check_device(args.device)
+    device = check_device(args.device) if args.device else _default_device()
     if args.json not in (None, "-"):
         check_output_path("--json", args.json)
+    available = available_backends(device)
+    if args.backends is None:
+        backends = [b for b in available if b != "reference"]
+    else:
+        backends = _split(args.backends)
+        missing = [b for b in backends if b not in available]
+        if missing:
+            raise UsageError("; ".join(f"backend {name!r} is not available on {device}: "
+                                       f"{unavailable_reason(name, device)}"
+                                       for name in missing))
+    return dict(ops=ops, backends=backends, dtypes=dtypes, shapes=shapes, device=device,
+                json_path=args.json, failures_only=args.failures_only)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,10 +440,14 @@ def build_parser():
                       "the naive path and torch.compile")
     add_bench_arguments(bench_parser)
     verify_parser = sub.add_parser(
-        "verify", help="every op x backend x dtype x shape against reference.py in float64")
-    from .testing import verify as verify_module
-
-    verify_module.add_arguments(verify_parser)
+        "verify", help="token_logprobs, cross_entropy, grpo_loss and sequence_logprobs x "
+                       "backend x dtype x shape against reference.py in float64",
+        description="Checks token_logprobs, cross_entropy, grpo_loss and sequence_logprobs, "
+                    "values and gradients, on each available backend x dtype x shape against "
+                    "reference.py in float64. Not checked here: distill_loss and the linear_* "
+                    "ops (the test suite compares them with reference.py), the preference ops "
+                    "and group_advantages (plain PyTorch, no backend to choose).")
+    add_verify_arguments(verify_parser)
     sub.add_parser("compile-check", add_help=False,
                    help="AOT-compile every Triton kernel for sm_80/sm_90 and report registers, "
                         "spills and shared memory (see compile-check --help)")
@@ -422,13 +472,13 @@ def main(argv=None):
     try:
         if args.command == "bench":
             return bench_check(args) if args.check else bench(args, argv)
-        check_verify_args(args)
+        plan = verify_plan(args)
     except (UsageError, OutputError) as exc:
         print(f"{args.command}: {exc}", file=sys.stderr)
         return 2
     from .testing import verify as verify_module
 
-    return verify_module.run_from_args(args)
+    return verify_module.report(**plan)
 
 
 if __name__ == "__main__":

@@ -422,17 +422,24 @@ def kto_loss(policy_logps: Tensor, ref_logps: Optional[Tensor], labels: Tensor,
 
 
 def group_advantages(rewards: Tensor, scale: str = "group", eps: float = 1e-6) -> Tensor:
-    """``(r - mean_g) / (std_g + eps)`` with the population std (``scale="batch"``: the std of
-    the whole batch; ``"none"``: no division). A tied group (a group of one included) gives 0."""
-    tied = (rewards == rewards[:, :1]).all(dim=-1, keepdim=True)
-    centred = rewards - rewards.mean(dim=-1, keepdim=True)
+    """Each reward of ``rewards [B, G]`` minus its group's mean, divided by ``sigma + eps``:
+    ``sigma`` the root of the mean squared deviation from the mean (the population std) of its
+    group (``scale="group"``) or of all ``B * G`` rewards (``"batch"``); ``"none"`` does not
+    divide. A group whose largest and smallest rewards are equal (a group of one included)
+    gives 0. Call it with float64 rewards: the op computes in float32."""
+    def mean(x: Tensor, dims) -> Tensor:
+        count = math.prod(x.shape[d] for d in dims)
+        return x.sum(dim=dims, keepdim=True) / count
+
+    deviation = rewards - mean(rewards, (-1,))
+    tied = rewards.amax(dim=-1, keepdim=True) == rewards.amin(dim=-1, keepdim=True)
     if scale == "none":
-        return torch.where(tied, 0.0, centred)
+        return torch.where(tied, 0.0, deviation)
     if scale == "group":
-        std = rewards.std(dim=-1, keepdim=True, unbiased=False)
+        sigma = mean(deviation ** 2, (-1,)).sqrt()
     else:
-        std = rewards.std(unbiased=False)
-    return torch.where(tied, 0.0, centred / (std + eps))
+        sigma = mean((rewards - mean(rewards, (0, 1))) ** 2, (0, 1)).sqrt()
+    return torch.where(tied, 0.0, deviation / (sigma + eps))
 
 
 def _kl_terms(log_p: Tensor, log_q: Tensor) -> Tensor:

@@ -10,23 +10,27 @@ The model is ``LlamaForCausalLM`` built from a config (no download) with a large
 a small hidden size, so the logits dominate the step's memory as they do in a real LLM. A step
 is ``model(input_ids, labels=labels).loss``, ``backward()`` and an SGD step; after one warm-up
 step, ``seconds`` is the fastest of ``repeats`` steps and ``peak_bytes`` the resident-set
-high-water mark during a step above the resident set before it (``astrai_kernels.bench.peak``,
-as ``bench/bench_strategies.py`` measures it). ``logits_bytes`` is ``rows x V x 4``, the size
-of the float32 logits, the natural unit.
+high-water mark during a step above the resident set before it
+(:mod:`astrai_kernels.bench.step_cases`, as the strategies' steps are measured).
+``logits_bytes`` is ``rows x V x 4``, the size of the float32 logits, the natural unit.
 """
 
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script: this checkout's package
     sys.path.insert(0, ROOT)
 
-from astrai_kernels.bench.peak import PeakRss, child_env  # noqa: E402
+from astrai_kernels.bench.step_cases import (  # noqa: E402
+    add_step_arguments,
+    best_of,
+    run_in_fresh_processes,
+    times,
+    write_results,
+)
 
 
 def run_case(patched, vocab=32768, hidden=64, n_layers=2, batch=4, seq_len=256, backend="auto",
@@ -60,40 +64,24 @@ def run_case(patched, vocab=32768, hidden=64, n_layers=2, batch=4, seq_len=256, 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    meter = PeakRss()
-    if meter.resettable:
-        step()  # warm-up: kernel build/load, first-touch allocations
-    seconds, peak = float("inf"), 0
-    for _ in range(repeats if meter.resettable else 1):
-        meter.start()
-        start = time.perf_counter()
-        step()
-        seconds = min(seconds, time.perf_counter() - start)
-        peak = max(peak, meter.extra())
+    measured = best_of(step, repeats)
     rows = batch * seq_len
     return {"patched": bool(patched),
             "backend": resolve_backend(backend, "cpu") if patched else "transformers",
-            "vocab": vocab, "hidden": hidden, "rows": rows, "seconds": seconds,
-            "peak_bytes": peak, "logits_bytes": rows * vocab * 4, "peak_method": meter.method,
-            "threads": torch.get_num_threads(), "transformers": transformers.__version__}
+            "vocab": vocab, "hidden": hidden, "rows": rows, **measured,
+            "logits_bytes": rows * vocab * 4, "threads": torch.get_num_threads(),
+            "transformers": transformers.__version__}
 
 
 def run_steps(vocab=32768, hidden=64, n_layers=2, batch=4, seq_len=256, backend="auto",
               repeats=2, threads=1, timeout=600):
     """Both cases (unpatched, patched), each in a fresh subprocess; a list of result dicts."""
-    env = child_env(ROOT)
-    results = []
-    for patched in (False, True):
-        cmd = [sys.executable, os.path.abspath(__file__), "--case", str(int(patched)),
-               "--vocab", str(vocab), "--hidden", str(hidden), "--n-layers", str(n_layers),
-               "--batch", str(batch), "--seq-len", str(seq_len), "--backend", backend,
-               "--repeats", str(repeats), "--threads", str(threads)]
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"case patched={patched} failed:\n{proc.stderr}")
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    return results
+    return run_in_fresh_processes(
+        [os.path.abspath(__file__)],
+        [["--case", int(patched), "--vocab", vocab, "--hidden", hidden, "--n-layers", n_layers,
+          "--batch", batch, "--seq-len", seq_len, "--backend", backend, "--repeats", repeats,
+          "--threads", threads] for patched in (False, True)],
+        timeout)
 
 
 def format_table(results):
@@ -104,8 +92,8 @@ def format_table(results):
     for r in results:
         peak_ratio = time_ratio = ""
         if base is not None and r is not base:
-            peak_ratio = f"{base['peak_bytes'] / max(r['peak_bytes'], 1):.2f}x"
-            time_ratio = f"{base['seconds'] / r['seconds']:.2f}x"
+            peak_ratio = times(base["peak_bytes"], max(r["peak_bytes"], 1))
+            time_ratio = times(base["seconds"], r["seconds"])
         lines.append(f"{'patched' if r['patched'] else 'unpatched':<10} {r['backend']:<13} "
                      f"{r['seconds'] * 1e3:>9.1f} {r['peak_bytes'] / mib:>9.1f} "
                      f"{r['peak_bytes'] / r['logits_bytes']:>11.2f} {peak_ratio:>19} "
@@ -121,10 +109,7 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--backend", default="auto", help="backend of the patched loss")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: repeatable on a shared machine; 0: default)")
-    parser.add_argument("--json", help="also write the results to this file")
+    add_step_arguments(parser, repeats=2)
     parser.add_argument("--case", type=int, choices=(0, 1), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     shape = dict(vocab=args.vocab, hidden=args.hidden, n_layers=args.n_layers, batch=args.batch,
@@ -139,10 +124,7 @@ def main(argv=None):
           f"{args.seq_len} tokens, float32, {args.threads or 'default'} thread(s), best of "
           f"{args.repeats}; peak = RSS high-water above the step's start")
     print(format_table(results))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as out:
-            json.dump(results, out, indent=2)
+    write_results(args.json, results)
 
 
 if __name__ == "__main__":

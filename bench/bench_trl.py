@@ -25,7 +25,6 @@ Not a per-trainer-step benchmark: the trainers' steps are not measured here.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -33,7 +32,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script: this checkout's package
     sys.path.insert(0, ROOT)
 
-from astrai_kernels.bench.peak import PeakRss, child_env  # noqa: E402
+from astrai_kernels.bench.step_cases import (  # noqa: E402
+    add_step_arguments,
+    best_of,
+    run_in_fresh_processes,
+    times,
+    write_results,
+)
 
 CASES = ("trl_logprob", "ak_logprob", "trl_divergence", "ak_distill")
 
@@ -91,40 +96,23 @@ def run_case(case, rows=2048, hidden=1024, vocab=32768, repeats=2, threads=1, se
             logits @ weight
             logits.t() @ student
 
-    meter = PeakRss()
-    if meter.resettable:
-        run()  # warm-up: kernel build/load, first-touch allocations
-    seconds, peak = float("inf"), 0
-    for _ in range(repeats if meter.resettable else 1):
-        meter.start()
-        start = time.perf_counter()
-        run()
-        seconds = min(seconds, time.perf_counter() - start)
-        peak = max(peak, meter.extra())
+    measured = best_of(run, repeats)
     floor = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         gemm_floor()
         floor = min(floor, time.perf_counter() - start)
-    return {"case": case, "rows": rows, "hidden": hidden, "vocab": vocab, "seconds": seconds,
-            "peak_bytes": peak, "gemm_floor_seconds": floor, "peak_method": meter.method,
-            "threads": torch.get_num_threads(), "trl": trl.__version__}
+    return {"case": case, "rows": rows, "hidden": hidden, "vocab": vocab, **measured,
+            "gemm_floor_seconds": floor, "threads": torch.get_num_threads(),
+            "trl": trl.__version__}
 
 
 def run_all(cases=CASES, timeout=1800, **shape):
     """Each case in a fresh subprocess; a list of result dicts."""
-    env = child_env(ROOT)
-    results = []
-    for case in cases:
-        cmd = [sys.executable, os.path.abspath(__file__), "--case", case]
-        for name, value in shape.items():
-            cmd += [f"--{name.replace('_', '-')}", str(value)]
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"case {case} failed:\n{proc.stderr}")
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    return results
+    options = [item for name, value in shape.items()
+               for item in (f"--{name.replace('_', '-')}", value)]
+    return run_in_fresh_processes([os.path.abspath(__file__)],
+                                  [["--case", case, *options] for case in cases], timeout)
 
 
 def format_table(results):
@@ -135,8 +123,8 @@ def format_table(results):
     for r in results:
         trl_case = {"ak_logprob": "trl_logprob", "ak_distill": "trl_divergence"}.get(r["case"])
         base = by_case.get(trl_case)
-        time_ratio = f"{base['seconds'] / r['seconds']:.2f}x" if base else ""
-        peak_ratio = f"{base['peak_bytes'] / max(r['peak_bytes'], 1):.2f}x" if base else ""
+        time_ratio = times(base["seconds"], r["seconds"]) if base else ""
+        peak_ratio = times(base["peak_bytes"], max(r["peak_bytes"], 1)) if base else ""
         # the divergence has four matmuls (both heads' logits, the student's two gradients)
         floor = r["gemm_floor_seconds"] * (4 / 3 if r["case"] in ("trl_divergence",
                                                                  "ak_distill") else 1)
@@ -150,10 +138,7 @@ def main(argv=None):
     parser.add_argument("--rows", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: repeatable on a shared machine; 0: default)")
-    parser.add_argument("--json", help="also write the results to this file")
+    add_step_arguments(parser, repeats=2)
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     shape = dict(rows=args.rows, hidden=args.hidden, vocab=args.vocab, repeats=args.repeats,
@@ -167,9 +152,7 @@ def main(argv=None):
           f"thread(s), best of {args.repeats}; peak = RSS high-water above the run's start; "
           f"x floor: time over the matmuls' (4 for the divergence)")
     print(format_table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_results(args.json, results)
 
 
 if __name__ == "__main__":

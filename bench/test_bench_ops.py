@@ -15,8 +15,7 @@ import os
 import torch
 
 from astrai_kernels.bench import cases as bc
-from astrai_kernels.bench.measure import measure_copy
-from astrai_kernels.bench.workloads import build_workload
+from astrai_kernels.bench.measure import build_workload, measure_copy
 
 
 def _sync(device):

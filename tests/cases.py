@@ -8,11 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-# reference.py as the primitives, for the backend tests
-from astrai_kernels.testing.spec import cross_entropy as spec_cross_entropy  # noqa: F401
-from astrai_kernels.testing.spec import expected_and_naive as spec_expected_and_naive  # noqa: F401
-from astrai_kernels.testing.spec import grpo as spec_grpo  # noqa: F401
-from astrai_kernels.testing.spec import logprobs as spec_logprobs  # noqa: F401
+from astrai_kernels import reference
+from astrai_kernels.testing import spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_BACKENDS = ["torch", "cpp", "triton"]
@@ -211,3 +208,103 @@ def trl_generalized_jsd(student_logits, teacher_logits, labels=None, beta=0.5,
     if reduction == "mean":
         return jsd.mean()
     return jsd
+
+
+# ---------------------------------------------------------------- reference.py as the primitives
+# Each takes a primitive's arguments (astrai_kernels/ops/_backend.py) and returns its outputs
+# {name: tensor} by reference.py in ``precision`` (float64: the expected result; the result's
+# own dtype: the naive path, the yardstick of the tolerance model), with the gradient when an
+# upstream gradient is given, and in float64 the term sizes of testing/spec.py as ``*_terms``.
+
+
+def _spec_rows(logits, precision):
+    return logits.detach().cpu().reshape(-1, logits.shape[-1]).to(precision).requires_grad_(True)
+
+
+def _spec_grad(x, logits):
+    return (torch.zeros(logits.shape, dtype=x.dtype) if x.grad is None
+            else x.grad.reshape(logits.shape))
+
+
+def _detached(out):
+    return {k: None if v is None else v.detach() for k, v in out.items()}
+
+
+def spec_logprobs(logits, target, temperature, ignore_index, with_entropy, grad_logp=None,
+                  grad_entropy=None, precision=torch.float64):
+    """``logprobs_forward`` (logp, entropy, lse) and, given ``grad_logp``,
+    ``logprobs_backward`` (grad)."""
+    x = _spec_rows(logits, precision)
+    target = target.cpu().long()
+    valid = target != ignore_index
+    logp, entropy = reference.token_logprobs(x, target, temperature, ignore_index)
+    lse = torch.logsumexp(x / temperature, dim=-1) * valid
+    out = {"logp": logp, "entropy": entropy if with_entropy else None, "lse": lse}
+    if grad_logp is not None:
+        total = (logp * grad_logp.cpu().to(precision).expand(logp.shape)).sum()
+        if with_entropy:
+            total = total + (entropy * grad_entropy.cpu().to(precision).expand(logp.shape)).sum()
+        total.backward()
+        out["grad"] = _spec_grad(x, logits)
+    if precision == torch.float64:
+        terms = spec.logprobs_terms(logits, target, temperature, ignore_index, with_entropy,
+                                    grad_logp, grad_entropy)
+        out.update({k: v for k, v in terms.items() if v is not None})
+    return _detached(out)
+
+
+def spec_cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, softcap,
+                       grad_scale=None, precision=torch.float64):
+    """``cross_entropy_forward``'s (loss, lse) and, given ``grad_scale``, grad."""
+    x = _spec_rows(logits, precision)
+    target = target.cpu().long()
+    valid = target != ignore_index
+    loss = reference.cross_entropy(x, target, ignore_index, "none", label_smoothing, z_loss,
+                                   softcap or None)
+    lse = torch.logsumexp(reference.transform_logits(x, softcap=softcap or None), dim=-1)
+    out = {"loss": loss, "lse": lse * valid}
+    if grad_scale is not None:
+        (loss * grad_scale.cpu().to(precision).expand(loss.shape)).sum().backward()
+        out["grad"] = _spec_grad(x, logits)
+        if precision == torch.float64:
+            out["grad_terms"] = spec.cross_entropy_terms(logits, target, ignore_index,
+                                                         label_smoothing, z_loss, softcap,
+                                                         grad_scale)
+    return _detached(out)
+
+
+def spec_grpo(logits, target, temperature, advantages, old_logprobs, ref_logprobs, token_weight,
+              clip_low, clip_high, delta, beta, with_grad=True, precision=torch.float64):
+    """``grpo_forward``'s (logp, loss) and grad of ``sum(token_weight * loss)``."""
+    def rows(t):
+        return None if t is None else t.detach().cpu().to(precision)
+
+    x = _spec_rows(logits, precision)
+    weight = rows(token_weight)
+    active = weight != 0
+    logp, _ = reference.token_logprobs(x, torch.where(active, target.cpu().long(), -100),
+                                       temperature, -100)
+    loss, _, _ = reference.grpo_token_loss(logp, rows(old_logprobs),
+                                           rows(ref_logprobs) if beta > 0 else None,
+                                           rows(advantages), clip_low, clip_high,
+                                           delta if delta > 0 else None, beta)
+    loss = torch.where(active, loss, 0.0)
+    out = {"logp": logp, "loss": loss}
+    if with_grad:
+        (loss * weight).sum().backward()
+        out["grad"] = _spec_grad(x, logits)
+        if precision == torch.float64:
+            out["grad_terms"] = spec.grpo_terms(logits, target, temperature, advantages,
+                                                old_logprobs, ref_logprobs, token_weight,
+                                                clip_low, clip_high, delta, beta)
+    return _detached(out)
+
+
+def spec_expected_and_naive(primitive, logits, *args, **kwargs):
+    """``(expected, naive)``: ``primitive`` (one of the above) in float64, and the naive path in
+    each result's dtype (values in float32, the gradient in the logits' dtype)."""
+    expected = primitive(logits, *args, precision=torch.float64, **kwargs)
+    naive = primitive(logits, *args, precision=torch.float32, **kwargs)
+    if logits.dtype not in (torch.float32, torch.float64) and "grad" in expected:
+        naive["grad"] = primitive(logits, *args, precision=logits.dtype, **kwargs)["grad"]
+    return expected, naive

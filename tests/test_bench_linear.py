@@ -13,8 +13,9 @@ import astrai_kernels as ak
 from astrai_kernels import cli
 from astrai_kernels.bench import cases as bc
 from astrai_kernels.bench import linear, suite
+from astrai_kernels.bench.measure import build_workload
 from astrai_kernels.bench.report import add_ratios, format_table
-from astrai_kernels.bench.workloads import build_workload, naive_grpo_step, seed_grpo_loss
+from astrai_kernels.bench.workloads import naive_grpo_step, seed_grpo_loss
 
 ROWS, HIDDEN, VOCAB = 16, 8, 40  # 16 rows = B=8 x T=2 for linear_grpo
 BACKENDS = [b for b in ak.available_backends("cpu") if b != "triton"] + ["reference"]

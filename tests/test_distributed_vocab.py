@@ -20,6 +20,8 @@ from astrai_kernels.ops import grpo as grpo_op
 from astrai_kernels.testing import assert_close, assert_close_elementwise, spec
 from astrai_kernels.testing.multiprocess import spawn_ranks
 
+from cases import spec_cross_entropy, spec_expected_and_naive, spec_grpo, spec_logprobs
+
 VOCAB = 11
 SHARDS = {2: (4, 7), 3: (5, 2, 4)}
 BATCH, LENGTH, HIDDEN = 2, 6, 8
@@ -52,8 +54,8 @@ def case_token_logprobs(group, start, stop, dtype):
 
 def _check_token_logprobs(group, start, stop, dtype, full, target):
     temperature, g_lp, g_h = 0.7, _upstream(1), _upstream(2)
-    expected, naive = spec.expected_and_naive(
-        spec.logprobs, full, target.reshape(-1), temperature, -100, True, g_lp.reshape(-1),
+    expected, naive = spec_expected_and_naive(
+        spec_logprobs, full, target.reshape(-1), temperature, -100, True, g_lp.reshape(-1),
         g_h.reshape(-1))
     shard = _shard_leaf(full, start, stop)
     logp, entropy = ak.token_logprobs(shard, target, temperature=temperature,
@@ -83,8 +85,8 @@ def _check_cross_entropy(group, start, stop, dtype, options, reduction, full=Non
         upstream = _upstream(4)
     else:
         upstream = torch.full(target.shape, 1.0 / float(valid.sum()))
-    expected, naive = spec.expected_and_naive(
-        spec.cross_entropy, full, target.reshape(-1), -100, options.get("label_smoothing", 0.0),
+    expected, naive = spec_expected_and_naive(
+        spec_cross_entropy, full, target.reshape(-1), -100, options.get("label_smoothing", 0.0),
         options.get("z_loss", 0.0), options.get("softcap", 0.0), upstream.reshape(-1))
     shard = _shard_leaf(full, start, stop)
     loss = ak.cross_entropy(shard, target, reduction=reduction, process_group=group, **options)
@@ -150,8 +152,8 @@ def _check_grpo(group, start, stop, dtype, name):
     if name == "token":
         checked = grpo_op.plan(full, target, advantages, **options)
         params, weight = checked.params, checked.flat_rows().weight
-        expected, naive = spec.expected_and_naive(
-            spec.grpo, full, target.reshape(-1), params.temperature,
+        expected, naive = spec_expected_and_naive(
+            spec_grpo, full, target.reshape(-1), params.temperature,
             checked.flat_rows().advantages, old.reshape(-1), ref.reshape(-1), weight,
             params.clip_eps_low, params.clip_eps_high, params.delta, params.beta)
         want = (expected["loss"] * weight.double()).sum()
@@ -251,8 +253,8 @@ def case_linear_token_logprobs(group, start, stop, dtype):
     def grad_logits_terms(_, inputs64):
         # the entropy's gradient cancels within a logit: judge by the terms forming it
         logits = F.linear(*(t.detach() for t in inputs64))
-        return spec.logprobs(logits, target.reshape(-1), 0.9, -100, True, upstream[0].reshape(-1),
-                             upstream[1].reshape(-1))["grad_terms"]
+        return spec.logprobs_terms(logits, target.reshape(-1), 0.9, -100, True,
+                                   upstream[0].reshape(-1), upstream[1].reshape(-1))["grad_terms"]
 
     _check_head(group, start, stop, dtype, fused, logits_fn, upstream, grad_logits_terms)
 
@@ -283,13 +285,13 @@ def case_linear_grpo(group, start, stop, dtype):
         return reference.grpo_loss(logits, target, advantages, **options)[0]
 
     def grad_logits_terms(_, inputs64):
-        # dL/dlogp is formed from exps of log-prob differences: judge by spec.grpo's terms
+        # dL/dlogp is formed from exps of log-prob differences: judge by spec.grpo_terms
         logits = F.linear(*(t.detach() for t in inputs64))
         checked = grpo_op.plan(logits.float(), target, advantages, **options)
         rows, params = checked.flat_rows(), checked.params
-        return spec.grpo(logits, target.reshape(-1), params.temperature, rows.advantages,
-                         rows.old, rows.ref, rows.weight, params.clip_eps_low,
-                         params.clip_eps_high, params.delta, params.beta)["grad_terms"]
+        return spec.grpo_terms(logits, target.reshape(-1), params.temperature, rows.advantages,
+                               rows.old, rows.ref, rows.weight, params.clip_eps_low,
+                               params.clip_eps_high, params.delta, params.beta)
 
     _check_head(group, start, stop, dtype, fused, logits_fn, torch.tensor(1.0),
                 grad_logits_terms)
@@ -402,8 +404,8 @@ def case_all_inf_shard_linear(group, start, stop, dtype):
 
     def grad_logits_terms(_, inputs64):
         logits = F.linear(*(t.detach() for t in inputs64))
-        return spec.logprobs(logits, target.reshape(-1), 1.0, -100, True,
-                             upstream[0].reshape(-1), upstream[1].reshape(-1))["grad_terms"]
+        return spec.logprobs_terms(logits, target.reshape(-1), 1.0, -100, True,
+                                   upstream[0].reshape(-1), upstream[1].reshape(-1))["grad_terms"]
 
     _check_head(group, start, stop, dtype, fused_logprobs, logits_logprobs, upstream,
                 grad_logits_terms, tensors=tensors)

@@ -9,7 +9,7 @@ from astrai_kernels import reference
 from astrai_kernels.ops import head as head_op
 from astrai_kernels.testing import assert_close_elementwise, spec
 
-from cases import DTYPE_IDS, DTYPES, KERNEL_BACKENDS
+from cases import DTYPE_IDS, DTYPES, KERNEL_BACKENDS, spec_logprobs
 
 BACKENDS = KERNEL_BACKENDS + ["reference"]
 
@@ -129,12 +129,12 @@ def test_linear_token_logprobs_with_entropy(backend, dtype):
 
     def output_terms(logits):
         """``logp = s_y - lse`` and ``H = lse - sum p s`` cancel: judge them by their terms."""
-        exact = spec.logprobs(logits, target, 0.7, -100, True)
+        exact = spec_logprobs(logits, target, 0.7, -100, True)
         return torch.stack([exact["logp"].abs() + exact["lse"].abs(), exact["entropy_terms"]])
 
     def grad_logits_terms(logits, upstream):
-        return spec.logprobs(logits, target, 0.7, -100, True, grad_logp=upstream[0],
-                             grad_entropy=upstream[1])["grad_terms"]
+        return spec.logprobs_terms(logits, target, 0.7, -100, True, grad_logp=upstream[0],
+                                   grad_entropy=upstream[1])["grad_terms"]
 
     _compare(fused, logits_fn, tensors[:3], dtype, output_terms=output_terms,
              grad_logits_terms=grad_logits_terms)
@@ -502,14 +502,14 @@ def test_linear_token_logprobs_softcap_and_logit_scale(backend, transform, dtype
         return torch.stack(reference.token_logprobs(z, target, temperature=0.8))
 
     def output_terms(logits):
-        exact = spec.logprobs(reference.transform_logits(logits, **kwargs), target, 0.8, -100,
+        exact = spec_logprobs(reference.transform_logits(logits, **kwargs), target, 0.8, -100,
                               True)
         return torch.stack([exact["logp"].abs() + exact["lse"].abs(), exact["entropy_terms"]])
 
     def grad_logits_terms(logits, upstream):
         z = reference.transform_logits(logits, **kwargs)
-        terms = spec.logprobs(z, target, 0.8, -100, True, grad_logp=upstream[0],
-                              grad_entropy=upstream[1])["grad_terms"]
+        terms = spec.logprobs_terms(z, target, 0.8, -100, True, grad_logp=upstream[0],
+                                    grad_entropy=upstream[1])["grad_terms"]
         return terms.reshape(logits.shape) * _transform_slope(logits, **kwargs)
 
     _compare(fused, logits_fn, tensors[:3], dtype, output_terms=output_terms,

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import astrai_kernels as ak
+from astrai_kernels import reference
 from astrai_kernels.testing import assert_close
 
 
@@ -108,6 +109,25 @@ def test_group_advantages_population_std():
     batch_std = (rewards - rewards.mean()).pow(2).mean().sqrt()
     assert_close(ak.group_advantages(rewards, scale="batch"), centred / (batch_std + 1e-6),
                  "value", torch.float32)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_match_the_float64_spec(scale):
+    """The float32 op against reference.py's float64 statement of the same definition (the
+    yardstick: that statement's own error in float32), on continuous rewards, 0/1 rewards (tied
+    groups among them), rewards far from 0 (the centring cancels) and a group of one."""
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(6, 8, generator=g) * 2.5 + 1.0,
+               (torch.rand(6, 4, generator=g) < 0.5).float(),
+               1000.0 + torch.randn(5, 3, generator=g),
+               torch.randn(4, 1, generator=g)]
+    for rewards in batches:
+        for eps in (1e-6, 0.0):
+            expected = reference.group_advantages(rewards.double(), scale, eps)
+            naive = reference.group_advantages(rewards, scale, eps)
+            assert_close(ak.group_advantages(rewards, scale=scale, eps=eps), expected, "value",
+                         torch.float32, what=f"{scale} eps={eps} {tuple(rewards.shape)}",
+                         naive=naive)
 
 
 def test_group_advantages_degenerate_groups():

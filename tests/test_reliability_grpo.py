@@ -1,5 +1,6 @@
 """GRPO, DPO and advantages: an independent spec, non-finite values at masked positions, the
-zero token count, clear errors for bad input, and the seed baselines of ``naive.py``."""
+zero token count, clear errors for bad input, and the seed baselines of
+``baselines/original.py``."""
 
 import inspect
 
@@ -8,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import astrai_kernels as ak
-from astrai_kernels import naive, reference
+from astrai_kernels import reference
+from astrai_kernels.baselines import original
 from astrai_kernels.strategies import SEQStrategy, SFTStrategy
 from astrai_kernels.strategies import base as strategy_base
 from astrai_kernels.strategies import dpo as strategy_dpo
@@ -96,7 +98,7 @@ def test_dpo_matches_the_spec_in_float64(loss_type):
         assert_close(metrics[key], value, "value", torch.float32, key)
 
 
-# ---------------------------------------------------------------- naive.py: the seed baselines
+# ---------------------------------------------------------------- baselines/original.py: the seed
 
 
 def test_naive_token_logprobs_and_cross_entropy():
@@ -104,12 +106,12 @@ def test_naive_token_logprobs_and_cross_entropy():
     logits = torch.randn(2, 6, 23, generator=g).to(torch.bfloat16)
     target = torch.randint(0, 23, (2, 6), generator=g)
     expected, _ = reference.token_logprobs(logits.double(), target)
-    got = naive.token_logprobs(logits, target)
+    got = original.log_softmax_gather(logits, target)
     assert got.dtype == torch.float32
     assert_close(got, expected, "value", torch.float32)
     target[0, :3] = -100
     x = logits.float().requires_grad_(True)
-    loss = naive.cross_entropy(x, target, label_smoothing=0.1)
+    loss = original.cross_entropy(x, target, label_smoothing=0.1)
     torch_loss = F.cross_entropy(logits.float().reshape(-1, 23), target.reshape(-1),
                                  label_smoothing=0.1)
     assert_close(loss, torch_loss, "value", torch.float32)
@@ -117,7 +119,7 @@ def test_naive_token_logprobs_and_cross_entropy():
 
 def test_naive_cross_entropy_all_ignored_is_zero_with_zero_gradient():
     x = torch.randn(2, 3, 7, requires_grad=True)
-    loss = naive.cross_entropy(x, torch.full((2, 3), -100))
+    loss = original.cross_entropy(x, torch.full((2, 3), -100))
     loss.backward()
     assert loss.item() == 0.0 and torch.count_nonzero(x.grad) == 0
 
@@ -131,9 +133,9 @@ def test_naive_grpo_step_matches_the_spec():
                                                   dtype=torch.float64) for _ in range(3))
     target = torch.randint(0, vocab, (batch, length), generator=g)
     mask = (torch.rand(batch, length, generator=g) > 0.3).double()
-    advantages = naive.group_advantages(torch.rand(batch // 2, 2, generator=g)).reshape(-1)
+    advantages = original.group_advantages(torch.rand(batch // 2, 2, generator=g)).reshape(-1)
     x = policy.clone().requires_grad_(True)
-    loss = naive.grpo_step(x, old_logits, ref_logits, target, advantages, mask, 0.2, 0.05)
+    loss = original.grpo_step(x, old_logits, ref_logits, target, advantages, mask, 0.2, 0.05)
     loss.backward()
     old, _ = reference.token_logprobs(old_logits, target)
     ref, _ = reference.token_logprobs(ref_logits, target)
@@ -145,9 +147,9 @@ def test_naive_grpo_step_matches_the_spec():
     # The seed computes in float32: judge its gradient by the sizes of the terms forming it.
     token_weight = mask / mask.sum()
     per_token = advantages.double().unsqueeze(1).expand(batch, length)
-    terms = spec.grpo(policy, target.reshape(-1), 1.0, per_token.reshape(-1), old.reshape(-1),
-                      ref.reshape(-1), token_weight.reshape(-1), 0.2, 0.2, 0.0,
-                      0.05)["grad_terms"]
+    terms = spec.grpo_terms(policy, target.reshape(-1), 1.0, per_token.reshape(-1),
+                            old.reshape(-1), ref.reshape(-1), token_weight.reshape(-1), 0.2, 0.2,
+                            0.0, 0.05)
     assert_close(x.grad, xd.grad, "grad", torch.float32, scale=terms)
 
 
@@ -156,8 +158,8 @@ def test_naive_grpo_loss_metrics_and_on_policy():
     logp = torch.randn(2, 3, 5, generator=g) - 3
     mask = torch.ones(2, 3, 5)
     mask[..., -2:] = 0
-    advantages = naive.group_advantages(torch.randn(2, 3, generator=g)).unsqueeze(-1)
-    loss, metrics = naive.grpo_loss(logp, None, None, advantages, mask)
+    advantages = original.group_advantages(torch.randn(2, 3, generator=g)).unsqueeze(-1)
+    loss, metrics = original.grpo_loss(logp, None, None, advantages, mask)
     # On policy the ratio is 1: the loss is -mean(A) over the unmasked tokens.
     expected = -(advantages.expand_as(mask) * mask).sum() / mask.sum()
     assert_close(loss, expected, "value", torch.float32)
@@ -168,7 +170,7 @@ def test_naive_grpo_loss_metrics_and_on_policy():
 def test_naive_dpo_is_the_sigmoid_loss_of_the_spec():
     g = torch.Generator().manual_seed(4)
     pc, pr, rc, rr = (torch.randn(5, generator=g) for _ in range(4))
-    loss, metrics = naive.dpo_loss(pc, pr, rc, rr, 0.2)
+    loss, metrics = original.dpo_loss(pc, pr, rc, rr, 0.2)
     expected, expected_metrics = reference.dpo_loss(pc.double(), pr.double(), rc.double(),
                                                     rr.double(), 0.2)
     assert_close(loss, expected, "value", torch.float32)
@@ -421,7 +423,7 @@ def _strategy_functions():
 
 
 @pytest.mark.parametrize("fn", [ak.grpo_loss, ak.dpo_loss, ak.group_advantages]
-                         + _public_functions(reference) + _public_functions(naive)
+                         + _public_functions(reference) + _public_functions(original)
                          + _strategy_functions(),
                          ids=lambda fn: f"{fn.__module__}.{fn.__qualname__}")
 def test_public_functions_are_annotated(fn):

@@ -751,13 +751,8 @@ def test_grpo_fused_only_options_pass_through(options):
 
 
 def test_benchmark_runs():
-    import importlib.util
+    from astrai_kernels.bench import strategy_steps as bench
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
-                        "bench_strategies.py")
-    spec = importlib.util.spec_from_file_location("bench_strategies", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     for name in ("seq", "sft", "dpo", "grpo"):
         result = bench.run_case(name, "fused", vocab=256, d_model=16, repeats=1, threads=0)
         assert result["seconds"] > 0 and result["peak_bytes"] >= 0

@@ -22,6 +22,7 @@ Memory: the weight is scaled by ``H**-0.5`` so the logits are O(1) as in a train
 fp32 weight-sized accumulator and 96 MiB.
 """
 
+from ..baselines import original
 from .cases import (
     GEMM_COUNT,
     GRPO_BATCH,
@@ -32,14 +33,7 @@ from .cases import (
     split_method,
     torch_dtype,
 )
-from .workloads import (
-    Workload,
-    check_method,
-    grpo_batch,
-    naive_cross_entropy,
-    naive_token_logprobs,
-    seed_grpo_loss,
-)
+from .workloads import Workload, check_method, grpo_batch, seed_grpo_loss
 
 
 def _torch_lce_options(method):
@@ -53,7 +47,7 @@ def logprobs_fn(method):
     import torch.nn.functional as F
 
     if method == "naive":
-        return lambda h, w, y: naive_token_logprobs(F.linear(h, w), y)
+        return lambda h, w, y: original.log_softmax_gather(F.linear(h, w), y)
     if method in ("torch_lce", "torch_lce_chunked"):
         options = _torch_lce_options(method)
 
@@ -72,7 +66,7 @@ def cross_entropy_fn(method):
     import torch.nn.functional as F
 
     if method == "naive":
-        return lambda h, w, y: naive_cross_entropy(F.linear(h, w), y)
+        return lambda h, w, y: original.cross_entropy(F.linear(h, w), y)
     if method in ("torch_lce", "torch_lce_chunked"):
         options = _torch_lce_options(method)
         return lambda h, w, y: F.linear_cross_entropy(h, w, y, options=options)

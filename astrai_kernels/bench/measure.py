@@ -28,9 +28,17 @@ import statistics
 import time
 from dataclasses import asdict
 
-from .cases import BASELINES, split_method
+from .cases import BASELINES, LINEAR_OPS, split_method
+from .linear import build_linear_workload
+from .logits import build_logits_workload
 from .peak import PeakRss, fix_mmap_threshold
-from .workloads import build_workload
+
+
+def build_workload(case):
+    """Inputs and the call of ``case`` (on ``case.device``): a logits op's or a linear op's."""
+    if case.op in LINEAR_OPS:
+        return build_linear_workload(case)
+    return build_logits_workload(case)
 
 
 def measure(case, with_copy=True):

@@ -1,5 +1,5 @@
-"""Peak resident memory of a call on Linux, shared by ``astrai-kernels bench`` and
-``bench/bench_strategies.py``.
+"""Peak resident memory of a call on Linux, shared by ``astrai-kernels bench`` and the step
+benchmarks (:mod:`astrai_kernels.bench.step_cases`).
 
 Writing ``5`` to ``/proc/self/clear_refs`` resets the kernel's resident-set high-water mark
 ``VmHWM`` to the current ``VmRSS``, so ``VmHWM`` after a call minus ``VmRSS`` before it is the

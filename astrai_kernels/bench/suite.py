@@ -1,6 +1,6 @@
 """The whole run of ``astrai-kernels bench``: plan the cases, run each in its own process, in
 this order, each only while the deadline allows: every op's largest vocabulary, the strategies'
-steps (``bench/bench_strategies.py``, when present), ``torch.compile`` at the largest
+steps (:mod:`astrai_kernels.bench.strategy_steps`), ``torch.compile`` at the largest
 vocabulary, then the smaller vocabularies (the curves). The JSON is rewritten after each case,
 the plot drawn at the end.
 
@@ -28,26 +28,17 @@ from .cases import (
 )
 from .plot import plot
 from .report import Progress, add_ratios, machine_info, write_json
-from .runner import ROOT, CaseRunner
+from .runner import CaseRunner
 
 
 def load_strategy_bench():
-    """``run_strategy_steps`` from ``bench/bench_strategies.py``, or ``(None, why not)``."""
-    import importlib.util
-
-    path = os.path.join(ROOT, "bench", "bench_strategies.py")
-    if not os.path.isfile(path):
-        return None, f"{path} not found (strategy steps need the repository's bench/ folder)"
+    """``(run_strategy_steps, None)`` of :mod:`.strategy_steps`, or ``(None, why not)``: it
+    imports the strategies, so only a run that times them does, and a failure is a note."""
     try:
-        spec = importlib.util.spec_from_file_location("astrai_bench_strategies", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        return None, f"importing {path} failed: {type(exc).__name__}: {exc}"
-    fn = getattr(module, "run_strategy_steps", None)
-    if fn is None:
-        return None, f"{path} has no run_strategy_steps()"
-    return fn, None
+        from .strategy_steps import run_strategy_steps
+    except ImportError as exc:
+        return None, f"importing astrai_kernels.bench.strategy_steps failed: {exc}"
+    return run_strategy_steps, None
 
 
 def run_strategies(vocab, backends, repeats, timeout):
@@ -61,8 +52,6 @@ def run_strategies(vocab, backends, repeats, timeout):
         try:
             raw = fn(vocab=vocab, methods=methods, backend=backend, repeats=repeats,
                      timeout=timeout)
-        except TypeError:
-            raw = fn(vocab=vocab, backend=backend)
         except Exception as exc:
             rows.append({"op": "strategies", "method": backend, "vocab": vocab,
                          "error": f"{type(exc).__name__}: {exc}"})
@@ -128,8 +117,8 @@ def run_benchmarks(ops, rows, vocabs, dtypes, methods, device="cpu", repeats=5,
     strategy_vocabs = list(vocabs.get("strategies", ())) if "strategies" in ops else []
     if strategy_vocabs and device != "cpu":
         strategy_vocabs = []
-        notes.append("strategies: not run: bench/bench_strategies.py times the strategies' "
-                     "steps on CPU only (run `astrai-kernels bench --device cpu --ops "
+        notes.append("strategies: not run: the strategies' steps are timed "
+                     "on CPU only (run `astrai-kernels bench --device cpu --ops "
                      "strategies`)")
     total = len(cases) + len(strategy_vocabs)
     config = {"argv": argv, "ops": list(ops), "rows": _distinct(rows, ops),

@@ -1,44 +1,28 @@
-"""The inputs and the one timed forward + backward call of each case.
+"""What every case's workload shares: :class:`Workload` (the one timed forward + backward call
+and its inputs), the method check, the GRPO batch, and the naive baselines' steps.
 
-Every case is timed forward + backward (GRPO: policy forward + backward plus the old and
-reference forwards, one step). What a logits op must move (``S`` = bytes of one logits tensor)
-is its *floor*: ``2 S`` for token log-probs and cross-entropy (read the logits, write the
-gradient), ``4 S`` for the GRPO step (also read the old and the reference logits once), ``3 S``
-for distillation (read the student's and the teacher's logits, write the student's gradient). The
-linear ops' floor is a same-run GEMM case instead (:mod:`astrai_kernels.bench.linear`).
+The logits ops' workloads are built in :mod:`astrai_kernels.bench.logits`, the fused-LM-head
+ops' in :mod:`astrai_kernels.bench.linear`; :func:`astrai_kernels.bench.measure.build_workload`
+picks one. The seed's materializing math lives once, in :mod:`astrai_kernels.baselines.original`.
 """
 
 from dataclasses import dataclass, field
 
-from .. import naive
-from .cases import (
-    FLOOR_FACTOR,
-    GRPO_BATCH,
-    GRPO_CLIP_EPS,
-    GRPO_KL_COEF,
-    INPLACE_OPS,
-    LINEAR_OPS,
-    LOGITS_OPS,
-    method_applies,
-    split_method,
-    torch_dtype,
-)
-
-# The seed's materializing math lives once, in astrai_kernels/naive.py.
-naive_token_logprobs = naive.token_logprobs
-naive_cross_entropy = naive.cross_entropy
+from ..baselines import original
+from .cases import GRPO_CLIP_EPS, GRPO_KL_COEF, INPLACE_OPS, method_applies, split_method
 
 
 def seed_grpo_loss(logp, old, ref, advantages, mask, clip_eps=GRPO_CLIP_EPS,
                    kl_coef=GRPO_KL_COEF):
     """The seed's GRPO loss from token log-probs ``[B, T]``; ``advantages [B]``."""
-    return naive.grpo_loss(logp, old, ref, advantages.unsqueeze(-1), mask, clip_eps, kl_coef)[0]
+    return original.grpo_loss(logp, old, ref, advantages.unsqueeze(-1), mask, clip_eps,
+                              kl_coef)[0]
 
 
 def naive_grpo_step(policy, old_logits, ref_logits, target, advantages, mask,
                     clip_eps=GRPO_CLIP_EPS, kl_coef=GRPO_KL_COEF):
     """The seed's GRPO step on logits: three log-softmax-gathers, then the loss."""
-    return naive.grpo_step(policy, old_logits, ref_logits, target, advantages, mask, clip_eps,
+    return original.grpo_step(policy, old_logits, ref_logits, target, advantages, mask, clip_eps,
                            kl_coef)
 
 
@@ -103,92 +87,3 @@ def check_method(case):
         why = (f"inplace_backward is an option of {INPLACE_OPS} only"
                if split_method(case.method)[1] else "a baseline of the other op family")
         raise ValueError(f"{case.method!r} is not a method of {case.op}: {why}")
-
-
-def build_workload(case):
-    """Inputs and the call of ``case`` (on ``case.device``)."""
-    if case.op in LINEAR_OPS:
-        from .linear import build_linear_workload
-
-        return build_linear_workload(case)
-    if case.op not in LOGITS_OPS:
-        raise ValueError(f"op must be one of {LOGITS_OPS + LINEAR_OPS} here, got {case.op!r}")
-    import torch
-
-    device = torch.device(case.device)
-    dtype = torch_dtype(case.dtype)
-    gen = torch.Generator(device=device).manual_seed(case.seed)
-    rows, vocab = case.rows, case.vocab
-
-    def logits(shape, grad):
-        x = torch.randn(*shape, vocab, dtype=dtype, device=device, generator=gen)
-        return x.requires_grad_(grad)
-
-    def targets(shape):
-        return torch.randint(0, vocab, shape, device=device, generator=gen)
-
-    method, inplace = split_method(case.method)
-    check_method(case)
-    wrap = torch.compile if method == "compile" else (lambda fn: fn)
-    info = {}
-
-    if case.op in ("token_logprobs", "cross_entropy"):
-        x, y = logits((rows,), True), targets((rows,))
-        naive = naive_token_logprobs if case.op == "token_logprobs" else naive_cross_entropy
-        if method in ("naive", "compile"):
-            fn = wrap(naive)
-
-            def run():
-                fn(x, y).sum().backward()
-        else:
-            import astrai_kernels as ak
-
-            op = ak.token_logprobs if case.op == "token_logprobs" else ak.cross_entropy
-
-            def run():
-                op(x, y, backend=method, inplace_backward=inplace).sum().backward()
-        policy = x
-    elif case.op == "distill":
-        policy, teacher, y = logits((rows,), True), logits((rows,), False), targets((rows,))
-        if method in ("naive", "compile"):
-            fn = wrap(naive_distill)
-
-            def run():
-                fn(policy, teacher, y).backward()
-        else:
-            import astrai_kernels as ak
-
-            def run():
-                ak.distill_loss(policy, teacher, y, beta=DISTILL_BETA, backend=method).backward()
-    else:  # grpo
-        if rows % GRPO_BATCH:
-            raise ValueError(f"grpo needs rows divisible by B={GRPO_BATCH}, got {rows}")
-        shape = (GRPO_BATCH, rows // GRPO_BATCH)
-        policy = logits(shape, True)
-        old_logits, ref_logits = logits(shape, False), logits(shape, False)
-        target = targets(shape)
-        advantages, mask = grpo_batch(shape, device, gen)
-        info["grpo_shape"] = list(shape)
-        if method in ("naive", "compile"):
-            fn = wrap(naive_grpo_step)
-
-            def run():
-                fn(policy, old_logits, ref_logits, target, advantages, mask).backward()
-        else:
-            import astrai_kernels as ak
-
-            def run():
-                with torch.no_grad():
-                    old = ak.token_logprobs(old_logits, target, backend=method)
-                    ref = ak.token_logprobs(ref_logits, target, backend=method)
-                loss, _ = ak.grpo_loss(policy, target, advantages, mask=mask, old_logprobs=old,
-                                       ref_logprobs=ref, beta=GRPO_KL_COEF,
-                                       clip_eps_low=GRPO_CLIP_EPS, loss_type="bnpo",
-                                       backend=method)
-                loss.backward()
-    logits_bytes = policy.numel() * policy.element_size()
-    workload = Workload(run, [policy], logits_bytes, copy_source=policy,
-                        floor_bytes=FLOOR_FACTOR[case.op] * logits_bytes, info=info)
-    if inplace:  # the gradient overwrote the logits: restore them (outside the timed call)
-        workload.pristine = policy.detach().clone()
-    return workload

@@ -7,7 +7,7 @@ batch dict, run the model (``model(input_ids=..., input_mask=..., position_ids=.
 dict with ``logits`` and optionally ``aux_loss``), and compute the loss from
 ``log_softmax(logits.float())`` + ``gather`` or ``F.cross_entropy`` in plain PyTorch; GRPO with
 separate policy, old-policy and reference models, DPO with an optional reference model, online
-variants fed by a rollout runner. That math lives on in :mod:`astrai_kernels.naive`.
+variants fed by a rollout runner. That math lives on in :mod:`astrai_kernels.baselines.original`.
 
 ``StrategyFactory.create(name, model, device, **kwargs)`` builds one of ``seq``, ``sft``, ``dpo``,
 ``grpo``, ``online_dpo``, ``online_grpo`` (the ``online_*`` names are the same classes: a rollout
@@ -32,8 +32,8 @@ when the model returns an ``aux_loss``, and keeps the seed's extension points
   (policy, old and reference log-probs) runs through the ``linear_*`` ops instead
   (``ak.linear_cross_entropy``, ``ak.linear_sequence_logprobs``, ``ak.linear_token_logprobs``,
   ``ak.linear_grpo_loss``) and no logits exist at all; ``fused_head=False`` keeps the logits.
-* ``"reference"``: the seed's own math (:mod:`astrai_kernels.naive`), through no op of this
-  package: ``log_softmax(logits.float())`` + ``gather`` over the whole sequence,
+* ``"reference"``: the seed's own math (:mod:`astrai_kernels.baselines.original`), through no
+  op of this package: ``log_softmax(logits.float())`` + ``gather`` over the whole sequence,
   ``F.cross_entropy``, the clipped surrogate and the DPO sigmoid in plain torch. It exists for
   parity tests and comparisons, and accepts only the seed's options (``ValueError`` otherwise).
 

@@ -3,7 +3,6 @@
 import inspect
 from abc import ABC, abstractmethod
 from typing import (
-    TYPE_CHECKING,
     Any,
     Callable,
     Dict,
@@ -17,13 +16,11 @@ from typing import (
 )
 
 import torch
-import torch.nn as nn
 from torch import Tensor
 
+from .head import ModelHead, model_head
 from .rollout import RolloutResult, RolloutRunner
-
-if TYPE_CHECKING:  # head.py imports this module
-    from .head import ModelHead
+from .types import Device, Model
 
 try:
     from typing import TypedDict
@@ -31,11 +28,6 @@ except ImportError:  # pragma: no cover
     from typing_extensions import TypedDict
 
 T = TypeVar("T")
-#: A device as the strategies take it: ``"cuda:0"``, ``torch.device("cpu")``.
-Device = Union[str, torch.device]
-#: A model: called with ``input_ids=``, ``input_mask=``, ``position_ids=`` keywords, it returns a
-#: dict with ``logits`` (and optionally ``aux_loss``).
-Model = Union[nn.Module, Callable[..., Dict[str, Tensor]]]
 
 #: Values accepted for ``loss_backend``: ``"reference"`` is the seed's own naive math, every other
 #: value is passed as ``backend=`` to the ops of ``astrai_kernels``.
@@ -238,13 +230,11 @@ class BaseStrategy(ABC):
         """True when the losses are computed with the seed's naive math."""
         return self.loss_backend == "reference"
 
-    def model_head(self, model: Model) -> "Optional[ModelHead]":
+    def model_head(self, model: Model) -> Optional[ModelHead]:
         """``model``'s fused head (:mod:`.head`), or None for the logits path (always None with
         ``loss_backend="reference"``, the seed's math on the logits)."""
         if self.uses_reference:
             return None
-        from .head import model_head
-
         return model_head(model, self.fused_head, type(self).__name__)
 
     def _reference_only(self, **options) -> None:

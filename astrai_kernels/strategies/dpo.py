@@ -8,7 +8,7 @@ from torch import Tensor
 
 import astrai_kernels as ak
 
-from .. import naive
+from ..baselines import original
 from .base import (
     BaseStrategy,
     Device,
@@ -20,7 +20,7 @@ from .base import (
     move_to_device,
     require_keys,
 )
-from .logprobs import reduce_logprobs, token_logprobs
+from .logprobs import masked_token_logprobs, reduce_logprobs
 from .masks import left_align, model_inputs
 from .rollout import RolloutResult
 
@@ -155,8 +155,8 @@ class DPOStrategy(BaseStrategy):
                                 input_mask=input_mask, position_ids=position_ids)
         logits, target, mask = outputs["logits"], ids[:, 1:], loss_mask[:, 1:]
         if self.uses_reference:
-            logprobs = reduce_logprobs(token_logprobs(logits, target, mask, "reference"), mask,
-                                       self.reduction)
+            token_lp = masked_token_logprobs(logits, target, mask, "reference")
+            logprobs = reduce_logprobs(token_lp, mask, self.reduction)
         else:
             logprobs = ak.sequence_logprobs(logits, target, mask,
                                             average=self.reduction == "mean",
@@ -178,7 +178,7 @@ class DPOStrategy(BaseStrategy):
         ref_rejected = None if log_ref is None else log_ref[n_pairs:]
 
         if self.uses_reference:
-            dpo_loss, metrics = naive.dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected,
+            dpo_loss, metrics = original.dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected,
                                                self.beta)
         else:
             lengths = {}

@@ -8,7 +8,7 @@ from torch import Tensor
 
 import astrai_kernels as ak
 
-from .. import naive
+from ..baselines import original
 from .base import (
     BaseStrategy,
     Device,
@@ -21,7 +21,7 @@ from .base import (
     require_keys,
 )
 from .executor import Executor, broadcast_state_dict, unwrap_module
-from .logprobs import IGNORE_INDEX, token_logprobs
+from .logprobs import IGNORE_INDEX, masked_token_logprobs
 from .masks import left_align, model_inputs
 from .rollout import RolloutResult
 
@@ -235,7 +235,7 @@ class GRPOStrategy(BaseStrategy):
             head = self.model_head(model)
             if head is None:
                 logits = forward(model)["logits"][:, prompt_len - 1:]
-                return token_logprobs(logits, responses, mask, backend, self.temperature)
+                return masked_token_logprobs(logits, responses, mask, backend, self.temperature)
             hidden = forward(model, head)["hidden_states"][:, prompt_len - 1:]
             return ak.linear_token_logprobs(
                 hidden, head.weight, responses.masked_fill(mask == 0, IGNORE_INDEX),
@@ -278,7 +278,7 @@ class GRPOStrategy(BaseStrategy):
 
     def _seed_loss(self, forward, logits, full_sequences, prompt_len, responses, masks,
                    rewards):
-        """The seed's math (:mod:`astrai_kernels.naive`): full-sequence ``log_softmax(
+        """The seed's math (:mod:`astrai_kernels.baselines.original`): full-sequence ``log_softmax(
         logits.float())`` + ``gather`` for the policy, old and reference models, then the clipped
         surrogate and the k3 penalty in plain torch."""
         batch_size, group_size = rewards.shape
@@ -288,7 +288,7 @@ class GRPOStrategy(BaseStrategy):
         target, shifted_mask = full_sequences[:, 1:], full_masks[:, 1:]
 
         def seed_logprobs(model_logits):
-            token_lp = token_logprobs(model_logits, target, shifted_mask, "reference")
+            token_lp = masked_token_logprobs(model_logits, target, shifted_mask, "reference")
             return token_lp[:, prompt_len - 1:].reshape(batch_size, group_size, -1)
 
         lp_policy = seed_logprobs(logits)
@@ -298,8 +298,8 @@ class GRPOStrategy(BaseStrategy):
                 lp_old = seed_logprobs(forward(self.old_model)["logits"])
             lp_ref = seed_logprobs(forward(self.ref_model)["logits"]) if self.kl_coef else None
         token_masks = masks.reshape(batch_size, group_size, -1).float()
-        advantages = naive.group_advantages(rewards, self.advantage_eps).unsqueeze(-1)
-        task_loss, metrics = naive.grpo_loss(lp_policy, lp_old, lp_ref, advantages, token_masks,
+        advantages = original.group_advantages(rewards, self.advantage_eps).unsqueeze(-1)
+        task_loss, metrics = original.grpo_loss(lp_policy, lp_old, lp_ref, advantages, token_masks,
                                              self.clip_eps, self.kl_coef)
         return task_loss, dict(metrics)
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .base import Model
+from .types import Model
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Token log-probs from a model: the seed's naive math (:mod:`astrai_kernels.naive`) and the
-fused ops, behind one switch."""
+"""Token log-probs from a model: the seed's naive math (:mod:`astrai_kernels.baselines.original`)
+and the fused ops, behind one switch."""
 
 from typing import Optional
 
@@ -8,26 +8,26 @@ from torch import Tensor
 
 import astrai_kernels as ak
 
-from .. import naive
+from ..baselines import original
 from .base import LogprobsOutput, Model, model_outputs
 
 IGNORE_INDEX = -100
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def token_logprobs(logits: Tensor, target: Tensor, mask: Tensor, backend: str,
-                   temperature: float = 1.0) -> Tensor:
+def masked_token_logprobs(logits: Tensor, target: Tensor, mask: Tensor, backend: str,
+                          temperature: float = 1.0) -> Tensor:
     """``log p(target)`` per token, zero where ``mask`` is 0; ``[B, T]`` float32.
 
-    ``backend="reference"`` is the seed's math (:func:`astrai_kernels.naive.token_logprobs`) with
-    the masked tokens set to 0; otherwise the fused
-    ``ak.token_logprobs`` with the masked tokens' targets set to ``ignore_index`` (they cost
-    nothing and get zero gradient).
+    ``backend="reference"`` is the seed's math
+    (:func:`~astrai_kernels.baselines.original.log_softmax_gather`) with the masked tokens set to
+    0; otherwise the fused ``ak.token_logprobs`` with the masked tokens' targets set to
+    ``ignore_index`` (they cost nothing and get zero gradient).
     """
     if backend == "reference":
         if temperature != 1.0:
             logits = logits.float() / temperature
-        return torch.where(mask != 0, naive.token_logprobs(logits, target), 0.0)
+        return torch.where(mask != 0, original.log_softmax_gather(logits, target), 0.0)
     target = target.masked_fill(mask == 0, IGNORE_INDEX)
     return ak.token_logprobs(logits, target, temperature=temperature, ignore_index=IGNORE_INDEX,
                              backend=backend)
@@ -72,7 +72,7 @@ def get_logprobs(
     outputs = model_outputs(model, "get_logprobs", **inputs)
     logits = outputs["logits"]
     if loss_backend == "reference" or reduction == "none":
-        token_lp = token_logprobs(logits, target, mask, loss_backend)
+        token_lp = masked_token_logprobs(logits, target, mask, loss_backend)
         logprobs = reduce_logprobs(token_lp, mask, reduction)
     else:
         logprobs = ak.sequence_logprobs(logits, target, mask, average=reduction == "mean",

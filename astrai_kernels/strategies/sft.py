@@ -7,7 +7,7 @@ from torch import Tensor
 
 import astrai_kernels as ak
 
-from .. import naive
+from ..baselines import original
 from .base import (
     BaseStrategy,
     Device,
@@ -28,7 +28,7 @@ def _cross_entropy(strategy: "SEQStrategy", logits: Tensor, target: Tensor) -> T
     """Mean token cross-entropy over the targets that are not ``IGNORE_INDEX`` (0.0 with a zero
     gradient when every target is ignored, on both paths)."""
     if strategy.uses_reference:
-        return naive.cross_entropy(logits, target, IGNORE_INDEX, strategy.label_smoothing)
+        return original.cross_entropy(logits, target, IGNORE_INDEX, strategy.label_smoothing)
     return ak.cross_entropy(
         logits,
         target,

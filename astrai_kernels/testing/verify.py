@@ -1,6 +1,12 @@
-"""``astrai-kernels verify``: every op x backend x dtype x shape against ``reference.py``.
+"""``astrai-kernels verify``: the logits ops x backend x dtype x shape against ``reference.py``.
 
-What a user runs after installing on a new machine (a new GPU): each public op is called with
+It checks ``token_logprobs``, ``cross_entropy``, ``grpo_loss`` and ``sequence_logprobs``
+(:data:`OPS`), the ops whose kernels differ per backend and per GPU. It does not check
+``distill_loss`` or the fused-LM-head ``linear_*`` ops (the test suite compares them with
+``reference.py``: ``tests/test_distill.py``, ``tests/test_linear.py``), nor the preference ops
+and ``group_advantages``, which are plain PyTorch on ``[B]`` tensors with no backend to choose.
+
+What a user runs after installing on a new machine (a new GPU): each of these ops is called with
 each available kernel backend on random inputs rounded to each dtype, and compared with
 ``reference.py`` run in float64 on the same rounded inputs, forward values and the gradient
 w.r.t. the logits (with random upstream gradients), per element by the one tolerance model
@@ -24,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cli import _split
 from . import spec
 from .tolerances import compare, result_dtype, tolerance
 
@@ -128,8 +133,8 @@ def _check_token_logprobs(ak, reference, backend, base, shape, g, device):
             return {"logp": ref_lp.detach(), "entropy": ref_h.detach()}
 
         expected, naive = _reference(run, base)
-        terms = spec.logprobs(_view(base, shape), target.reshape(-1), temperature, -100,
-                              entropy, g_lp.reshape(-1), g_h.reshape(-1))
+        terms = spec.logprobs_terms(_view(base, shape), target.reshape(-1), temperature, -100,
+                                    entropy, g_lp.reshape(-1), g_h.reshape(-1))
         out += [("logp", lp, expected["logp"], naive["logp"], None, "value"),
                 ("grad", x.grad, expected["grad"], naive["grad"],
                  _full_terms(terms["grad_terms"], base, shape), "grad")]
@@ -166,8 +171,8 @@ def _check_cross_entropy(ak, reference, backend, base, shape, g, device):
             return {"loss": ref.detach()}
 
         expected, naive = _reference(run, base)
-        terms = spec.cross_entropy(_view(base, shape), target.reshape(-1), *options[:3],
-                                   options[3] or 0.0, upstream.reshape(-1))["grad_terms"]
+        terms = spec.cross_entropy_terms(_view(base, shape), target.reshape(-1), *options[:3],
+                                         options[3] or 0.0, upstream.reshape(-1))
         out += [("loss", loss, expected["loss"], naive["loss"], None, "value"),
                 ("grad", x.grad, expected["grad"], naive["grad"],
                  _full_terms(terms, base, shape), "grad")]
@@ -209,7 +214,7 @@ def _check_grpo_loss(ak, reference, backend, base, shape, g, device):
 
         expected, naive = _reference(run, base)
         # each row is c * (d_jy - p_j) / T, c formed by exps of log-prob differences: its
-        # entries' terms are |grad_j| times the log-probs' size (as testing/spec.grpo)
+        # entries' terms are |grad_j| times the log-probs' size (as testing/spec.grpo_terms)
         size = 1 + logp.abs() + old.cpu().abs() + ref.cpu().abs()
         scale = expected["grad"].abs().cpu()
         _view(scale, shape).mul_(size.double().unsqueeze(-1))
@@ -243,8 +248,9 @@ def _check_sequence_logprobs(ak, reference, backend, base, shape, g, device):
         per_token = upstream.unsqueeze(1) * mask
         if average:
             per_token = per_token / mask.sum(-1, keepdim=True).clamp(min=1)
-        terms = spec.logprobs(_view(base, shape), torch.where(mask, target, -100).reshape(-1),
-                              temperature, -100, False, per_token.reshape(-1))["grad_terms"]
+        terms = spec.logprobs_terms(_view(base, shape),
+                                    torch.where(mask, target, -100).reshape(-1), temperature,
+                                    -100, False, per_token.reshape(-1))["grad_terms"]
         out += [("value", value, expected["value"], naive["value"], None, "value"),
                 ("grad", x.grad, expected["grad"], naive["grad"],
                  _full_terms(terms, base, shape), "grad")]
@@ -358,56 +364,9 @@ def format_table(rows, failures_only=False):
     return "\n".join(lines)
 
 
-def add_arguments(parser):
-    parser.add_argument("--ops", default=",".join(OPS), help="comma-separated (default: all: "
-                                                              "%(default)s)")
-    parser.add_argument("--backends", default=None,
-                        help="comma-separated (default: the available ones except reference)")
-    parser.add_argument("--dtypes", "--dtype", dest="dtypes", default="fp32,bf16,fp16",
-                        help="comma-separated (default: %(default)s)")
-    parser.add_argument("--shapes", default=None,
-                        help="comma-separated BxTxV[:shifted] (default: "
-                             f"{','.join(DEFAULT_SHAPES)}; on CUDA also "
-                             f"{','.join(CUDA_EXTRA_SHAPES)}; interpreted triton: "
-                             f"{','.join(INTERPRETED_SHAPES)})")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                        help="write the rows as JSON to PATH (no PATH: print JSON instead of "
-                             "the table)")
-    parser.add_argument("--failures-only", action="store_true",
-                        help="print only the failed rows and the summary")
-
-
-def run_from_args(args):
-    import astrai_kernels as ak
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        ops = _split(args.ops)
-        for op in ops:
-            if op not in OPS:
-                raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
-        dtypes = _split(args.dtypes)
-        for name in dtypes:
-            if name not in DTYPES:
-                raise ValueError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
-        shapes = [Shape.parse(s) for s in _split(args.shapes)] if args.shapes else None
-    except ValueError as exc:
-        print(f"verify: {exc}", file=sys.stderr)
-        return 2
-    available = ak.available_backends(device)
-    if args.backends:
-        backends = _split(args.backends)
-        missing = [b for b in backends if b not in available]
-        if missing:
-            from ..ops._backend import unavailable_reason
-
-            for name in missing:
-                print(f"verify: backend {name!r} is not available on {device}: "
-                      f"{unavailable_reason(name, device)}", file=sys.stderr)
-            return 2
-    else:
-        backends = [b for b in available if b != "reference"]
+def report(ops, backends, dtypes, shapes, device, json_path=None, failures_only=False):
+    """Run the checks (arguments as checked by ``astrai-kernels verify``), print the table (or
+    JSON with ``json_path="-"``; a file at any other ``json_path``); the exit status."""
     start = time.perf_counter()
     stream = sys.stderr
 
@@ -422,21 +381,21 @@ def run_from_args(args):
     elapsed = time.perf_counter() - start
     payload = {"device": device, "backends": backends, "dtypes": dtypes, "ops": ops,
                "seconds": elapsed, "ok": all(r["ok"] for r in rows), "rows": rows}
-    if args.json == "-":
+    if json_path == "-":
         print(json.dumps(payload, indent=1))
     else:
         print(f"astrai-kernels verify on {device}: backends {', '.join(backends) or 'none'}; "
               f"reference.py in float64; tolerances from astrai_kernels.testing.tolerances")
-        print(format_table(rows, failures_only=args.failures_only))
+        print(format_table(rows, failures_only=failures_only))
         print(f"{elapsed:.1f} s")
-        if args.json:
+        if json_path:
             import os
 
-            directory = os.path.dirname(os.path.abspath(args.json))
+            directory = os.path.dirname(os.path.abspath(json_path))
             os.makedirs(directory, exist_ok=True)
-            with open(args.json, "w") as out:
+            with open(json_path, "w") as out:
                 json.dump(payload, out, indent=1)
-            print(f"JSON: {args.json}")
+            print(f"JSON: {json_path}")
     if not backends:
         print("verify: no backend to check", file=sys.stderr)
         return 1

@@ -29,6 +29,11 @@ except Exception as exc:  # ImportError, or a triton too broken to build the ker
 INTERPRET_ENV = "TRITON_INTERPRET"
 
 
+def import_error():
+    """The exception that importing triton (or building the kernels) raised, None if it worked."""
+    return _IMPORT_ERROR
+
+
 def kernels_interpreted():
     """True when the kernels were built for Triton's interpreter (TRITON_INTERPRET=1 at import)."""
     if _IMPORT_ERROR is not None:

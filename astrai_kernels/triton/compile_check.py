@@ -33,8 +33,8 @@ def _require_compiler():
             f"compile-check needs the Triton compiler, but {INTERPRET_ENV}="
             f"{os.environ[INTERPRET_ENV]} selects the interpreter; unset it and run again")
     from . import backend
-    if backend._IMPORT_ERROR is not None:
-        raise CompileCheckError(f"triton could not be imported: {backend._IMPORT_ERROR}")
+    if backend.import_error() is not None:
+        raise CompileCheckError(f"triton could not be imported: {backend.import_error()}")
     if backend.kernels_interpreted():
         raise CompileCheckError("the triton kernels were built for the interpreter "
                                 f"({INTERPRET_ENV}=1 when they were imported); run in a fresh "

@@ -3,9 +3,10 @@
 The seed computed every loss from a float32 copy of the logits: ``log_softmax(logits.float())``
 then ``gather`` for token log-probs (an fp32 ``[..., V]`` tensor in the forward and another in
 the backward), ``F.cross_entropy(logits.float(), y)`` for next-token losses, and plain-torch
-GRPO and DPO on top of those log-probs. The strategies' ``loss_backend="reference"`` and the
-benchmark's ``naive``/``compile`` baselines both run these functions, so the comparison in the
-benchmark is against exactly what the strategies' parity tests check.
+GRPO and DPO on top of those log-probs. The strategies' ``loss_backend="reference"`` (their
+parity mode) and the benchmark's ``naive``/``compile`` baselines both run these functions, and
+nothing else does, so the comparison in the benchmark is against exactly what the strategies'
+parity tests check.
 
 Kept from the seed: the materializing math and its costs. Two fixes are applied, because the
 seed's versions give wrong training signals (the strategies' docs list them):
@@ -29,7 +30,7 @@ from torch import Tensor
 IGNORE_INDEX = -100
 
 
-def token_logprobs(logits: Tensor, target: Tensor) -> Tensor:
+def log_softmax_gather(logits: Tensor, target: Tensor) -> Tensor:
     """``log_softmax(logits.float())`` then ``gather`` at ``target``, float32 ``[...]``.
 
     Every target must be a valid id (the seed had no ``ignore_index`` here: callers mask after).
@@ -50,7 +51,11 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = IGNORE_IND
 
 
 def group_advantages(rewards: Tensor, eps: float = 1e-8) -> Tensor:
-    """``(r - mean_g) / (std_g + eps)`` per row of ``rewards [B, G]`` (population std), float32."""
+    """``(r - mean_g) / (std_g + eps)`` per row of ``rewards [B, G]`` (population std), float32.
+
+    The seed's formula, without the op's rule for tied groups: ``ak.group_advantages`` gives them
+    exactly 0, here their centred values (rounding noise, not always 0) are divided by
+    ``std + eps``."""
     rewards = rewards.float()
     mean = rewards.mean(dim=-1, keepdim=True)
     std = rewards.std(dim=-1, keepdim=True, unbiased=False)
@@ -114,7 +119,7 @@ def grpo_step(policy_logits: Tensor, old_logits: Tensor, ref_logits: Tensor, tar
     valid = mask != 0
 
     def masked_logprobs(logits: Tensor) -> Tensor:
-        return torch.where(valid, token_logprobs(logits, target), 0.0)
+        return torch.where(valid, log_softmax_gather(logits, target), 0.0)
 
     logp = masked_logprobs(policy_logits)
     with torch.no_grad():
