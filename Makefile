@@ -72,8 +72,10 @@ test-oldest: $(OLDEST_VENV)/.astrai-kernels-installed
 test-newest: $(NEWEST_VENV)/.astrai-kernels-installed
 	$(call test_pinned,$(NEWEST_VENV))
 
+# The tables of docs/benchmarks.md are rewritten from this run's JSON.
 bench: $(STAMP)
 	$(PY) -m astrai_kernels.cli bench --json bench/results/bench.json --plot bench/results/bench.png
+	$(PY) bench/doc_tables.py bench/results/bench.json --write docs/benchmarks.md
 
 # The regression guard: the cases of bench/bounds.toml against their same-run floors; exits 1 on
 # any case over its bound. Run it before a kernel change lands (not in CI: it is a benchmark).

@@ -349,18 +349,19 @@ def test_patched_step_peak_memory_is_lower_where_logits_dominate():
     assert "patched" in table
 
 
-def test_readme_section_runs():
-    """The ```py blocks of README's "Use it with transformers" run as shown, in order (they need
-    transformers, so tests/test_readme.py, which runs the ```python blocks, leaves them out)."""
+def test_docs_section_runs():
+    """The ```py blocks of docs/transformers.md's "Hugging Face transformers" run as shown, in
+    order (they need transformers, so tests/test_readme.py, which runs the ```python blocks,
+    leaves them out)."""
     import re
 
-    text = open(os.path.join(ROOT, "README.md")).read()
-    section = text.split("## Use it with transformers", 1)[1].split("\n## ", 1)[0]
+    text = open(os.path.join(ROOT, "docs", "transformers.md")).read()
+    section = text.split("## Hugging Face transformers", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```py\n(.*?)```", section, re.S)
     assert len(blocks) == 3
     namespace = {}
     for block in blocks:
-        exec(compile(block, "README.md", "exec"), namespace)
+        exec(compile(block, "docs/transformers.md", "exec"), namespace)
     assert namespace["out"].logits is None
     assert namespace["policy_logp"].shape == (2, 15)
     assert not akt.is_patched(namespace["model"])
