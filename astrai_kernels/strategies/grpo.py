@@ -111,8 +111,11 @@ class GRPOStrategy(BaseStrategy):
         self.max_completion_length = max_completion_length
         self.advantage_scale = advantage_scale
         self.advantage_eps = advantage_eps
-        # ak.grpo_loss's GRPO-family keywords, passed through as given
-        self.policy_options = dict(
+        # every scalar option of ak.grpo_loss, as one object
+        self.options = ak.GRPOOptions(
+            beta=float(kl_coef), clip_eps_low=clip_eps, clip_eps_high=clip_eps_high, delta=delta,
+            loss_type=loss_type, importance_sampling=importance_sampling,
+            temperature=temperature, max_completion_length=max_completion_length,
             sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg, vespo_k_pos=vespo_k_pos,
             vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
             vespo_lambda_neg=vespo_lambda_neg, kl_ratio_correction=kl_ratio_correction,
@@ -249,13 +252,8 @@ class GRPOStrategy(BaseStrategy):
                 ref_logprobs = response_logprobs(self.ref_model)
             advantages = ak.group_advantages(rewards.float(), scale=self.advantage_scale,
                                              eps=self.advantage_eps)
-        options = dict(
-            mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-            beta=float(self.kl_coef), clip_eps_low=self.clip_eps,
-            clip_eps_high=self.clip_eps_high, delta=self.delta, loss_type=self.loss_type,
-            importance_sampling=self.importance_sampling, temperature=self.temperature,
-            max_completion_length=self.max_completion_length, backend=backend,
-            **self.policy_options)
+        options = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                       options=self.options, backend=backend)
         head = self.model_head(self.model)
         policy_out = forward(self.model, head)
         # Position t predicts token t + 1, so the response (tokens prompt_len..S-1) is
@@ -269,8 +267,7 @@ class GRPOStrategy(BaseStrategy):
                 advantages.reshape(-1), bias=head.bias, softcap=head.softcap, **options)
         metrics = dict(op_metrics)
         kl_loss = self.kl_coef * metrics["kl"]
-        if (self.loss_type == "bnpo" or not self.kl_coef) and not self.policy_options[
-                "entropy_coef"]:
+        if (self.loss_type == "bnpo" or not self.kl_coef) and not self.options.entropy_coef:
             # bnpo: loss = mean(pg) + kl_coef * mean(k3), both over all response tokens.
             metrics["policy_loss"] = loss.detach() - kl_loss
         metrics["kl_loss"] = kl_loss
