@@ -240,7 +240,8 @@ def add_bench_arguments(parser):
                              "10 minutes), none on CUDA; 'inf' for none")
     parser.add_argument("--strategy-backends", default=None,
                         help="backends for the strategies' steps (default: the first of "
-                             "--backends); the original training code's math always runs as 'naive'")
+                             "--backends); the original training code's math always runs as "
+                             "'naive'")
     parser.add_argument("--strategy-repeats", type=int, default=2,
                         help="timed steps per strategy case (default: %(default)s)")
     parser.add_argument("--check", action="store_true",
