@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from ..ops.primitives import CrossEntropyArgs, DistillArgs, LogprobsArgs, SurrogateArgs
 from . import config
 
 try:
@@ -382,24 +383,27 @@ def _representative_calls(logits, grad):
     rows = torch.empty(n_rows, dtype=torch.float32, device=device)
     one = torch.empty(1, dtype=torch.float32, device=device)
     for with_entropy in (False, True):
-        logprobs_forward(logits, target, 1.0, -100, with_entropy)
+        args = LogprobsArgs(1.0, -100, with_entropy)
+        logprobs_forward(logits, target, args)
         logprobs_backward(logits, target, rows, rows if with_entropy else rows[:0], rows,
-                          rows if with_entropy else rows[:0], 1.0, -100, grad)
+                          rows if with_entropy else rows[:0], args, grad)
     for has_grad in (False, True):
         for smoothing in (0.0, 0.1):
             for softcap in (0.0, 30.0):
-                cross_entropy_forward(logits, target, -100, smoothing, 1e-4, softcap, one,
+                cross_entropy_forward(logits, target, one,
+                                      CrossEntropyArgs(-100, smoothing, 1e-4, softcap),
                                       grad if has_grad else None)
         for old in (None, rows):
             for ref, beta in ((None, 0.0), (rows, 0.04)):
-                grpo_forward(logits, target, 1.0, rows, old, ref, rows, 0.2, 0.2, 0.0, beta,
-                             grad if has_grad else None)
+                grpo_forward(logits, target, rows, old, ref, rows,
+                             SurrogateArgs(1.0, 0.2, 0.2, 0.0, beta), grad if has_grad else None)
     for beta in (0.0, 0.5, 1.0):
         for hard_weight in (0.0, 0.5):
             for temperature in (1.0, 0.7) if hard_weight else (1.0,):
-                distill_forward(logits, logits, target, -100, beta, temperature, hard_weight)
-                distill_backward(logits, logits, target, -100, beta, temperature, hard_weight,
-                                 rows, rows, rows, rows if hard_weight else rows[:0], rows, grad)
+                args = DistillArgs(beta, temperature, -100, hard_weight)
+                distill_forward(logits, logits, target, args)
+                distill_backward(logits, logits, target, rows, rows, rows,
+                                 rows if hard_weight else rows[:0], rows, args, grad)
     scale_grad_(grad, torch.empty((), dtype=torch.float32, device=device))
 
 
