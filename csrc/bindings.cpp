@@ -221,6 +221,31 @@ py::tuple grpo_forward(const Tensor& logits, const Tensor& target, double temper
   return py::make_tuple(logp, loss);
 }
 
+void vocab_shard_backward(const Tensor& logits, const Tensor& target, const Tensor& lse,
+                          const Tensor& alpha, const std::optional<Tensor>& beta,
+                          const Tensor& gamma, const std::optional<Tensor>& delta,
+                          double temperature, double softcap, int64_t ignore_index,
+                          const Tensor& grad) {
+  TORCH_CHECK(temperature > 0, "temperature must be > 0, got ", temperature);
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: off), got ", softcap);
+  VocabShardArgs a{};
+  a.x = rows_of(logits);
+  a.dtype = dtype_of(logits, "logits");
+  const int64_t n = a.x.rows();
+  a.y = targets_of(target, n);
+  a.inv_t = static_cast<float>(1.0 / temperature);
+  a.softcap = static_cast<float>(softcap);
+  a.ignore_index = ignore_index;
+  a.lse = rows_f32(lse, n, "lse");
+  a.alpha = rows_f32(alpha, n, "alpha");
+  a.gamma = rows_f32(gamma, n, "gamma");
+  if (beta.has_value()) a.beta = rows_f32(*beta, n, "beta");
+  if (delta.has_value()) a.delta = rows_f32(*delta, n, "delta");
+  a.grad = grad_of(grad, logits);
+  py::gil_scoped_release no_gil;
+  vocab_shard_backward_kernel(a, kernel_threads());
+}
+
 // The shared part of the distill kernels' arguments: both row views, targets, hyperparameters.
 DistillArgs distill_args(const Tensor& student, const Tensor& teacher, const Tensor& target,
                          int64_t ignore_index, double beta, double temperature,
@@ -345,6 +370,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("target"), py::arg("ignore_index"), py::arg("beta"), py::arg("temperature"),
         py::arg("hard_weight"), py::arg("student_lse"), py::arg("teacher_lse"),
         py::arg("student_kl"), py::arg("hard_lse"), py::arg("grad_loss"), py::arg("grad"));
+  m.def("vocab_shard_backward", &vocab_shard_backward, py::arg("logits"), py::arg("target"),
+        py::arg("lse"), py::arg("alpha"), py::arg("beta"), py::arg("gamma"), py::arg("delta"),
+        py::arg("temperature"), py::arg("softcap"), py::arg("ignore_index"), py::arg("grad"));
   m.def("_log1p_unit", &elementwise<log1p_fn>, "log1p_unit elementwise (for tests)");
   m.def("_fast_exp", &elementwise<exp_fn>, "fast_exp elementwise (for tests)");
   m.def("_fast_tanh", &elementwise<tanh_fn>, "fast_tanh elementwise (for tests)");

@@ -624,7 +624,8 @@ inline void run_rows(RowsFn<Args> fn, const Args& args, int64_t n_rows, int64_t 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Kernel arguments and entry points (defined in logprobs.cpp, cross_entropy.cpp, grpo.cpp)
+// Kernel arguments and entry points (defined in logprobs.cpp, cross_entropy.cpp, grpo.cpp,
+// distill.cpp, vocab_shard.cpp)
 // ---------------------------------------------------------------------------------------------
 
 struct LogprobsFwdArgs {
@@ -716,11 +717,27 @@ struct DistillArgs {
   BadRow* bad;
 };
 
+struct VocabShardArgs {
+  RowsView x;        // one vocabulary shard of the logits
+  Targets y;         // local columns; ignore_index; anything else: the target is elsewhere
+  DType dtype;
+  float inv_t;
+  float softcap;     // 0: off
+  int64_t ignore_index;
+  const float* lse;  // the whole vocabulary's, per row
+  const float* alpha;
+  const float* beta;   // null: 0
+  const float* gamma;
+  const float* delta;  // null: 0
+  GradView grad;
+};
+
 void logprobs_forward_kernel(const LogprobsFwdArgs& args, int nthreads);
 void logprobs_backward_kernel(const LogprobsBwdArgs& args, int nthreads);
 void cross_entropy_forward_kernel(const CrossEntropyArgs& args, int nthreads);
 void grpo_forward_kernel(const GrpoArgs& args, int nthreads);
 void distill_forward_kernel(const DistillArgs& args, int nthreads);
 void distill_backward_kernel(const DistillArgs& args, int nthreads);
+void vocab_shard_backward_kernel(const VocabShardArgs& args, int nthreads);
 
 }  // namespace astrai

@@ -18,7 +18,13 @@ import torch
 
 from astrai_kernels.cpu import cpp_backend as cb
 from astrai_kernels.cpu import torch_backend as tb
-from astrai_kernels.ops.primitives import CrossEntropyArgs, LogprobsArgs, SurrogateArgs
+from astrai_kernels.ops.primitives import (
+    CrossEntropyArgs,
+    LogprobsArgs,
+    ShardGradArgs,
+    SurrogateArgs,
+)
+from astrai_kernels.testing import assert_close as check_close
 
 from cases import (
     assert_matches_spec,
@@ -584,3 +590,76 @@ def test_lse_reference_value():
     assert abs(logp.item() - (3 - expected_lse)) < 1e-6
     p = [math.exp(v - expected_lse) for v in (1, 2, 3)]
     assert abs(entropy.item() + sum(q * math.log(q) for q in p)) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------
+# vocab_shard_backward
+# ------------------------------------------------------------------------------------------
+
+NOT_IN_SHARD = -2
+
+
+def shard_grad_float64(logits, target, lse, alpha, beta, gamma, delta, temperature, softcap):
+    """``(1/T) dz/dx (p (alpha + beta log p) + gamma d_jy + delta)`` in float64, with its term
+    sizes (the scale of the tolerance)."""
+    x = logits.double().reshape(-1, logits.shape[-1])
+    z = softcap * torch.tanh(x / softcap) if softcap else x
+    t2 = torch.tanh(x / softcap) ** 2 if softcap else torch.zeros_like(x)
+    dz = 1.0 - t2  # itself formed by two terms: its size is 1 + t2
+    log_p = (z / temperature - lse.double()[:, None]).clamp(min=-1e4)
+    p = log_p.exp()
+    rows = torch.arange(x.shape[0])
+    owned = (target >= 0) & (target < x.shape[1])
+    onehot = torch.zeros_like(x)
+    onehot[rows[owned], target[owned]] = 1.0
+    b = 0.0 if beta is None else beta.double()[:, None]
+    d = 0.0 if delta is None else delta.double()[:, None]
+    a, g = alpha.double()[:, None], gamma.double()[:, None]
+    grad = dz * (p * (a + b * log_p) + g * onehot + d) / temperature
+    scale = (1.0 + t2) * (p * (a.abs() + (b * log_p).abs()) + g.abs() * onehot + abs(d))
+    scale = scale / temperature
+    ignored = (target == IGNORE)[:, None]
+    return (torch.where(ignored, 0.0, grad).reshape(logits.shape),
+            torch.where(ignored, 0.0, scale).reshape(logits.shape))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ("contiguous", "strided_vocab"))
+@pytest.mark.parametrize("softcap", (0.0, 3.0))
+@pytest.mark.parametrize("with_beta", (False, True))
+def test_vocab_shard_backward(dtype, layout, softcap, with_beta):
+    vocab, n = 37, 12
+    x = make_logits((2, 6, vocab), dtype, layout, scale=4.0)
+    target = make_target(n, vocab, ignored=(3,))
+    target[[1, 7]] = NOT_IN_SHARD  # counted rows whose target another rank holds
+    g = torch.Generator().manual_seed(21)
+    # a whole-vocabulary lse above this shard's own (other shards hold mass too)
+    z = softcap * torch.tanh(x.float() / softcap) if softcap else x.float()
+    lse = (torch.logsumexp(z.reshape(n, vocab) / 0.8, -1) + torch.rand(n, generator=g)).float()
+    alpha, gamma = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    beta = torch.randn(n, generator=g) if with_beta else None
+    delta = torch.randn(n, generator=g) * 0.01 if with_beta else None
+    args = ShardGradArgs(0.8, softcap, IGNORE)
+    expected, scale = shard_grad_float64(x, target, lse, alpha, beta, gamma, delta, 0.8, softcap)
+    for isa in each_isa():
+        grad = empty_grad_like(x)
+        cb.vocab_shard_backward(x, target, lse, alpha, beta, gamma, delta, args, grad)
+        check_close(grad, expected, "grad", dtype, f"{isa} shard grad", scale=scale)
+        assert (grad[0, 3] == 0).all()  # ignored row
+        if layout == "contiguous":
+            inplace = x.clone()
+            cb.vocab_shard_backward(inplace, target, lse, alpha, beta, gamma, delta, args,
+                                    inplace)
+            assert torch.equal(inplace, grad), isa
+
+
+def test_vocab_shard_backward_all_inf_shard_row():
+    """A shard row of all -inf (a masked padded vocabulary) has p = 0 there: only delta."""
+    x = torch.full((1, 2, 5), float("-inf"))
+    target = torch.tensor([NOT_IN_SHARD, NOT_IN_SHARD])
+    ones = torch.ones(2)
+    grad = torch.full_like(x, float("nan"))
+    for isa in each_isa():
+        cb.vocab_shard_backward(x, target, ones, ones, ones, ones, 0.5 * ones,
+                                ShardGradArgs(1.0, 0.0, IGNORE), grad)
+        assert torch.equal(grad, torch.full_like(x, 0.5)), isa

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import astrai_kernels as ak
 from astrai_kernels import reference
 from astrai_kernels.ops import grpo as grpo_op
+from astrai_kernels.ops import vocab_parallel
+from astrai_kernels.ops._backend import backend_module
 from astrai_kernels.testing import assert_close, assert_close_elementwise, spec
 from astrai_kernels.testing.multiprocess import spawn_ranks
 
@@ -314,20 +316,42 @@ def case_reference_backend(group, start, stop, dtype):
 
 
 def case_backends_and_errors(group, start, stop, dtype):
-    """A backend without ``vocab_shard_backward`` serves forward-only calls and names itself
-    when a gradient is asked for; bad input raises before any collective hangs."""
+    """The cpp backend's shard gradient equals the torch backend's; a backend without
+    ``vocab_shard_backward`` names itself when a gradient is asked for; bad input raises before
+    any collective hangs."""
     full, target = _logits(dtype, seed=13), _target()
-    shard = _shard_leaf(full, start, stop)
-    torch_logp = ak.token_logprobs(shard.detach(), target, process_group=group, backend="torch")
-    if "cpp" in ak.available_backends("cpu"):
-        cpp_logp = ak.token_logprobs(shard.detach(), target, process_group=group, backend="cpp")
+    results = {}
+    for backend in ak.available_backends("cpu"):
+        if backend == "reference":
+            continue
+        shard = _shard_leaf(full, start, stop)
+        if not hasattr(backend_module(backend), "vocab_shard_backward"):  # triton, interpreted
+            forward_only = ak.token_logprobs(shard.detach(), target, process_group=group,
+                                             backend=backend)
+            assert_close(forward_only, ak.token_logprobs(
+                shard.detach(), target, process_group=group, backend="torch").double(),
+                "value", dtype, f"{backend} logp")
+            with pytest.raises(NotImplementedError, match=f"'{backend}'"):
+                ak.token_logprobs(shard, target, process_group=group, backend=backend)
+            continue
+        logp, entropy = ak.token_logprobs(shard, target, process_group=group, backend=backend,
+                                          temperature=0.7, return_entropy=True)
+        (logp.sum() + 0.5 * entropy.sum()).backward()
+        results[backend] = (logp.detach(), shard.grad)
+    torch_logp, torch_grad = results["torch"]
+    if "cpp" in results:
+        cpp_logp, cpp_grad = results["cpp"]
         assert_close(cpp_logp, torch_logp.double(), "value", dtype, "cpp logp")
-        with pytest.raises(NotImplementedError, match="'cpp'"):
-            ak.token_logprobs(shard, target, process_group=group, backend="cpp")
+        assert_close(cpp_grad, torch_grad.double(), "grad", dtype, "cpp shard grad",
+                     naive=torch_grad, scale=torch_grad.double().abs() + 1.0 / VOCAB)
+    with pytest.raises(NotImplementedError, match="'triton'"):
+        vocab_parallel.shard_backend("triton", "triton", needs_grad=True)
+    assert vocab_parallel.shard_backend("auto", "cpp", needs_grad=True) == "cpp"
     with pytest.raises(ValueError, match="target holds 11"):
-        ak.cross_entropy(shard, torch.full_like(target, VOCAB), process_group=group)
+        ak.cross_entropy(_shard_leaf(full, start, stop), torch.full_like(target, VOCAB),
+                         process_group=group)
     with pytest.raises(TypeError, match="process_group"):
-        ak.cross_entropy(shard, target, process_group="world")
+        ak.cross_entropy(_shard_leaf(full, start, stop), target, process_group="world")
 
 
 def case_empty_and_all_ignored(group, start, stop, dtype):

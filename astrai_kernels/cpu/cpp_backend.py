@@ -41,7 +41,7 @@ ISA_ENV = "ASTRAI_KERNELS_CPU_ISA"
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast")
 LDFLAGS = ("-fopenmp",)
 SOURCES = ("common.h", "logprobs.cpp", "cross_entropy.cpp", "grpo.cpp", "distill.cpp",
-           "bindings.cpp")
+           "vocab_shard.cpp", "bindings.cpp")
 
 _LOCK = threading.Lock()
 _EXTENSION = None
@@ -400,3 +400,11 @@ def distill_backward(student, teacher, target, student_lse, teacher_lse, student
                          float(params.hard_weight), _rows_f32(student_lse),
                          _rows_f32(teacher_lse), _rows_f32(student_kl), hard,
                          _rows_f32(grad_loss), grad)
+
+
+def vocab_shard_backward(logits, target, lse, alpha, beta, gamma, delta, params, grad):
+    ext = load_extension()
+    ext.vocab_shard_backward(logits, _target(target), _rows_f32(lse), _rows_f32(alpha),
+                             _rows_f32(beta), _rows_f32(gamma), _rows_f32(delta),
+                             float(params.temperature), float(params.softcap or 0.0),
+                             int(params.ignore_index), grad)

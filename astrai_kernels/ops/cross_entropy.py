@@ -237,7 +237,7 @@ def _vocab_parallel_cross_entropy(logits, target, process_group, ignore_index, r
                              label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                              normalizer=normalizer, backend="reference")
     target_flat = flat_target(target)
-    rows_loss = vocab_parallel.cross_entropy_rows(
+    rows_loss = vocab_parallel.shard_cross_entropy_rows(
         logits, target_flat, replace(params, inplace_backward=inplace_backward), layout, backend)
     if reduction == "none":
         return rows_loss.view(target.shape)

@@ -555,7 +555,7 @@ def _vocab_parallel_cross_entropy(hidden, weight, target, process_group, bias, i
                                    label_smoothing=label_smoothing, z_loss=z_loss,
                                    softcap=softcap, normalizer=normalizer, backend="reference")
     target_flat = flat_target(target)
-    rows_loss = vocab_parallel.linear_cross_entropy_rows(
+    rows_loss = vocab_parallel.head_shard_cross_entropy_rows(
         hidden_rows, weight, bias, target_flat, params, layout, chunk_size, backend, needs_grad)
     if reduction == "none":
         return rows_loss.view(target.shape)
@@ -577,7 +577,7 @@ def _vocab_parallel_token_logprobs(hidden, weight, target, process_group, bias, 
         return lp_op.token_logprobs(logits, target, process_group=process_group,
                                     temperature=temperature, ignore_index=ignore_index,
                                     return_entropy=return_entropy, backend="reference")
-    logp, entropy = vocab_parallel.linear_token_logprobs(
+    logp, entropy = vocab_parallel.head_shard_token_logprobs(
         hidden_rows, weight, bias, flat_target(target), params, layout, chunk_size, backend,
         needs_grad)
     logp = logp.view(target.shape)

@@ -199,8 +199,8 @@ def _vocab_parallel_token_logprobs(logits, target, process_group, temperature, i
                               temperature=temperature, ignore_index=ignore_index,
                               return_entropy=return_entropy, backend="reference")
     params = replace(params, inplace_backward=inplace_backward)
-    logp, entropy = vocab_parallel.token_logprobs(logits, flat_target(target), params, layout,
-                                                  backend)
+    logp, entropy = vocab_parallel.shard_token_logprobs(logits, flat_target(target), params,
+                                                        layout, backend)
     logp = logp.view(target.shape)
     return (logp, entropy.view(target.shape)) if return_entropy else logp
 

@@ -505,7 +505,7 @@ def _shard_params(params, requested_backend, needs_grad, **changes):
                    **changes)
 
 
-def token_logprobs(logits, target_flat, params, layout, requested_backend):
+def shard_token_logprobs(logits, target_flat, params, layout, requested_backend):
     """``(logp, entropy)`` per row of this shard's ``logits`` (``params``: the logprobs op's
     checked ``LogprobsParams``; entropy empty unless ``params.with_entropy``)."""
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
@@ -521,7 +521,7 @@ def token_logprobs(logits, target_flat, params, layout, requested_backend):
     return logp, entropy
 
 
-def cross_entropy_rows(logits, target_flat, params, layout, requested_backend):
+def shard_cross_entropy_rows(logits, target_flat, params, layout, requested_backend):
     """Per-row losses of this shard's ``logits`` (``params``: ``CrossEntropyParams``)."""
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
     params = _shard_params(params, requested_backend, needs_grad)
@@ -535,7 +535,7 @@ def cross_entropy_rows(logits, target_flat, params, layout, requested_backend):
     return rows_loss
 
 
-def linear_token_logprobs(hidden_rows, weight, bias, target_flat, params, layout, chunk_size,
+def head_shard_token_logprobs(hidden_rows, weight, bias, target_flat, params, layout, chunk_size,
                           requested_backend, needs_grad):
     """``(logp, entropy)`` per row of the head whose weight holds this rank's shard."""
     params = _shard_params(params, requested_backend, needs_grad)
@@ -551,7 +551,7 @@ def linear_token_logprobs(hidden_rows, weight, bias, target_flat, params, layout
     return logp, entropy
 
 
-def linear_cross_entropy_rows(hidden_rows, weight, bias, target_flat, params, layout,
+def head_shard_cross_entropy_rows(hidden_rows, weight, bias, target_flat, params, layout,
                               chunk_size, requested_backend, needs_grad):
     """Per-row losses of the head whose weight holds this rank's shard."""
     params = _shard_params(params, requested_backend, needs_grad)
