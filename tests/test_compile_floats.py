@@ -1,8 +1,8 @@
 """``torch.compile(fullgraph=True)`` with float hyperparameters as arguments (issue 12 item 9).
 
 Every float hyperparameter of the ops (temperature, softcap, z-loss, label smoothing, the logit
-scale, the GRPO clip range, delta and beta) may be an argument of the compiled function: the result and the
-gradients equal eager ones, and a new value reuses the compiled graph (checked with
+scale, the GRPO clip range, delta and beta) may be an argument of the compiled function: the
+result and the gradients equal eager ones, and a new value reuses the compiled graph (checked with
 ``error_on_recompile``). Dynamo compiles the first call with its floats as constants and, when a
 float changes, once more with it symbolic (automatic dynamic); ``dynamic=True`` makes it
 symbolic from the start. Before the float arguments reached the custom ops as tensors, each
