@@ -78,17 +78,17 @@ def _divide_or_zero(total: Tensor, count: Tensor) -> Tensor:
 def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100,
                   reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
                   softcap: Optional[float] = None,
-                  normalizer: Union[None, float, Tensor] = None) -> Tensor:
-    """``F.cross_entropy`` on softcapped logits plus ``z_loss * lse**2`` per counted row.
+                  normalizer: Union[None, float, Tensor] = None,
+                  logit_scale: float = 1.0) -> Tensor:
+    """``F.cross_entropy`` on the logits transformed by :func:`transform_logits` (scaled by
+    ``logit_scale``, then softcapped) plus ``z_loss * lse**2`` per counted row.
 
     ``mean`` divides by the count of counted rows (or ``normalizer``); a count of 0 gives 0.
     """
     z = logits.reshape(-1, logits.shape[-1])
     y = target.reshape(-1)
     valid = y != ignore_index
-    z = torch.where(valid.unsqueeze(-1), z, 0.0)
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
+    z = transform_logits(torch.where(valid.unsqueeze(-1), z, 0.0), logit_scale, softcap)
     rows = F.cross_entropy(z, torch.where(valid, y, 0).long(), reduction="none",
                            label_smoothing=label_smoothing)
     if z_loss > 0:

@@ -148,7 +148,7 @@ void logprobs_backward(const Tensor& logits, const Tensor& target, const Tensor&
 
 py::tuple cross_entropy_forward(const Tensor& logits, const Tensor& target, int64_t ignore_index,
                                 double label_smoothing, double z_loss, double softcap,
-                                const std::optional<Tensor>& grad_scale,
+                                double logit_scale, const std::optional<Tensor>& grad_scale,
                                 const std::optional<Tensor>& grad) {
   CrossEntropyArgs a{};
   a.x = rows_of(logits);
@@ -163,6 +163,7 @@ py::tuple cross_entropy_forward(const Tensor& logits, const Tensor& target, int6
       a.x.V > 0 ? static_cast<float>(label_smoothing / static_cast<double>(a.x.V)) : 0.0f;
   a.z_loss = static_cast<float>(z_loss);
   a.softcap = static_cast<float>(softcap);
+  a.logit_scale = static_cast<float>(logit_scale);
   if (grad.has_value()) {
     TORCH_CHECK(grad_scale.has_value(), "grad_scale is required with grad");
     const Tensor& gs = *grad_scale;
@@ -358,7 +359,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("temperature"), py::arg("ignore_index"), py::arg("grad"));
   m.def("cross_entropy_forward", &cross_entropy_forward, py::arg("logits"), py::arg("target"),
         py::arg("ignore_index"), py::arg("label_smoothing"), py::arg("z_loss"),
-        py::arg("softcap"), py::arg("grad_scale"), py::arg("grad"));
+        py::arg("softcap"), py::arg("logit_scale"), py::arg("grad_scale"), py::arg("grad"));
   m.def("grpo_forward", &grpo_forward, py::arg("logits"), py::arg("target"),
         py::arg("temperature"), py::arg("advantages"), py::arg("old_logprobs"),
         py::arg("ref_logprobs"), py::arg("token_weight"), py::arg("clip_low"),

@@ -508,13 +508,13 @@ struct RawLoad {  // v_j = x_j (the softmax scale 1 / T is applied relative to t
 };
 
 template <class T, bool C, bool SOFTCAP>
-struct CappedLoad {  // z_j = c * tanh(x_j / c) when SOFTCAP, else x_j
+struct CappedLoad {  // z_j = c * tanh(a * x_j / c) when SOFTCAP, else a * x_j (a: logit scale)
   const typename T::storage* row;
   int64_t sv;
-  float cap, inv_cap;
+  float cap, mul;  // mul = a / c when SOFTCAP, else a (exact at a = 1)
   ASTRAI_INLINE float operator()(int64_t j) const {
-    const float x = T::load(row[C ? j : j * sv]);
-    return SOFTCAP ? cap * fast_tanh(x * inv_cap) : x;
+    const float x = T::load(row[C ? j : j * sv]) * mul;
+    return SOFTCAP ? cap * fast_tanh(x) : x;
   }
 };
 
@@ -665,6 +665,7 @@ struct CrossEntropyArgs {
   float smoothing_over_v;  // label_smoothing / V
   float z_loss;
   float softcap;  // 0: off
+  float logit_scale;  // 1: off
   const float* grad_scale;  // null when no gradient
   int64_t grad_scale_numel;
   GradView grad;            // grad.data null when no gradient

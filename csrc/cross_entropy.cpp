@@ -1,7 +1,8 @@
 // cross_entropy_forward of ops/_backend.py, with the gradient fused into the same pass:
-//   z = c * tanh(x / c) (softcap c, 0 = off), lse = logsumexp(z), p = softmax(z)
+//   z = c * tanh(a x / c) (softcap c, 0 = off; else z = a x), a the logit scale (1 = off),
+//   lse = logsumexp(z), p = softmax(z)
 //   loss   = (1 - eps) * (lse - z_y) + eps * (lse - mean_j z_j) + z_loss * lse^2
-//   grad_j = scale * ((1 + 2 z_loss lse) p_j - (1 - eps) d_jy - eps / V) [* (1 - (z_j / c)^2)]
+//   grad_j = a scale ((1 + 2 z_loss lse) p_j - (1 - eps) d_jy - eps / V) [* (1 - (z_j / c)^2)]
 // with lse - z_y = log_sum - (z_y - m) and p_j = exp((z_j - m) - log_sum), m the row max and
 // log_sum = log sum_j exp(z_j - m): exact however large the logits are.
 #include "common.h"
@@ -15,6 +16,7 @@ ASTRAI_INLINE void cross_entropy_rows(const CrossEntropyArgs& a, int64_t n0, int
   const int64_t V = a.x.V, sv = a.x.sV, sg = a.grad.sV;
   const bool with_grad = a.grad.data != nullptr;
   const float cap = a.softcap, inv_cap = SOFTCAP ? 1.0f / a.softcap : 0.0f;
+  const float mul = SOFTCAP ? a.logit_scale * inv_cap : a.logit_scale;
   const float eps = a.label_smoothing;
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t y = a.y[n];
@@ -27,7 +29,7 @@ ASTRAI_INLINE void cross_entropy_rows(const CrossEntropyArgs& a, int64_t n0, int
       continue;
     }
     const S* row = a.x.row<S>(n);
-    const CappedLoad<T, C, SOFTCAP> load{row, sv, cap, inv_cap};
+    const CappedLoad<T, C, SOFTCAP> load{row, sv, cap, mul};
     const float z_y = load(y);
     OnlineLse st;
     // With a gradient to write, keep the exps of the first pass for the second.
@@ -49,7 +51,8 @@ ASTRAI_INLINE void cross_entropy_rows(const CrossEntropyArgs& a, int64_t n0, int
     if (!with_grad) continue;
 
     S* g = a.grad.row<S>(n);
-    const float scale = a.grad_scale[a.grad_scale_numel == 1 ? 0 : n];
+    // dz/dx carries the logit scale: folded into the row's factor
+    const float scale = a.grad_scale[a.grad_scale_numel == 1 ? 0 : n] * a.logit_scale;
     const float k = 1.0f + 2.0f * a.z_loss * lse;
     const float eps_v = a.smoothing_over_v;
     float p_y;

@@ -254,14 +254,14 @@ def spec_logprobs(logits, target, temperature, ignore_index, with_entropy, grad_
 
 
 def spec_cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, softcap,
-                       grad_scale=None, precision=torch.float64):
+                       grad_scale=None, precision=torch.float64, logit_scale=1.0):
     """``cross_entropy_forward``'s (loss, lse) and, given ``grad_scale``, grad."""
     x = _spec_rows(logits, precision)
     target = target.cpu().long()
     valid = target != ignore_index
     loss = reference.cross_entropy(x, target, ignore_index, "none", label_smoothing, z_loss,
-                                   softcap or None)
-    lse = torch.logsumexp(reference.transform_logits(x, softcap=softcap or None), dim=-1)
+                                   softcap or None, logit_scale=logit_scale)
+    lse = torch.logsumexp(reference.transform_logits(x, logit_scale, softcap or None), dim=-1)
     out = {"loss": loss, "lse": lse * valid}
     if grad_scale is not None:
         (loss * grad_scale.cpu().to(precision).expand(loss.shape)).sum().backward()
@@ -269,7 +269,7 @@ def spec_cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, so
         if precision == torch.float64:
             out["grad_terms"] = spec.cross_entropy_terms(logits, target, ignore_index,
                                                          label_smoothing, z_loss, softcap,
-                                                         grad_scale)
+                                                         grad_scale, logit_scale)
     return _detached(out)
 
 

@@ -1,8 +1,8 @@
 """``torch.compile(fullgraph=True)`` with float hyperparameters as arguments (issue 12 item 9).
 
-Every float hyperparameter of the ops (temperature, softcap, z-loss, label smoothing, the GRPO
-clip range, delta and beta) may be an argument of the compiled function: the result and the
-gradients equal eager ones, and a new value reuses the compiled graph (checked with
+Every float hyperparameter of the ops (temperature, softcap, z-loss, label smoothing, the logit
+scale, the GRPO clip range, delta and beta) may be an argument of the compiled function: the
+result and the gradients equal eager ones, and a new value reuses the compiled graph (checked with
 ``error_on_recompile``). Dynamo compiles the first call with its floats as constants and, when a
 float changes, once more with it symbolic (automatic dynamic); ``dynamic=True`` makes it
 symbolic from the start. Before the float arguments reached the custom ops as tensors, each
@@ -138,6 +138,30 @@ def test_default_compile_specializes_the_first_value_only():
     data = _batch()
     _compile_without_recompiles(logits_losses, [data["logits"]], (data, "torch"), FLOAT_SETS,
                                 dynamic=None)
+
+
+def scaled_cross_entropy(x, data, backend, logit_scale, softcap, z_loss, smoothing):
+    """Both cross-entropy paths (fused mean, per-row recompute) with ``logit_scale`` an argument,
+    with and without the soft cap."""
+    target = data["target"]
+    capped = ak.cross_entropy(x, target, logit_scale=logit_scale, softcap=softcap, z_loss=z_loss,
+                              label_smoothing=smoothing, backend=backend)
+    rows = ak.cross_entropy(x, target, logit_scale=logit_scale, reduction="none",
+                            backend=backend)
+    return capped + 0.1 * rows.sum()
+
+
+# (logit_scale, softcap, z_loss, label_smoothing)
+SCALE_SETS = [(2.0, 30.0, 1e-3, 0.1), (0.5, 2.0, 1e-2, 0.3), (-1.0, 5.0, 0.1, 0.05),
+              (1.5, 1.5, 0.2, 0.2)]
+
+
+@pytest.mark.parametrize("backend, dynamic", [("cpp", True), ("torch", None)])
+def test_logit_scale_compiles_once_for_every_value(backend, dynamic):
+    data = _batch()
+    _compile_without_recompiles(scaled_cross_entropy, [data["logits"]], (data, backend),
+                                SCALE_SETS if dynamic is None else SCALE_SETS[:3],
+                                dynamic=dynamic)
 
 
 def test_inductor_with_float_arguments():

@@ -192,12 +192,15 @@ def test_logprobs_expanded_upstream_gradient():
 # cross_entropy_forward
 # ------------------------------------------------------------------------------------------
 
-CE_CONFIGS = (  # (label_smoothing, z_loss, softcap)
-    (0.0, 0.0, 0.0),
-    (0.1, 0.0, 0.0),
-    (0.0, 1e-3, 0.0),
-    (0.0, 0.0, 5.0),
-    (0.1, 1e-4, 30.0),
+CE_CONFIGS = (  # (label_smoothing, z_loss, softcap, logit_scale)
+    (0.0, 0.0, 0.0, 1.0),
+    (0.1, 0.0, 0.0, 1.0),
+    (0.0, 1e-3, 0.0, 1.0),
+    (0.0, 0.0, 5.0, 1.0),
+    (0.1, 1e-4, 30.0, 1.0),
+    (0.1, 1e-3, 0.0, -1.0),
+    (0.0, 0.0, 5.0, 2.0),
+    (0.2, 1e-4, 30.0, 0.5),
 )
 CE = ("loss", "lse")
 
@@ -209,31 +212,33 @@ def test_cross_entropy(dtype, vocab, layout):
     x0 = make_logits((2, 6, vocab), dtype, layout, scale=4.0)
     n = 12
     target = make_target(n, vocab, ignored=(0, 11))
-    for smoothing, z_loss, softcap in CE_CONFIGS:
+    for smoothing, z_loss, softcap, logit_scale in CE_CONFIGS:
         for scale_rows in (1, n):
             grad_scale = torch.rand(scale_rows, generator=torch.Generator().manual_seed(5)) + 0.5
             config = (IGNORE, smoothing, z_loss, softcap)
+            args = CrossEntropyArgs(*config, logit_scale=logit_scale)
             expected, naive = spec_expected_and_naive(spec_cross_entropy, x0, target, *config,
-                                                      grad_scale)
+                                                      grad_scale, logit_scale=logit_scale)
             grad = empty_grad_like(x0)
-            got = tb.cross_entropy_forward(x0, target, grad_scale, CrossEntropyArgs(*config), grad)
-            what = f"eps={smoothing} z={z_loss} cap={softcap} scale={scale_rows}"
+            got = tb.cross_entropy_forward(x0, target, grad_scale, args, grad)
+            what = f"eps={smoothing} z={z_loss} cap={softcap} a={logit_scale} scale={scale_rows}"
             assert_matches_spec({**named(CE, got), "grad": grad}, expected, naive,
                                 f"torch {what}", dtype)
+            got = tb.cross_entropy_forward(x0, target, None, args, None)  # no gradient
+            assert_matches_spec(named(CE, got), expected, naive, f"torch {what} (no grad)", dtype)
             for isa in each_isa_and_path():
-                what = f"{isa} eps={smoothing} z={z_loss} cap={softcap} scale={scale_rows}"
-                got = cb.cross_entropy_forward(x0, target, None, CrossEntropyArgs(*config),
-                                               None)  # no gradient
+                what = (f"{isa} eps={smoothing} z={z_loss} cap={softcap} a={logit_scale} "
+                        f"scale={scale_rows}")
+                got = cb.cross_entropy_forward(x0, target, None, args, None)  # no gradient
                 assert_matches_spec(named(CE, got), expected, naive, f"{what} (no grad)", dtype)
                 grad = empty_grad_like(x0)
-                got = cb.cross_entropy_forward(x0, target, grad_scale, CrossEntropyArgs(*config),
-                                               grad)
+                got = cb.cross_entropy_forward(x0, target, grad_scale, args, grad)
                 assert_matches_spec({**named(CE, got), "grad": grad}, expected, naive, what,
                                     dtype)
                 assert got[0][0] == 0 and (grad[0, 0] == 0).all()  # ignored row
                 if layout == "contiguous":
                     x = x0.clone()
-                    got = cb.cross_entropy_forward(x, target, grad_scale, CrossEntropyArgs(*config),
+                    got = cb.cross_entropy_forward(x, target, grad_scale, args,
                                                    x)  # grad is logits
                     assert_matches_spec({**named(CE, got), "grad": x}, expected, naive,
                                         f"{what} (in-place)", dtype)

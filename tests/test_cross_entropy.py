@@ -43,7 +43,7 @@ def _upstream(loss, seed=5):
 
 
 def _check_loss_and_grad(loss, x, case, dtype, reference_loss, reduction, label_smoothing=0.0,
-                         z_loss=0.0, softcap=None, ignore_index=-100):
+                         z_loss=0.0, softcap=None, ignore_index=-100, logit_scale=1.0):
     """``loss`` and the gradient of ``sum(loss * upstream)`` in ``x.grad`` against
     ``reference_loss(logits)`` in float64, per element (naive path and terms as yardstick)."""
     upstream = _upstream(loss)
@@ -66,7 +66,8 @@ def _check_loss_and_grad(loss, x, case, dtype, reference_loss, reduction, label_
     else:
         row_scale = upstream.expand(target.shape) / max(int(valid.sum()), 1)
     terms = spec_cross_entropy(case.view(case.base), target, ignore_index, label_smoothing,
-                               z_loss, softcap or 0.0, row_scale)["grad_terms"]
+                               z_loss, softcap or 0.0, row_scale,
+                               logit_scale=logit_scale)["grad_terms"]
     assert x.grad.dtype == dtype
     assert_close(x.grad, expected["grad"], "grad", dtype, "grad", naive=naive["grad"],
                  scale=view_terms(case, terms))
@@ -127,6 +128,63 @@ def test_z_loss_and_softcap_match_reference(backend, dtype, reduction, features)
     loss = ak.cross_entropy(x, case.target, reduction=reduction, backend=backend, **features)
     _check_loss_and_grad(loss, x, case, dtype, lambda z: reference.cross_entropy(
         z, case.target, reduction=reduction, **features), reduction, **features)
+
+
+SCALED = [
+    dict(logit_scale=0.5),
+    dict(logit_scale=2.0, label_smoothing=0.1),
+    dict(logit_scale=-1.0, z_loss=1e-3, label_smoothing=0.2),
+    dict(logit_scale=2.0, softcap=5.0),
+    dict(logit_scale=-1.0, softcap=3.0, label_smoothing=0.1),
+    dict(logit_scale=0.5, softcap=5.0, z_loss=1e-3, label_smoothing=0.2),
+]
+
+
+@pytest.mark.parametrize("features", SCALED, ids=_feature_id)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logit_scale_matches_reference(backend, dtype, reduction, features):
+    """``logit_scale`` multiplies the logits before the soft cap; the gradient carries it."""
+    case = make_case("shifted", dtype)
+    x = leaf(case.base)
+    loss = ak.cross_entropy(case.view(x), case.target, reduction=reduction, backend=backend,
+                            **features)
+    _check_loss_and_grad(loss, x, case, dtype, lambda z: reference.cross_entropy(
+        z, case.target, reduction=reduction, **features), reduction, **features)
+
+
+@pytest.mark.parametrize("logit_scale", [0.5, 2.0, -1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logit_scale_matches_torch_on_scaled_logits(backend, dtype, logit_scale):
+    """Without softcap: ``F.cross_entropy(logit_scale * logits)``, values and gradients."""
+    case = make_case("3d", dtype)
+    x = leaf(case.base)
+    loss = ak.cross_entropy(x, case.target, label_smoothing=0.1, logit_scale=logit_scale,
+                            backend=backend)
+    _check_loss_and_grad(loss, x, case, dtype, lambda z: _torch_cross_entropy(
+        logit_scale * z, case.target, -100, "mean", 0.1), "mean", 0.1,
+        logit_scale=logit_scale)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_logit_scale_inplace_backward(backend, reduction):
+    case = make_case("3d", torch.bfloat16)
+    options = dict(reduction=reduction, softcap=5.0, logit_scale=-2.0, backend=backend)
+    expected = leaf(case.base)
+    ak.cross_entropy(expected, case.target, **options).sum().backward()
+    logits = case.base.clone().requires_grad_(True)
+    ak.cross_entropy(logits * 1, case.target, inplace_backward=True, **options).sum().backward()
+    assert torch.equal(logits.grad, expected.grad)
+
+
+def test_logit_scale_refused_with_process_group():
+    case = make_case("below_tile", torch.float32)
+    # refused before the group is used
+    with pytest.raises(ValueError, match="logit_scale"):
+        ak.cross_entropy(case.base, case.target, logit_scale=2.0, process_group=object())
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
@@ -207,6 +265,9 @@ def test_second_backward_after_rescale():
     (dict(softcap=0.0), ValueError, "softcap"),
     (dict(softcap=-1.0), ValueError, "softcap"),
     (dict(z_loss=-1.0), ValueError, "z_loss"),
+    (dict(logit_scale=float("inf")), ValueError, "logit_scale"),
+    (dict(logit_scale=float("nan")), ValueError, "logit_scale"),
+    (dict(logit_scale="2"), TypeError, "logit_scale"),
     (dict(normalizer=-1), ValueError, "normalizer"),
     (dict(ignore_index=1.5), TypeError, "ignore_index"),
 ])

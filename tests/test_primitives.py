@@ -75,11 +75,13 @@ def test_generated_schema_follows_the_declaration(name):
 
 def test_op_params_extend_the_kernel_params():
     params = CrossEntropyParams(ignore_index=-1, label_smoothing=0.1, z_loss=0.0, softcap=30.0,
-                                reduction="sum", inplace_backward=False, backend="torch")
+                                logit_scale=-2.0, reduction="sum", inplace_backward=False,
+                                backend="torch")
     kernel = args_of(params, CrossEntropyArgs)
     assert type(kernel) is CrossEntropyArgs
-    assert kernel == CrossEntropyArgs(-1, 0.1, 0.0, 30.0)
+    assert kernel == CrossEntropyArgs(-1, 0.1, 0.0, 30.0, logit_scale=-2.0)
     assert args_of(kernel, CrossEntropyArgs) is kernel
+    assert CrossEntropyArgs(-1, 0.1, 0.0, 30.0).logit_scale == 1.0  # off unless given
 
 
 def test_generated_op_matches_the_eager_call():
@@ -91,8 +93,7 @@ def test_generated_op_matches_the_eager_call():
     eager = _library.cross_entropy_forward(logits, target, scale, params, True, "torch")
     generated = _library._GENERATED["cross_entropy_forward"]
     floats = [_library.float_arg(value) if isinstance(value, float) else value
-              for value in (params.ignore_index, params.label_smoothing, params.z_loss,
-                            params.softcap)]
+              for value in (getattr(params, f.name) for f in fields(CrossEntropyArgs))]
     traced = generated.op(logits, target, scale, *floats, True, "torch")
     for a, b in zip(eager, traced):
         assert torch.equal(a, b)

@@ -192,49 +192,53 @@ def test_extreme_logits_stay_finite(tile):
 # cross-entropy
 
 
-CE_CASES = [  # (label_smoothing, z_loss, softcap)
-    (0.0, 0.0, 0.0),
-    (0.1, 0.0, 0.0),
-    (0.0, 1e-3, 0.0),
-    (0.0, 0.0, 5.0),
-    (0.2, 1e-2, 4.0),
+CE_CASES = [  # (label_smoothing, z_loss, softcap, logit_scale)
+    (0.0, 0.0, 0.0, 1.0),
+    (0.1, 0.0, 0.0, 1.0),
+    (0.0, 1e-3, 0.0, 1.0),
+    (0.0, 0.0, 5.0, 1.0),
+    (0.2, 1e-2, 4.0, 1.0),
+    (0.1, 1e-3, 0.0, -1.0),
+    (0.0, 0.0, 5.0, 2.0),
+    (0.2, 1e-2, 4.0, 0.5),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES_2)
 @pytest.mark.parametrize("vocab, tile", VOCAB_TILES, indirect=["tile"],
                          ids=[f"V{v}-tile{t or 'auto'}" for v, t in VOCAB_TILES])
-@pytest.mark.parametrize("case", CE_CASES, ids=lambda c: "ls{}-z{}-cap{}".format(*c))
+@pytest.mark.parametrize("case", CE_CASES, ids=lambda c: "ls{}-z{}-cap{}-a{}".format(*c))
 def test_cross_entropy(dtype, vocab, case, tile):
-    label_smoothing, z_loss, softcap = case
+    label_smoothing, z_loss, softcap, logit_scale = case
     logits = make_logits(2, 4, vocab, dtype, layout="shifted", seed=vocab)
     target = make_target(8, vocab)
     options = (IGNORE, label_smoothing, z_loss, softcap)
-    out_t = kb.cross_entropy_forward(logits, target, None, CrossEntropyArgs(*options), None)
+    args = CrossEntropyArgs(*options, logit_scale=logit_scale)
+    out_t = kb.cross_entropy_forward(logits, target, None, args, None)
     for grad_scale in (torch.full((1,), 1.0 / 5), torch.linspace(0.5, 2.0, 8)):
         grad_scale = grad_scale.to(DEVICE)
         expected, naive = spec_expected_and_naive(spec_cross_entropy, logits, target, *options,
-                                                  grad_scale)
+                                                  grad_scale, logit_scale=logit_scale)
         assert_matches_spec(named(CE, out_t), expected, naive, "no grad", dtype)
         grad_t = torch.full_like(logits, float("nan"))
-        got = kb.cross_entropy_forward(logits, target, grad_scale, CrossEntropyArgs(*options),
-                                       grad_t)
+        got = kb.cross_entropy_forward(logits, target, grad_scale, args, grad_t)
         assert_matches_spec({**named(CE, got), "grad": grad_t}, expected, naive,
                             f"scale {grad_scale.numel()}", dtype)
         assert (grad_t[0, 0] == 0).all()
 
 
+@pytest.mark.parametrize("logit_scale", [1.0, -0.5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["strided_vocab", "transposed"])
-def test_cross_entropy_inplace_and_strided(dtype, layout, tile):
+def test_cross_entropy_inplace_and_strided(dtype, layout, logit_scale, tile):
     logits = make_logits(2, 3, 300, dtype, layout=layout)
     target = make_target(6, 300)
     scale = torch.full((1,), 0.25, device=DEVICE)
     expected, naive = spec_expected_and_naive(spec_cross_entropy, logits, target, IGNORE, 0.1,
-                                              1e-3, 3.0, scale)
+                                              1e-3, 3.0, scale, logit_scale=logit_scale)
     buffer = logits.clone()  # clone keeps the layout (a dense strided copy)
-    got = kb.cross_entropy_forward(buffer, target, scale, CrossEntropyArgs(IGNORE, 0.1, 1e-3, 3.0),
-                                   buffer)
+    args = CrossEntropyArgs(IGNORE, 0.1, 1e-3, 3.0, logit_scale=logit_scale)
+    got = kb.cross_entropy_forward(buffer, target, scale, args, buffer)
     assert_matches_spec({**named(CE, got), "grad": buffer}, expected, naive, layout, dtype)
 
 

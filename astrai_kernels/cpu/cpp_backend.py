@@ -367,7 +367,7 @@ def cross_entropy_forward(logits, target, grad_scale, params, grad):
     ext = load_extension()
     loss, lse = ext.cross_entropy_forward(
         logits, _target(target), int(params.ignore_index), float(params.label_smoothing),
-        float(params.z_loss), float(params.softcap or 0.0),
+        float(params.z_loss), float(params.softcap or 0.0), float(params.logit_scale),
         _rows_f32(grad_scale) if grad is not None else None, grad)
     return loss, lse
 

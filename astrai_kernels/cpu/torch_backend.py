@@ -64,6 +64,13 @@ def _scaled(block, scale, buf):
     return buf if scale == 1.0 else buf.div_(scale)
 
 
+def _multiplied(block, factor, buf):
+    """``float32(block) * factor`` into ``buf`` (never in place on the block)."""
+    if block.dtype == torch.float32:
+        return torch.mul(block, factor, out=buf)
+    return buf.copy_(block).mul_(factor)  # upcast first, as in _scaled
+
+
 def _tempered(block, temperature, buf):
     """``(s, offset)`` with ``s + offset = float32(block) / T`` per row (``offset`` None: 0).
 
@@ -218,15 +225,21 @@ def logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, par
                         torch.addcmul(row_c, p_y, row_a), valid[n0:n1])
 
 
-def _softcapped(block, softcap, bufs):
-    """``(z, t)``: ``t = tanh(x / c)`` in ``bufs[1]`` and ``z = c * t`` in ``bufs[0]``."""
-    t = torch.tanh(_scaled(block, softcap, bufs[1]), out=bufs[1])  # never in place on the block
+def _softcapped(block, softcap, bufs, logit_scale=1.0):
+    """``(z, t)``: ``t = tanh(a x / c)`` in ``bufs[1]`` and ``z = c * t`` in ``bufs[0]``
+    (``a = logit_scale``)."""
+    if logit_scale == 1.0:
+        u = _scaled(block, softcap, bufs[1])
+    else:
+        u = _multiplied(block, logit_scale / softcap, bufs[1])
+    t = torch.tanh(u, out=bufs[1])  # never in place on the block
     return torch.mul(t, softcap, out=bufs[0]), t
 
 
 def cross_entropy_forward(logits, target, grad_scale, params, grad):
-    ignore_index, label_smoothing, z_loss, softcap = (
-        params.ignore_index, params.label_smoothing, params.z_loss, params.softcap)
+    ignore_index, label_smoothing, z_loss, softcap, logit_scale = (
+        params.ignore_index, params.label_smoothing, params.z_loss, params.softcap,
+        params.logit_scale)
     n_rows = target.numel()
     vocab = logits.shape[-1]
     loss = torch.zeros(n_rows, dtype=torch.float32, device=logits.device)
@@ -238,11 +251,16 @@ def cross_entropy_forward(logits, target, grad_scale, params, grad):
     eps = label_smoothing
     if grad is not None:
         scale = grad_scale if grad_scale.numel() > 1 else grad_scale.expand(n_rows)
-        row_scale = torch.where(valid, scale, 0.0)
-    for n0, n1, block, bufs in _row_blocks(logits, 2 if softcap else 1):
+        # dz/dx carries the logit scale: folded into the per-row factor
+        row_scale = torch.where(valid, scale, 0.0).mul_(logit_scale)
+    # z = a x is its own block when scaled, so the no-grad path's fallback lse can read it
+    scaled = logit_scale != 1.0
+    for n0, n1, block, bufs in _row_blocks(logits, 2 if softcap or scaled else 1):
         y = safe_y[n0:n1]
         if softcap:
-            z, t = _softcapped(block, softcap, bufs)
+            z, t = _softcapped(block, softcap, bufs, logit_scale)
+        elif scaled:
+            z = _multiplied(block, logit_scale, bufs[0])
         else:
             z = _scaled(block, 1.0, bufs[0])
         # eps * (lse - mean_j z_j) = eps * (log_sum - (mean_j z_j - max)), taken relative to the
@@ -251,7 +269,7 @@ def cross_entropy_forward(logits, target, grad_scale, params, grad):
         mean_z = z.mean(-1, dtype=torch.float64) if eps and grad is not None else None
         if grad is None:
             ls, logp_y, z_y = _log_softmax_rows(z, bufs[-1], y)
-            row_lse = _row_lse(z_y, logp_y, ls, z if softcap else block, 1.0)
+            row_lse = _row_lse(z_y, logp_y, ls, z if softcap or scaled else block, 1.0)
             smooth = ls.mean(-1).neg_() if eps else None
         else:
             p, logp_y, row_lse, row_max, log_sum = _softmax_rows(z, bufs[0], y)

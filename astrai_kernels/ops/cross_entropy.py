@@ -1,8 +1,9 @@
 """Masked cross-entropy with the gradient produced in the forward pass.
 
 Contract (docs/architecture.md, "Ops"): equals ``F.cross_entropy(z.float(), y, ignore_index,
-reduction, label_smoothing)`` over the flattened rows, ``z = softcap * tanh(logits / softcap)`` when
-``softcap`` is set, plus ``z_loss * lse**2`` per counted row. With ``reduction`` ``mean`` or
+reduction, label_smoothing)`` over the flattened rows, ``z = softcap * tanh(logit_scale * logits /
+softcap)`` when ``softcap`` is set, else ``z = logit_scale * logits``, plus ``z_loss * lse**2`` per
+counted row. With ``reduction`` ``mean`` or
 ``sum`` and logits requiring grad, the forward reads the logits once and writes the gradient
 once; backward only rescales it. ``inplace_backward=True`` writes that gradient over the
 logits during the forward (their values are destroyed). ``reduction="none"`` recomputes in
@@ -11,6 +12,7 @@ the backward with the per-row upstream gradient.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -107,7 +109,7 @@ def _call(logits_rows, target_flat, params, grad_scale, grad_out=None):
 
 
 def checked_params(logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap,
-                   normalizer, inplace_backward, backend):
+                   normalizer, inplace_backward, backend, logit_scale=1.0):
     """Validate every argument; ``(params, normalizer as a device tensor or None)``.
 
     ``logits`` may be a zero-byte stand-in of the logits' shape (the fused LM head's checks).
@@ -119,6 +121,7 @@ def checked_params(logits, target, ignore_index, reduction, label_smoothing, z_l
     label_smoothing = check_in_range(label_smoothing, "label_smoothing", 0.0, 1.0)
     z_loss = check_in_range(z_loss, "z_loss", 0.0, float("inf"))
     softcap_value = 0.0 if softcap is None else check_positive(softcap, "softcap")
+    logit_scale = check_in_range(logit_scale, "logit_scale", -math.inf, math.inf)
     normalizer_t = checked_normalizer(normalizer, reduction, logits.device)
     if normalizer_t is not None:
         check_zero_normalizer(normalizer_t, target != ignore_index)
@@ -128,8 +131,8 @@ def checked_params(logits, target, ignore_index, reduction, label_smoothing, z_l
         check_no_overlap(logits)
     params = CrossEntropyParams(
         ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-        softcap=softcap_value, reduction=reduction, inplace_backward=inplace_backward,
-        backend=resolve_backend(backend, logits.device))
+        softcap=softcap_value, logit_scale=logit_scale, reduction=reduction,
+        inplace_backward=inplace_backward, backend=resolve_backend(backend, logits.device))
     return params, normalizer_t
 
 
@@ -142,6 +145,7 @@ def cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
     normalizer: Union[float, torch.Tensor, None] = None,
     inplace_backward: bool = False,
     backend: str = "auto",
@@ -149,6 +153,10 @@ def cross_entropy(
     check_consistency: bool = True,
 ) -> torch.Tensor:
     """Cross-entropy of ``logits [..., V]`` against ``target [...]``, float32.
+
+    ``logit_scale`` (any finite number; 1.0 is off) multiplies the logits before the soft cap
+    and the loss, as the fused head's ``logit_scale`` does: ``z = softcap * tanh(logit_scale *
+    logits / softcap)``, else ``z = logit_scale * logits``; the gradient carries the factor.
 
     ``normalizer`` (``reduction="mean"`` only: a number or 1-element tensor, e.g. the global
     count of target tokens across micro-batches) replaces the local count of non-ignored
@@ -177,18 +185,22 @@ def cross_entropy(
     count of its counted targets, so ranks that disagree raise ``ValueError`` on every rank.
     """
     if process_group is not None:
+        if check_in_range(logit_scale, "logit_scale", -math.inf, math.inf) != 1.0:
+            raise ValueError("logit_scale is not supported with process_group")
         return _vocab_parallel_cross_entropy(
             logits, target, process_group, ignore_index, reduction, label_smoothing, z_loss,
             softcap, normalizer, inplace_backward, backend, check_consistency)
     params, normalizer_t = checked_params(logits, target, ignore_index, reduction,
                                           label_smoothing, z_loss, softcap, normalizer,
-                                          inplace_backward, backend)
+                                          inplace_backward, backend, logit_scale)
     if params.backend == "reference":
         if normalizer_t is None:
             return reference.cross_entropy(logits.float(), target, ignore_index, reduction,
-                                           label_smoothing, z_loss, softcap)
+                                           label_smoothing, z_loss, softcap,
+                                           logit_scale=params.logit_scale)
         total = reference.cross_entropy(logits.float(), target, ignore_index, "sum",
-                                        label_smoothing, z_loss, softcap)
+                                        label_smoothing, z_loss, softcap,
+                                        logit_scale=params.logit_scale)
         return total * inverse_or_zero(normalizer_t)
     logits_rows, target_flat = rows_view(logits), flat_target(target)
     needs_grad = torch.is_grad_enabled() and logits.requires_grad

@@ -35,13 +35,14 @@ Primitives (``s = z / T``, ``p = softmax(s)``, ``lse = logsumexp(s)``, ``d_jy`` 
 
 ``cross_entropy_forward(logits, target, grad_scale, params: CrossEntropyArgs, grad)`` ->
 ``(loss, lse)``
-    with ``c = softcap`` (``0.0`` means off) the row's logits are ``z = c * tanh(x / c)``;
+    with ``a = logit_scale`` (``1.0`` means off) and ``c = softcap`` (``0.0`` means off) the
+    row's logits are ``z = c * tanh(a * x / c)``, or ``z = a * x`` without softcap;
     ``loss = (1 - eps) * (lse - z_y) + eps * (lse - mean_j z_j) + z_loss * lse**2``, ``lse`` that
     of ``z``; ignored rows give 0. When ``grad`` is not None, ``grad_scale`` is a float32 tensor
     of 1 or N elements (row ``n`` uses element ``n`` or the single one) and the primitive also
-    writes ``grad_j = grad_scale * ((1 + 2 * z_loss * lse) * p_j - (1 - eps) * d_jy - eps / V)``,
-    times ``1 - (z_j / c)**2`` when softcap is on (the ``d_jy`` term folded in float32 before the
-    cast). Ignored rows get zeros.
+    writes ``grad_j = a * grad_scale * ((1 + 2 * z_loss * lse) * p_j - (1 - eps) * d_jy
+    - eps / V)``, times ``1 - (z_j / c)**2`` when softcap is on (the ``d_jy`` term folded in
+    float32 before the cast). Ignored rows get zeros.
 
 ``grpo_forward(logits, target, advantages, old_logprobs, ref_logprobs, token_weight,
 params: SurrogateArgs, grad)`` -> ``(logp, loss)``
@@ -125,6 +126,8 @@ class CrossEntropyArgs:
     label_smoothing: float
     z_loss: float
     softcap: float  # 0.0: off
+    # keyword-only, so the op's params class may add fields without defaults after it
+    logit_scale: float = field(default=1.0, kw_only=True)  # 1.0: off
 
 
 @dataclass(frozen=True)

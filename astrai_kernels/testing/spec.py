@@ -62,20 +62,20 @@ def logprobs_terms(logits, target, temperature, ignore_index, with_entropy, grad
 
 
 def cross_entropy_terms(logits, target, ignore_index, label_smoothing, z_loss, softcap,
-                        grad_scale):
+                        grad_scale, logit_scale=1.0):
     """The gradient terms of ``cross_entropy_backward`` with per-row ``grad_scale``."""
     x = _rows(logits)
     target = target.detach().cpu().reshape(-1).long()
     valid = target != ignore_index
-    z = reference.transform_logits(x, softcap=softcap or None)
+    z = reference.transform_logits(x, logit_scale, softcap or None)
     lse = torch.logsumexp(z, dim=-1)
-    # terms of g * ((1 + 2 z_loss lse) p_j - (1 - eps) d_jy - eps / V) * (1 - (z_j / c)^2)
+    # terms of a g ((1 + 2 z_loss lse) p_j - (1 - eps) d_jy - eps / V) (1 - (z_j / c)^2)
     terms = ((1 + 2 * z_loss * lse.abs()).unsqueeze(-1) * _prob_terms(z)
              + (1 - label_smoothing) * _onehot(target, valid, z)
              + label_smoothing / z.shape[-1])
     if softcap:  # the factor 1 - (z / c)^2 is itself formed by two terms
         terms = terms * (1 + (z / softcap) ** 2)
-    terms = (_per_row(grad_scale, x) * valid).abs().unsqueeze(-1) * terms
+    terms = (_per_row(grad_scale, x) * valid * logit_scale).abs().unsqueeze(-1) * terms
     return terms.nan_to_num(0.0, 0.0, 0.0).reshape(logits.shape)
 
 

@@ -159,8 +159,9 @@ def logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, par
 
 
 def cross_entropy_forward(logits, target, grad_scale, params, grad):
-    ignore_index, label_smoothing, z_loss, softcap = (
-        params.ignore_index, params.label_smoothing, params.z_loss, params.softcap)
+    ignore_index, label_smoothing, z_loss, softcap, logit_scale = (
+        params.ignore_index, params.label_smoothing, params.z_loss, params.softcap,
+        float(params.logit_scale))
     outer, inner, vocab = logits.shape
     n_rows = outer * inner
     target = target.reshape(-1).contiguous()
@@ -182,9 +183,10 @@ def cross_entropy_forward(logits, target, grad_scale, params, grad):
     _launch(_ce.cross_entropy_fwd_kernel, programs,
             (logits, target, loss, lse, grad, grad_scale,
              n_rows, inner, vocab, *logits.stride(), *grad_strides, grad_scale_stride,
-             int(ignore_index), label_smoothing, float(z_loss), softcap),
+             int(ignore_index), label_smoothing, float(z_loss), softcap, logit_scale),
             dict(BLOCK_V=cfg.block_v, ONE_TILE=cfg.one_tile, HAS_SMOOTHING=label_smoothing != 0.0,
-                 HAS_SOFTCAP=softcap != 0.0, HAS_GRAD=has_grad),
+                 HAS_SOFTCAP=softcap != 0.0, HAS_GRAD=has_grad,
+                 HAS_LOGIT_SCALE=logit_scale != 1.0),
             cfg.num_warps)
     return loss, lse
 

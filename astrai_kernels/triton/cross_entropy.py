@@ -1,9 +1,12 @@
-"""Cross-entropy (label smoothing, z-loss, softcap) with the gradient written in the same kernel.
+"""Cross-entropy (logit scale, label smoothing, z-loss, softcap) with the gradient written in the
+same kernel.
 
-Per row: pass 1 is the online reduction (``lse`` and, for label smoothing, ``sum_j z_j``); pass 2
-(``HAS_GRAD``) re-reads the row (from registers when it is one tile, else newest tiles first, from
-L2) and writes ``grad_j = gs ((1 + 2 z_loss lse) p_j - (1 - eps) d_jy - eps / V)``, times
-``1 - (z_j / c)^2`` with softcap ``c``.
+The logits are ``z = c * tanh(a x / c)`` with softcap ``c``, else ``z = a x`` (``a`` the logit
+scale, applied as each tile is loaded). Per row: pass 1 is the online reduction (``lse`` and, for
+label smoothing, ``sum_j z_j``); pass 2 (``HAS_GRAD``) re-reads the row (from registers when it is
+one tile, else newest tiles first, from L2) and writes
+``grad_j = a gs ((1 + 2 z_loss lse) p_j - (1 - eps) d_jy - eps / V)``, times ``1 - (z_j / c)^2``
+with softcap.
 """
 
 import triton
@@ -30,9 +33,9 @@ def cross_entropy_fwd_kernel(
     logits_ptr, target_ptr, loss_ptr, lse_ptr, grad_ptr, grad_scale_ptr,
     n_rows, inner, V, stride0, stride1, stride_v, g_stride0, g_stride1, g_stride_v,
     grad_scale_stride,
-    ignore_index, label_smoothing, z_loss, softcap,
+    ignore_index, label_smoothing, z_loss, softcap, logit_scale,
     BLOCK_V: tl.constexpr, ONE_TILE: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_GRAD: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_GRAD: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -41,16 +44,18 @@ def cross_entropy_fwd_kernel(
         if target != ignore_index:
             row_ptr = logits_ptr + row_offset(row, inner, stride0, stride1)
             x_target = tl.load(row_ptr + target * stride_v)
-            z_target = capped_logits(x_target, True, softcap, HAS_SOFTCAP)
+            z_target = capped_logits(x_target, True, softcap, HAS_SOFTCAP, logit_scale,
+                                     HAS_LOGIT_SCALE)
             # the label-smoothing sum is taken relative to a finite value of the row
             z_ref = tl.where(tl.abs(z_target) < POS_INF, z_target, 0.0)
             if ONE_TILE:
                 x, cols, mask = load_tile(row_ptr, 0, V, stride_v, BLOCK_V)
-                z = capped_logits(x, mask, softcap, HAS_SOFTCAP)
+                z = capped_logits(x, mask, softcap, HAS_SOFTCAP, logit_scale, HAS_LOGIT_SCALE)
                 m, log2_s, _, zsum = tile_stats(z, mask, LOG2E, z_ref, False, HAS_SMOOTHING)
             else:
                 m, log2_s, _, zsum = row_stats(row_ptr, V, stride_v, LOG2E, softcap, z_ref,
-                                               BLOCK_V, HAS_SOFTCAP, False, HAS_SMOOTHING)
+                                               BLOCK_V, HAS_SOFTCAP, False, HAS_SMOOTHING,
+                                               logit_scale, HAS_LOGIT_SCALE)
             log_sum = log2_s * LN2
             lse = tl.where(m == POS_INF, m, m + log_sum)  # as torch.logsumexp on a +inf row
             # lse - z_y = log_sum - (z_y - m): relative to the row max, exact however large z is
@@ -62,6 +67,8 @@ def cross_entropy_fwd_kernel(
             tl.store(lse_ptr + row, lse)
             if HAS_GRAD:
                 gs = tl.load(grad_scale_ptr + tl.cast(row, tl.int64) * grad_scale_stride)
+                if HAS_LOGIT_SCALE:  # dz/dx carries the logit scale
+                    gs = gs * logit_scale
                 # g = gs ((1 + 2 z_loss lse) p - eps / V + [j == y] (eps - 1)), grad_tile's form
                 c_target = label_smoothing - 1.0
                 c_p = 1.0 + 2.0 * z_loss * lse
@@ -74,7 +81,8 @@ def cross_entropy_fwd_kernel(
                 else:
                     write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, m,
                                    log2_s, LOG2E, c_target, c_p, 0.0, c_const, gs, softcap,
-                                   BLOCK_V, False, HAS_SOFTCAP, False)
+                                   BLOCK_V, False, HAS_SOFTCAP, False, logit_scale,
+                                   HAS_LOGIT_SCALE)
         else:
             tl.store(loss_ptr + row, 0.0)
             tl.store(lse_ptr + row, 0.0)

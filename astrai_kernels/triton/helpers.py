@@ -106,14 +106,21 @@ def tanh_f32(u):
 
 
 @triton.jit
-def capped_logits(x, mask, cap, HAS_SOFTCAP: tl.constexpr):
-    """The row's logits ``z`` in fp32: ``cap * tanh(x / cap)`` with softcap on, else ``x``.
+def capped_logits(x, mask, cap, HAS_SOFTCAP: tl.constexpr, logit_scale=1.0,
+                  HAS_LOGIT_SCALE: tl.constexpr = False):
+    """The row's logits ``z`` in fp32: ``cap * tanh(x / cap)`` with softcap on, else ``x``,
+    where ``x`` is first multiplied by ``logit_scale`` with ``HAS_LOGIT_SCALE``.
 
-    Lanes outside ``mask`` stay ``-inf`` (tanh would turn them into ``-cap``).
+    Lanes outside ``mask`` stay ``-inf`` (tanh would turn them into ``-cap``, a scale <= 0
+    into ``+inf`` or NaN).
     """
     x = x.to(tl.float32)
+    if HAS_LOGIT_SCALE:
+        x = x * logit_scale
     if HAS_SOFTCAP:
         x = tl.where(mask, cap * tanh_f32(x / cap), NEG_INF)
+    elif HAS_LOGIT_SCALE:
+        x = tl.where(mask, x, NEG_INF)
     return x
 
 
@@ -160,12 +167,13 @@ def finalize(m, s_vec, t_vec, WITH_T: tl.constexpr):
 
 @triton.jit
 def row_stats(row_ptr, V, stride_v, scale, cap, z_ref, BLOCK_V: tl.constexpr,
-              HAS_SOFTCAP: tl.constexpr, WITH_T: tl.constexpr, WITH_SUM: tl.constexpr):
+              HAS_SOFTCAP: tl.constexpr, WITH_T: tl.constexpr, WITH_SUM: tl.constexpr,
+              logit_scale=1.0, HAS_LOGIT_SCALE: tl.constexpr = False):
     """Pass 1 over a row in tiles: ``(m, log2_s, h2, zsum)`` (see :func:`finalize`).
 
-    ``z`` are the (optionally soft-capped) logits, ``zsum = sum_j (z_j - z_ref)`` with
-    ``WITH_SUM`` (label smoothing; ``z_ref`` one of the row's values, so the sum does not round
-    away differences of large logits). The next tile is loaded before the current one is
+    ``z`` are the logits as :func:`capped_logits` forms them, ``zsum = sum_j (z_j - z_ref)``
+    with ``WITH_SUM`` (label smoothing; ``z_ref`` one of the row's values, so the sum does not
+    round away differences of large logits). The next tile is loaded before the current one is
     reduced, so a load is always in flight.
     """
     m = tl.max(tl.full([BLOCK_V], NEG_INF, tl.float32), 0)
@@ -177,7 +185,7 @@ def row_stats(row_ptr, V, stride_v, scale, cap, z_ref, BLOCK_V: tl.constexpr,
         x = x_next
         tile_mask = mask
         x_next, cols, mask = load_tile(row_ptr, start + BLOCK_V, V, stride_v, BLOCK_V)
-        z = capped_logits(x, tile_mask, cap, HAS_SOFTCAP)
+        z = capped_logits(x, tile_mask, cap, HAS_SOFTCAP, logit_scale, HAS_LOGIT_SCALE)
         m, s_vec, t_vec = online_update(z, scale, m, s_vec, t_vec, WITH_T)
         if WITH_SUM:
             z_vec += tl.where(tile_mask, z - z_ref, 0.0)
@@ -236,8 +244,10 @@ def grad_tile(z, cols, target, ref, log_sum, scale, c_target, c_p, c_u, c_const,
 @triton.jit
 def write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, ref, log_sum, scale,
                    c_target, c_p, c_u, c_const, c_scale, cap, BLOCK_V: tl.constexpr,
-                   WITH_U: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NATURAL: tl.constexpr):
-    """Pass 2 of a row in tiles: recompute ``p`` and write :func:`grad_tile` once per element.
+                   WITH_U: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NATURAL: tl.constexpr,
+                   logit_scale=1.0, HAS_LOGIT_SCALE: tl.constexpr = False):
+    """Pass 2 of a row in tiles: recompute ``p`` and write :func:`grad_tile` once per element
+    (the logits as :func:`capped_logits` forms them).
 
     Tiles go from the row's end back to its start, so the most recently read (most likely still
     in L2) tiles are re-read first; the next tile is loaded before the current one is computed.
@@ -254,7 +264,7 @@ def write_grad_row(row_ptr, grad_row_ptr, V, stride_v, g_stride_v, target, ref, 
         k = n_tiles - 2 - i
         x_next, cols_next, mask_next = load_tile(row_ptr, tl.maximum(k, 0) * BLOCK_V,
                                                  tl.where(k >= 0, V, 0), stride_v, BLOCK_V)
-        z = capped_logits(x, mask, cap, HAS_SOFTCAP)
+        z = capped_logits(x, mask, cap, HAS_SOFTCAP, logit_scale, HAS_LOGIT_SCALE)
         g = grad_tile(z, cols, target, ref, log_sum, scale, c_target, c_p, c_u, c_const, c_scale,
                       cap, WITH_U, HAS_SOFTCAP, NATURAL)
         store_tile(grad_row_ptr, cols, mask, g_stride_v, g)
