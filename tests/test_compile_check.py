@@ -52,8 +52,8 @@ def test_every_kernel_compiles_without_spills():
             "grpo_fwd_kernel", "scale_kernel", "distill_fwd_kernel",
             "distill_bwd_kernel"} <= kernels
     assert all(isinstance(row["registers"], int) and 0 < row["registers"] <= 255 for row in rows)
-    for flag in ("ONE_TILE", "WITH_ENTROPY", "HAS_SMOOTHING", "HAS_SOFTCAP", "HAS_GRAD",
-                 "HAS_OLD", "HAS_REF", "FORWARD_KL", "HARD", "HARD_OWN_STATS"):
+    for flag in ("ONE_TILE", "WITH_ENTROPY", "HAS_SMOOTHING", "HAS_SOFTCAP", "HAS_LOGIT_SCALE",
+                 "HAS_GRAD", "HAS_OLD", "HAS_REF", "FORWARD_KL", "HARD", "HARD_OWN_STATS"):
         assert any(row["config"].get(flag) is True for row in rows), flag
 
 

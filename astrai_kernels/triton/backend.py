@@ -392,9 +392,11 @@ def _representative_calls(logits, grad):
     for has_grad in (False, True):
         for smoothing in (0.0, 0.1):
             for softcap in (0.0, 30.0):
-                cross_entropy_forward(logits, target, one,
-                                      CrossEntropyArgs(-100, smoothing, 1e-4, softcap),
-                                      grad if has_grad else None)
+                for logit_scale in (1.0, -2.0):
+                    cross_entropy_forward(
+                        logits, target, one,
+                        CrossEntropyArgs(-100, smoothing, 1e-4, softcap, logit_scale=logit_scale),
+                        grad if has_grad else None)
         for old in (None, rows):
             for ref, beta in ((None, 0.0), (rows, 0.04)):
                 grpo_forward(logits, target, rows, old, ref, rows,
