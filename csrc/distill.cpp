@@ -1,15 +1,23 @@
 // distill_forward / distill_backward of ops/_backend.py: TRL's generalized JSD between the
-// student's and the teacher's softmax(z / T), a_j and b_j their log-probs,
-//   beta = 0:  loss = sum_j p_t (b - a),              grad_j = g / T * (p_s - p_t)
-//   otherwise: m = logaddexp(a + log w_s, b + log w_t) (m = b at beta = 1, w = (0, 1)),
-//              K = sum_j p_s (a - m),  loss = w_t sum_j p_t (b - m) + w_s K,
-//              grad_j = g / T * w_s * p_s,j * (a_j - m_j - K)
+// student's and the teacher's softmax(z / T), a_j and b_j their log-probs, p = exp of them,
+//   beta = 0 (Fkl):  loss = sum_j p_t (b - a),              grad_j = g / T * (p_s - p_t)
+//   beta = 1 (Rkl):  m = b,  K = sum_j p_s (a - m),  loss = K
+//   otherwise (Mix): m = log(w_s p_s + w_t p_t),  K = sum_j p_s (a - m),
+//                    loss = w_t sum_j p_t (b - m) + w_s K
+//   (Rkl and Mix)    grad_j = g / T * w_s * p_s,j * (a_j - m_j - K)
 // plus hard_weight * (lse(x) - x_y) at temperature 1 (grad: g * hard_weight * (p1_j - d_jy)).
-// Forward: per row, the online (max, sum-exp) pass over the student and over the teacher, then
-// a pass over both for the loss and K (the mixture needs both lses first). Backward: one pass
-// over both rows writing the student's gradient. Log-probs are (x - ref) * scale - log_sum with
-// ref the row max (or 0 with log_sum = lse), exps of them clamped at <= 0 (log_prob_exp), so a
-// contracted FMA cannot push p above 1.
+// Terms with p == 0 are 0; an id -inf on both sides has m = -inf and no terms.
+//
+// Work per element: the forward reads both rows once for their (max, sum-exp) statistics
+// (2 exps, kept in per-thread scratch), then a pass over both rows and the kept exps forms
+// p_s, p_t without an exp and m with one log (Mix). The backward is one pass over both rows:
+// 2 exps and 1 log (Mix), 2 exps (Fkl), 1 exp (Rkl), writing the student's gradient.
+// m is the log of the mixture's probability itself, not a logaddexp of the log-probs (which
+// takes an exp and a log1p on top of p_s and p_t). Log-probs are (x - ref) * scale - log_sum
+// with ref the row max (or 0 with log_sum = lse), exps of them clamped at <= 0
+// (log_prob_exp), so a contracted FMA cannot push p above 1.
+#include <type_traits>
+
 #include "common.h"
 
 namespace astrai {
@@ -18,66 +26,155 @@ namespace {
 // As in logprobs.cpp: the saved lse serves while |lse| <= this, else the row is re-reduced.
 constexpr float kDirectLseLimit = 64.0f;
 
+enum class Kind : int { Fkl, Rkl, Mix };
+
 struct RowLogProbs {
   float ref, log_sum;  // log p_j = (x_j - ref) * scale - log_sum
 };
 
+// With `exps` (V floats) and `shifts` (one per kBlock), keeps the pass's exps (online_lse_row).
 template <class T, bool C>
 ASTRAI_INLINE RowLogProbs fresh_stats(int64_t V, const RawLoad<T, C>& load, float hint,
-                                      float scale, float* lse) {
+                                      float scale, float* lse, float* exps, float* shifts) {
   OnlineLse st;
-  online_lse_row<false, false>(V, load, st, hint, scale);
+  if (exps) online_lse_row<false, false, true>(V, load, st, hint, scale, exps, shifts);
+  else online_lse_row<false, false>(V, load, st, hint, scale);
   if (lse) *lse = st.lse(scale);
   return {st.shift, st.log_sum()};
 }
 
 // The row reduction is compiled once per (dtype, layout, ISA), out of line (Stats below), so
-// the many loss variants stay small: each holds only its elementwise loop.
+// the many loss variants stay small: each holds only its elementwise loops.
 // `hint` is the row's element at the target (for V = 1 the only one: log p = 0 exactly).
 template <class Stats, class T, bool C>
 ASTRAI_INLINE RowLogProbs saved_stats(int64_t V, const RawLoad<T, C>& load, float hint,
                                       float scale, float lse) {
   if (V == 1) return {hint, 0.0f};
   if (std::fabs(lse) <= kDirectLseLimit) return {0.0f, lse};
-  return Stats::template run<T, C>(V, load, hint, scale, nullptr);
+  return Stats::template run<T, C>(V, load, hint, scale, nullptr, nullptr, nullptr);
 }
 
-// log m = logaddexp(a + log_w_s, b + log_w_t): the larger plus log1p(exp(smaller - larger));
-// -inf when both are -inf: at beta = 1 (w_s = 0) a teacher's -inf id then gives the student's
-// term p_s (a - m) = +inf, the reverse KL's value (-inf - -inf inside would make it NaN).
-ASTRAI_INLINE float mixture_log(float a, float b, float log_w_s, float log_w_t) {
-  const float u = a + log_w_s;
-  const float v = b + log_w_t;
-  const bool u_big = u > v;
-  const float hi = select(u_big, u, v);
-  const float lo = select(u_big, v, u);
-  return select(hi == -kInf, hi, hi + log1p_unit(fast_exp(lo - hi)));
+// The mixture's weights are scaled by 2^kWeightExp (exact), so w p of any normal weight and
+// nonzero p (>= 2^-126: fast_exp flushes below) is a normal float, which mixture_log's
+// exponent split needs; q <= 2^127 stays finite.
+constexpr int kWeightExp = 126;
+
+// log(q) - kWeightExp * ln 2 for q = ws_scaled * p_s + wt_scaled * p_t (Cephes logf on the
+// mantissa split at sqrt(1/2), musl's exponent split; about 1 ulp). Plain integer and float
+// arithmetic, no select, so `omp simd` loops vectorize it. q = 0 (both p zero: the callers
+// mask those terms) gives a finite value; NaN propagates through `q - q`.
+ASTRAI_INLINE float mixture_log(float ps, float pt, float ws_scaled, float wt_scaled) {
+  const float q = ws_scaled * ps + wt_scaled * pt;
+  const uint32_t bits = float_to_bits(q);
+  const uint32_t ix = bits - 0x3F3504F3u;               // relative to sqrt(1/2)'s bits
+  const int32_t k = static_cast<int32_t>(ix) >> 23;     // q = 2^k * z
+  const float z = bits_to_float(bits - (ix & 0xFF800000u));  // in [sqrt(1/2), sqrt(2))
+  const float x = z - 1.0f;
+  const float e = static_cast<float>(k - kWeightExp);
+  const float x2 = x * x;
+  float y = 7.0376836292e-2f;
+  y = y * x - 1.1514610310e-1f;
+  y = y * x + 1.1676998740e-1f;
+  y = y * x - 1.2420140846e-1f;
+  y = y * x + 1.4249322787e-1f;
+  y = y * x - 1.6668057665e-1f;
+  y = y * x + 2.0000714765e-1f;
+  y = y * x - 2.4999993993e-1f;
+  y = y * x + 3.3333331174e-1f;
+  y = y * x * x2 + e * -2.12194440e-4f - 0.5f * x2;
+  return ((x + y) + e * 0.693359375f) + (q - q);
 }
 
-// The row's loss terms at one element: term_t = p_t (b - m) (m = a for forward KL), term_s =
-// p_s (a - m); a term with p == 0 is 0 (NaN stays NaN).
-template <bool FKL>
-ASTRAI_INLINE void loss_terms(float xs, float xt, const RowLogProbs& s, const RowLogProbs& t,
-                              const DistillArgs& args, float& term_t, float& term_s) {
-  const float la = (xs - s.ref) * args.inv_t - s.log_sum;
-  const float lb = (xt - t.ref) * args.inv_t - t.log_sum;
-  const float pt = log_prob_exp(lb);
-  if (FKL) {
+// What the elementwise loops need of the arguments, as locals: read through `args` inside a
+// loop that stores float32, each field would be reloaded (the store may alias it) and the
+// loop would stay scalar.
+struct RowConsts {
+  float inv_t;
+  RowLogProbs s, t;
+  float ws_scaled, wt_scaled;
+};
+
+ASTRAI_INLINE float log_prob(float x, const RowLogProbs& r, float inv_t) {
+  return (x - r.ref) * inv_t - r.log_sum;
+}
+
+// The loss terms at one element from p_s and p_t: term_t = p_t (b - m) (m = a for Fkl),
+// term_s = p_s (a - m) (m = b for Rkl).
+template <Kind K>
+ASTRAI_INLINE void loss_terms(float xs, float xt, float ps, float pt, const RowConsts& c,
+                              float& term_t, float& term_s) {
+  const float la = log_prob(xs, c.s, c.inv_t);
+  const float lb = log_prob(xt, c.t, c.inv_t);
+  if (K == Kind::Fkl) {
     term_t = select(pt != 0.0f, pt * (lb - la), 0.0f);
     term_s = 0.0f;
-    return;
+  } else if (K == Kind::Rkl) {
+    term_t = 0.0f;
+    term_s = select(ps != 0.0f, ps * (la - lb), 0.0f);
+  } else {
+    const float m = mixture_log(ps, pt, c.ws_scaled, c.wt_scaled);
+    term_t = select(pt != 0.0f, pt * (lb - m), 0.0f);
+    term_s = select(ps != 0.0f, ps * (la - m), 0.0f);
   }
-  const float ps = log_prob_exp(la);
-  const float m = mixture_log(la, lb, args.log_w_s, args.log_w_t);
-  term_t = select(pt != 0.0f, pt * (lb - m), 0.0f);
-  term_s = select(ps != 0.0f, ps * (la - m), 0.0f);
 }
 
-template <class Stats, class TS, class TT, bool C, bool FKL>
+// exp((block_shift - ref) * scale - log_sum): turns exps kept relative to a block's shift
+// into probabilities (block_shift <= ref, so the exponent is <= 0; clamped all the same).
+ASTRAI_INLINE float kept_factor(float block_shift, const RowLogProbs& r, float scale) {
+  const float d = (block_shift - r.ref) * scale - r.log_sum;
+  return std::exp(d > 0.0f ? 0.0f : d);
+}
+
+// Sums the loss terms of elements [b0, b0 + len) into the lanes; p_s,j = es[j] * fs.
+template <Kind K, class LS, class LT>
+ASTRAI_INLINE void accumulate_terms(const LS& load_s, const LT& load_t, int64_t b0, int len,
+                                    const float* es, float fs, const float* et, float ft,
+                                    const RowConsts& c, float* vt, float* vs) {
+  int j = 0;
+  for (; j + kLanes <= len; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      float term_t, term_s;
+      loss_terms<K>(load_s(b0 + j + l), load_t(b0 + j + l), es[j + l] * fs, et[j + l] * ft, c,
+                    term_t, term_s);
+      vt[l] += term_t;
+      vs[l] += term_s;
+    }
+  }
+  for (int l = 0; j < len; ++j, ++l) {
+    float term_t, term_s;
+    loss_terms<K>(load_s(b0 + j), load_t(b0 + j), es[j] * fs, et[j] * ft, c, term_t, term_s);
+    vt[l] += term_t;
+    vs[l] += term_s;
+  }
+}
+
+// Without scratch: the block's probabilities, recomputed.
+template <class Load>
+ASTRAI_INLINE void block_probs(const Load& load, int64_t b0, int len, const RowLogProbs& r,
+                               float inv_t, float* p) {
+#pragma omp simd
+  for (int j = 0; j < len; ++j) p[j] = log_prob_exp(log_prob(load(b0 + j), r, inv_t));
+}
+
+template <class Stats, class TS, class TT, bool C, Kind K>
 ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
   using SS = typename TS::storage;
   using ST = typename TT::storage;
   const int64_t V = a.x.V;
+  const int64_t v_pad = ((V + 15) / 16) * 16;
+  const int64_t n_blocks = (V + kBlock - 1) / kBlock;
+  // both rows' exps: [student | teacher], and their block shifts likewise
+  const RowScratch keep = row_scratch(2 * v_pad);
+  float* exps_s = keep.exps;
+  float* exps_t = keep.exps ? keep.exps + v_pad : nullptr;
+  float* shifts_s = keep.shifts;
+  float* shifts_t = keep.shifts ? keep.shifts + n_blocks : nullptr;
+  alignas(64) float local_s[kBlock];
+  alignas(64) float local_t[kBlock];
+  RowConsts c;
+  c.inv_t = a.inv_t;
+  c.ws_scaled = std::ldexp(a.w_s, kWeightExp);
+  c.wt_scaled = std::ldexp(a.w_t, kWeightExp);
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t y = a.y[n];
     const bool ignored = y == a.ignore_index;
@@ -91,69 +188,71 @@ ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
     const RawLoad<TT, C> load_t{a.t.row<ST>(n), a.t.sV};
     const float x_y = load_s(y);
     float lse_s = 0.0f, lse_t = 0.0f;
-    const RowLogProbs s = Stats::template run<TS, C>(V, load_s, x_y, a.inv_t, &lse_s);
-    const RowLogProbs t = Stats::template run<TT, C>(V, load_t, load_t(y), a.inv_t, &lse_t);
+    c.s = Stats::template run<TS, C>(V, load_s, x_y, c.inv_t, &lse_s, exps_s, shifts_s);
+    c.t = Stats::template run<TT, C>(V, load_t, load_t(y), c.inv_t, &lse_t, exps_t, shifts_t);
     float vt[kLanes], vs[kLanes];
     for (int l = 0; l < kLanes; ++l) vt[l] = vs[l] = 0.0f;
-    int64_t j = 0;
-    for (; j + kLanes <= V; j += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        float term_t, term_s;
-        loss_terms<FKL>(load_s(j + l), load_t(j + l), s, t, a, term_t, term_s);
-        vt[l] += term_t;
-        vs[l] += term_s;
+    for (int64_t b0 = 0, blk = 0; b0 < V; b0 += kBlock, ++blk) {
+      const int len = static_cast<int>(std::min<int64_t>(kBlock, V - b0));
+      if (keep.exps) {
+        accumulate_terms<K>(load_s, load_t, b0, len, exps_s + b0,
+                            kept_factor(shifts_s[blk], c.s, c.inv_t), exps_t + b0,
+                            kept_factor(shifts_t[blk], c.t, c.inv_t), c, vt, vs);
+      } else {
+        block_probs(load_s, b0, len, c.s, c.inv_t, local_s);
+        block_probs(load_t, b0, len, c.t, c.inv_t, local_t);
+        accumulate_terms<K>(load_s, load_t, b0, len, local_s, 1.0f, local_t, 1.0f, c, vt, vs);
       }
-    }
-    for (int l = 0; j < V; ++j, ++l) {
-      float term_t, term_s;
-      loss_terms<FKL>(load_s(j), load_t(j), s, t, a, term_t, term_s);
-      vt[l] += term_t;
-      vs[l] += term_s;
     }
     float sum_t = 0.0f, sum_s = 0.0f;
     for (int l = 0; l < kLanes; ++l) {
       sum_t += vt[l];
       sum_s += vs[l];
     }
-    float loss = FKL ? sum_t : a.w_t * sum_t + a.w_s * sum_s;
+    float loss = K == Kind::Fkl ? sum_t : K == Kind::Rkl ? sum_s : a.w_t * sum_t + a.w_s * sum_s;
     if (a.hard_lse) {  // hard_weight * (lse - x_y) at temperature 1, relative to the row max
       float hard_lse = lse_s;
-      RowLogProbs h = s;
-      if (a.inv_t != 1.0f) h = Stats::template run<TS, C>(V, load_s, x_y, 1.0f, &hard_lse);
+      RowLogProbs h = c.s;
+      if (a.inv_t != 1.0f)
+        h = Stats::template run<TS, C>(V, load_s, x_y, 1.0f, &hard_lse, nullptr, nullptr);
       loss += a.hard_weight * ((h.ref - x_y) + h.log_sum);
       a.hard_lse[n] = hard_lse;
     }
     a.loss[n] = loss;
     a.lse_s[n] = lse_s;
     a.lse_t[n] = lse_t;
-    a.kl_s[n] = FKL ? 0.0f : sum_s;
+    a.kl_s[n] = K == Kind::Fkl ? 0.0f : sum_s;
   }
 }
 
 // The student's gradient at one element, without the hard term's -d_jy.
-template <bool FKL, bool HARD>
-ASTRAI_INLINE float grad_element(float xs, float xt, const RowLogProbs& s, const RowLogProbs& t,
-                                 const RowLogProbs& h, const DistillArgs& args, float coef,
-                                 float kl, float hard_coef) {
-  const float la = (xs - s.ref) * args.inv_t - s.log_sum;
-  const float lb = (xt - t.ref) * args.inv_t - t.log_sum;
+template <Kind K, bool HARD>
+ASTRAI_INLINE float grad_element(float xs, float xt, const RowConsts& c, const RowLogProbs& h,
+                                 float coef, float kl, float hard_coef) {
+  const float la = log_prob(xs, c.s, c.inv_t);
+  const float lb = log_prob(xt, c.t, c.inv_t);
   const float ps = log_prob_exp(la);
   float v;
-  if (FKL) {
+  if (K == Kind::Fkl) {
     v = (ps - log_prob_exp(lb)) * coef;
   } else {
-    const float m = mixture_log(la, lb, args.log_w_s, args.log_w_t);
+    const float m = K == Kind::Rkl ? lb
+                                   : mixture_log(ps, log_prob_exp(lb), c.ws_scaled, c.wt_scaled);
     v = select(ps != 0.0f, ps * ((la - m) - kl), 0.0f) * coef;
   }
   if (HARD) v += log_prob_exp((xs - h.ref) - h.log_sum) * hard_coef;
   return v;
 }
 
-template <class Stats, class TS, class TT, bool C, bool FKL, bool HARD>
+template <class Stats, class TS, class TT, bool C, Kind K, bool HARD>
 ASTRAI_INLINE void backward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
   using SS = typename TS::storage;
   using ST = typename TT::storage;
   const int64_t V = a.x.V, sg = a.grad.sV;
+  RowConsts c;
+  c.inv_t = a.inv_t;
+  c.ws_scaled = std::ldexp(a.w_s, kWeightExp);
+  c.wt_scaled = std::ldexp(a.w_t, kWeightExp);
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t y = a.y[n];
     SS* g = a.grad.row<SS>(n);
@@ -166,21 +265,22 @@ ASTRAI_INLINE void backward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
     const RawLoad<TS, C> load_s{a.x.row<SS>(n), a.x.sV};
     const RawLoad<TT, C> load_t{a.t.row<ST>(n), a.t.sV};
     const float x_y = load_s(y);
-    const RowLogProbs s = saved_stats<Stats>(V, load_s, x_y, a.inv_t, a.saved_lse_s[n]);
-    const RowLogProbs t = saved_stats<Stats>(V, load_t, load_t(y), a.inv_t, a.saved_lse_t[n]);
+    c.s = saved_stats<Stats>(V, load_s, x_y, c.inv_t, a.saved_lse_s[n]);
+    c.t = saved_stats<Stats>(V, load_t, load_t(y), c.inv_t, a.saved_lse_t[n]);
     RowLogProbs h{0.0f, 0.0f};
     if (HARD) h = saved_stats<Stats>(V, load_s, x_y, 1.0f, a.saved_hard_lse[n]);
     const float upstream = a.grad_loss[n];
-    const float coef = upstream * a.inv_t * (FKL ? 1.0f : a.w_s);
-    const float kl = FKL ? 0.0f : a.saved_kl_s[n];
+    const float coef = upstream * c.inv_t * (K == Kind::Fkl ? 1.0f : a.w_s);
+    const float kl = K == Kind::Fkl ? 0.0f : a.saved_kl_s[n];
     const float hard_coef = HARD ? upstream * a.hard_weight : 0.0f;
+    const RowConsts rc = c;
 #pragma omp simd
     for (int64_t j = 0; j < V; ++j) {
-      g[C ? j : j * sg] = TS::store(grad_element<FKL, HARD>(load_s(j), load_t(j), s, t, h, a,
-                                                            coef, kl, hard_coef));
+      g[C ? j : j * sg] =
+          TS::store(grad_element<K, HARD>(load_s(j), load_t(j), rc, h, coef, kl, hard_coef));
     }
     if (HARD) {  // the target's -hard_coef folded in float32 before the one rounding
-      const float v = grad_element<FKL, HARD>(x_y, load_t(y), s, t, h, a, coef, kl, hard_coef);
+      const float v = grad_element<K, HARD>(x_y, load_t(y), rc, h, coef, kl, hard_coef);
       g[C ? y : y * sg] = TS::store(v - hard_coef);
     }
   }
@@ -189,51 +289,60 @@ ASTRAI_INLINE void backward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
 #define ASTRAI_DISTILL_VARIANTS(ATTR, SUFFIX)                                                \
   template <class T, bool C>                                                                 \
   ATTR ASTRAI_NOINLINE RowLogProbs stats_##SUFFIX(int64_t V, const RawLoad<T, C>& load,      \
-                                                  float hint, float scale, float* lse) {     \
-    return fresh_stats(V, load, hint, scale, lse);                                           \
+                                                  float hint, float scale, float* lse,       \
+                                                  float* exps, float* shifts) {              \
+    return fresh_stats(V, load, hint, scale, lse, exps, shifts);                             \
   }                                                                                          \
   struct Stats_##SUFFIX {                                                                    \
     template <class T, bool C>                                                               \
     static ASTRAI_INLINE RowLogProbs run(int64_t V, const RawLoad<T, C>& load, float hint,   \
-                                         float scale, float* lse) {                          \
-      return stats_##SUFFIX<T, C>(V, load, hint, scale, lse);                                \
+                                         float scale, float* lse, float* exps,               \
+                                         float* shifts) {                                    \
+      return stats_##SUFFIX<T, C>(V, load, hint, scale, lse, exps, shifts);                  \
     }                                                                                        \
   };                                                                                         \
-  template <class TS, class TT, bool C, bool FKL>                                            \
+  template <class TS, class TT, bool C, Kind K>                                              \
   ATTR ASTRAI_NOINLINE void forward_##SUFFIX(const DistillArgs& a, int64_t n0, int64_t n1) { \
-    forward_rows<Stats_##SUFFIX, TS, TT, C, FKL>(a, n0, n1);                                 \
+    forward_rows<Stats_##SUFFIX, TS, TT, C, K>(a, n0, n1);                                   \
   }                                                                                          \
-  template <class TS, class TT, bool C, bool FKL, bool HARD>                                 \
+  template <class TS, class TT, bool C, Kind K, bool HARD>                                   \
   ATTR ASTRAI_NOINLINE void backward_##SUFFIX(const DistillArgs& a, int64_t n0,              \
                                               int64_t n1) {                                  \
-    backward_rows<Stats_##SUFFIX, TS, TT, C, FKL, HARD>(a, n0, n1);                          \
+    backward_rows<Stats_##SUFFIX, TS, TT, C, K, HARD>(a, n0, n1);                            \
   }
 ASTRAI_FOR_EACH_ISA(ASTRAI_DISTILL_VARIANTS)
 #undef ASTRAI_DISTILL_VARIANTS
 
-template <class TS, class TT, bool C, bool FKL>
+template <class TS, class TT, bool C, Kind K>
 RowsFn<DistillArgs> pick_forward(Isa isa) {
 #if ASTRAI_X86
-  if (isa == Isa::Avx512) return &forward_avx512<TS, TT, C, FKL>;
-  if (isa == Isa::Avx2) return &forward_avx2<TS, TT, C, FKL>;
+  if (isa == Isa::Avx512) return &forward_avx512<TS, TT, C, K>;
+  if (isa == Isa::Avx2) return &forward_avx2<TS, TT, C, K>;
 #endif
   (void)isa;
-  return &forward_generic<TS, TT, C, FKL>;
+  return &forward_generic<TS, TT, C, K>;
 }
 
-template <class TS, class TT, bool C, bool FKL, bool HARD>
+template <class TS, class TT, bool C, Kind K, bool HARD>
 RowsFn<DistillArgs> pick_backward(Isa isa) {
 #if ASTRAI_X86
-  if (isa == Isa::Avx512) return &backward_avx512<TS, TT, C, FKL, HARD>;
-  if (isa == Isa::Avx2) return &backward_avx2<TS, TT, C, FKL, HARD>;
+  if (isa == Isa::Avx512) return &backward_avx512<TS, TT, C, K, HARD>;
+  if (isa == Isa::Avx2) return &backward_avx2<TS, TT, C, K, HARD>;
 #endif
   (void)isa;
-  return &backward_generic<TS, TT, C, FKL, HARD>;
+  return &backward_generic<TS, TT, C, K, HARD>;
 }
 
 bool unit_stride(const DistillArgs& args, bool with_grad) {
   if (args.x.V <= 1) return true;
   return args.x.sV == 1 && args.t.sV == 1 && (!with_grad || args.grad.sV == 1);
+}
+
+template <class F>
+ASTRAI_INLINE auto with_kind(const DistillArgs& args, F&& f) {
+  if (args.forward_kl) return f(std::integral_constant<Kind, Kind::Fkl>{});
+  if (args.w_t == 0.0f) return f(std::integral_constant<Kind, Kind::Rkl>{});  // beta = 1
+  return f(std::integral_constant<Kind, Kind::Mix>{});
 }
 
 }  // namespace
@@ -243,9 +352,9 @@ void distill_forward_kernel(const DistillArgs& args, int nthreads) {
   RowsFn<DistillArgs> fn = with_dtype(args.dtype, [&](auto ts) {
     return with_dtype(args.teacher_dtype, [&](auto tt) {
       return with_bool(unit_stride(args, false), [&](auto c) {
-        return with_bool(args.forward_kl, [&](auto fkl) {
+        return with_kind(args, [&](auto kind) {
           return pick_forward<decltype(ts), decltype(tt), decltype(c)::value,
-                              decltype(fkl)::value>(isa);
+                              decltype(kind)::value>(isa);
         });
       });
     });
@@ -258,10 +367,10 @@ void distill_backward_kernel(const DistillArgs& args, int nthreads) {
   RowsFn<DistillArgs> fn = with_dtype(args.dtype, [&](auto ts) {
     return with_dtype(args.teacher_dtype, [&](auto tt) {
       return with_bool(unit_stride(args, true), [&](auto c) {
-        return with_bool(args.forward_kl, [&](auto fkl) {
+        return with_kind(args, [&](auto kind) {
           return with_bool(args.saved_hard_lse != nullptr, [&](auto hard) {
             return pick_backward<decltype(ts), decltype(tt), decltype(c)::value,
-                                 decltype(fkl)::value, decltype(hard)::value>(isa);
+                                 decltype(kind)::value, decltype(hard)::value>(isa);
           });
         });
       });

@@ -214,6 +214,32 @@ def test_several_tiles(backend, beta, monkeypatch):
     check(backend, student, teacher, target, beta=beta, temperature=0.8, hard_weight=0.2)
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpp_every_isa_and_path(dtype, beta):
+    """Each compiled copy of the cpp kernels (generic, avx2, avx512) and both forward paths
+    (the first pass's exps kept in scratch, or recomputed): V = 2100, two blocks."""
+    from astrai_kernels.cpu import cpp_backend
+
+    if cpp_backend.unavailable_reason("cpu") is not None:
+        pytest.skip(cpp_backend.unavailable_reason("cpu"))
+    from test_cpp_backend import each_isa_and_path
+
+    student, teacher, target = make_pair((3, 2100), dtype, seed=15)
+    for _ in each_isa_and_path():
+        check("cpp", student, teacher, target, beta=beta, temperature=0.8)
+        check("cpp", student, teacher, target, beta=beta, hard_weight=0.2)
+
+
+@pytest.mark.parametrize("beta", [0.01, 0.5, 0.99])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_mixture_where_one_side_dominates(backend, beta):
+    # logits of spread 25: most ids have p_s and p_t orders of magnitude apart, many near
+    # float32 underflow, so the mixture's log is taken of one side's mass alone
+    student, teacher, target = make_pair((4, 300), torch.float32, seed=16, scale=25.0)
+    check(backend, student, teacher, target, beta=beta, temperature=0.9)
+
+
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_large_logits_recompute_the_row_stats(backend):
     # |lse| > 64: the backward re-reduces the rows instead of using the saved lse
@@ -369,7 +395,7 @@ def test_linear_distill_bad_heads():
 
 
 def test_cpp_log1p_unit_is_accurate():
-    """The C++ kernels' log1p on [0, 1] (the JSD mixture's softplus tail): within 2 ulp."""
+    """The C++ kernels' log1p on [0, 1] (a logaddexp's softplus tail): within 2 ulp."""
     from astrai_kernels.cpu import cpp_backend
 
     if cpp_backend.unavailable_reason("cpu") is not None:
