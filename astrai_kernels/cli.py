@@ -244,6 +244,9 @@ def add_bench_arguments(parser):
                              "'naive'")
     parser.add_argument("--strategy-repeats", type=int, default=2,
                         help="timed steps per strategy case (default: %(default)s)")
+    parser.add_argument("--check-rounds", type=int, default=3,
+                        help="--check measures every case this many times and keeps each "
+                             "case's best round (default 3)")
     parser.add_argument("--check", action="store_true",
                         help="the regression guard: run the cases of the bounds file, each "
                              "with its same-run baseline, print ok/over per case, exit 1 on "
@@ -380,10 +383,11 @@ def bench_check(args):
     from .bench.runner import CaseRunner
 
     at_least("--threads", args.threads, 0)
+    at_least("--check-rounds", args.check_rounds, 1)
     path = args.bounds or default_bounds_path()
     try:
         with CaseRunner(args.isolation, args.case_timeout) as runner:
-            return run_check(path, runner.run, repeats=args.repeats,
+            return run_check(path, runner.run, rounds=args.check_rounds, repeats=args.repeats,
                              min_repeats=args.min_repeats, budget_s=args.case_budget,
                              threads=args.threads)
     except BoundsError as exc:

@@ -171,3 +171,46 @@ def test_repository_bounds_file_parses():
     labels = [b.label() for b in bounds]
     assert len(set(labels)) == len(labels), "a case is bounded twice"
     assert os.path.basename(check.default_bounds_path()) == "bounds.toml"
+
+
+class RoundsClock(FakeClock):
+    """A clock whose token_logprobs case is slow in its first round only (a busy machine)."""
+
+    def __init__(self, seconds, first_round_s):
+        super().__init__(seconds)
+        self.first_round_s = first_round_s
+        self.calls = 0
+
+    def __call__(self, case):
+        if case.op == "token_logprobs" and case.method == "cpp":
+            self.calls += 1
+            if self.calls == 1:
+                return fake_result(case, self.first_round_s, self.copy_s)
+        return super().__call__(case)
+
+
+def test_rounds_keep_each_case_best(bounds_file, capsys):
+    clock = RoundsClock(dict(WITHIN), first_round_s=0.5)  # 5.0x in round 1, 2.0x in round 2
+    code = check.run_check(bounds_file, clock, rounds=2)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "best of 2: 2.00-5.00x" in out
+
+
+def test_one_round_reports_the_slow_case(bounds_file, capsys):
+    clock = RoundsClock(dict(WITHIN), first_round_s=0.5)
+    code = check.run_check(bounds_file, clock, rounds=1)
+    assert code == 1 and "over  token_logprobs" in capsys.readouterr().out
+
+
+def test_a_regression_in_every_round_is_over(bounds_file, capsys):
+    slow = dict(WITHIN)
+    slow[("token_logprobs", "cpp", "fp32")] = 0.4
+    code = check.run_check(bounds_file, FakeClock(slow), rounds=3)
+    out = capsys.readouterr().out
+    assert code == 1 and "best of 3: 4.00-4.00x" in out
+
+
+def test_rounds_must_be_a_positive_int(bounds_file):
+    with pytest.raises(check.BoundsError, match="rounds must be an int >= 1"):
+        check.run_check(bounds_file, FakeClock(dict(WITHIN)), rounds=0)
