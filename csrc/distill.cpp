@@ -9,13 +9,15 @@
 // Terms with p == 0 are 0; an id -inf on both sides has m = -inf and no terms.
 //
 // Work per element: the forward reads both rows once for their (max, sum-exp) statistics
-// (2 exps, kept in per-thread scratch), then a pass over both rows and the kept exps forms
-// p_s, p_t without an exp and m with one log (Mix). The backward is one pass over both rows:
-// 2 exps and 1 log (Mix), 2 exps (Fkl), 1 exp (Rkl), writing the student's gradient.
-// m is the log of the mixture's probability itself, not a logaddexp of the log-probs (which
-// takes an exp and a log1p on top of p_s and p_t). Log-probs are (x - ref) * scale - log_sum
-// with ref the row max (or 0 with log_sum = lse), exps of them clamped at <= 0
-// (log_prob_exp), so a contracted FMA cannot push p above 1.
+// (2 exps), then once more for the loss: p_s and p_t from the log-probs (2 exps; 1 for Fkl and
+// Rkl) and m with one log (Mix). The backward is one pass over both rows: 2 exps and 1 log
+// (Mix), 2 exps (Fkl), 1 exp (Rkl), writing the student's gradient. m is the log of the
+// mixture's probability itself, not a logaddexp of the log-probs (which takes an exp and a
+// log1p on top of p_s and p_t). p is always exp of the log-prob relative to the row max (the
+// statistics pass's exps, relative to the target's logit, are not kept: a dominant id's p from
+// them carries the rounding of a large exponent, about 3x the K error in the gradient).
+// Log-probs are (x - ref) * scale - log_sum with ref the row max (or 0 with log_sum = lse),
+// exps of them clamped at <= 0 (log_prob_exp), so a contracted FMA cannot push p above 1.
 #include <type_traits>
 
 #include "common.h"
@@ -32,13 +34,11 @@ struct RowLogProbs {
   float ref, log_sum;  // log p_j = (x_j - ref) * scale - log_sum
 };
 
-// With `exps` (V floats) and `shifts` (one per kBlock), keeps the pass's exps (online_lse_row).
 template <class T, bool C>
 ASTRAI_INLINE RowLogProbs fresh_stats(int64_t V, const RawLoad<T, C>& load, float hint,
-                                      float scale, float* lse, float* exps, float* shifts) {
+                                      float scale, float* lse) {
   OnlineLse st;
-  if (exps) online_lse_row<false, false, true>(V, load, st, hint, scale, exps, shifts);
-  else online_lse_row<false, false>(V, load, st, hint, scale);
+  online_lse_row<false, false>(V, load, st, hint, scale);
   if (lse) *lse = st.lse(scale);
   return {st.shift, st.log_sum()};
 }
@@ -51,7 +51,7 @@ ASTRAI_INLINE RowLogProbs saved_stats(int64_t V, const RawLoad<T, C>& load, floa
                                       float scale, float lse) {
   if (V == 1) return {hint, 0.0f};
   if (std::fabs(lse) <= kDirectLseLimit) return {0.0f, lse};
-  return Stats::template run<T, C>(V, load, hint, scale, nullptr, nullptr, nullptr);
+  return Stats::template run<T, C>(V, load, hint, scale, nullptr);
 }
 
 // The mixture's weights are scaled by 2^kWeightExp (exact), so w p of any normal weight and
@@ -98,62 +98,28 @@ ASTRAI_INLINE float log_prob(float x, const RowLogProbs& r, float inv_t) {
   return (x - r.ref) * inv_t - r.log_sum;
 }
 
-// The loss terms at one element from p_s and p_t: term_t = p_t (b - m) (m = a for Fkl),
-// term_s = p_s (a - m) (m = b for Rkl).
+// The loss terms at one element: term_t = p_t (b - m) (m = a for Fkl), term_s = p_s (a - m)
+// (m = b for Rkl).
 template <Kind K>
-ASTRAI_INLINE void loss_terms(float xs, float xt, float ps, float pt, const RowConsts& c,
-                              float& term_t, float& term_s) {
+ASTRAI_INLINE void loss_terms(float xs, float xt, const RowConsts& c, float& term_t,
+                              float& term_s) {
   const float la = log_prob(xs, c.s, c.inv_t);
   const float lb = log_prob(xt, c.t, c.inv_t);
   if (K == Kind::Fkl) {
+    const float pt = log_prob_exp(lb);
     term_t = select(pt != 0.0f, pt * (lb - la), 0.0f);
     term_s = 0.0f;
   } else if (K == Kind::Rkl) {
+    const float ps = log_prob_exp(la);
     term_t = 0.0f;
     term_s = select(ps != 0.0f, ps * (la - lb), 0.0f);
   } else {
+    const float ps = log_prob_exp(la);
+    const float pt = log_prob_exp(lb);
     const float m = mixture_log(ps, pt, c.ws_scaled, c.wt_scaled);
     term_t = select(pt != 0.0f, pt * (lb - m), 0.0f);
     term_s = select(ps != 0.0f, ps * (la - m), 0.0f);
   }
-}
-
-// exp((block_shift - ref) * scale - log_sum): turns exps kept relative to a block's shift
-// into probabilities (block_shift <= ref, so the exponent is <= 0; clamped all the same).
-ASTRAI_INLINE float kept_factor(float block_shift, const RowLogProbs& r, float scale) {
-  const float d = (block_shift - r.ref) * scale - r.log_sum;
-  return std::exp(d > 0.0f ? 0.0f : d);
-}
-
-// Sums the loss terms of elements [b0, b0 + len) into the lanes; p_s,j = es[j] * fs.
-template <Kind K, class LS, class LT>
-ASTRAI_INLINE void accumulate_terms(const LS& load_s, const LT& load_t, int64_t b0, int len,
-                                    const float* es, float fs, const float* et, float ft,
-                                    const RowConsts& c, float* vt, float* vs) {
-  int j = 0;
-  for (; j + kLanes <= len; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      float term_t, term_s;
-      loss_terms<K>(load_s(b0 + j + l), load_t(b0 + j + l), es[j + l] * fs, et[j + l] * ft, c,
-                    term_t, term_s);
-      vt[l] += term_t;
-      vs[l] += term_s;
-    }
-  }
-  for (int l = 0; j < len; ++j, ++l) {
-    float term_t, term_s;
-    loss_terms<K>(load_s(b0 + j), load_t(b0 + j), es[j] * fs, et[j] * ft, c, term_t, term_s);
-    vt[l] += term_t;
-    vs[l] += term_s;
-  }
-}
-
-// Without scratch: the block's probabilities, recomputed.
-template <class Load>
-ASTRAI_INLINE void block_probs(const Load& load, int64_t b0, int len, const RowLogProbs& r,
-                               float inv_t, float* p) {
-#pragma omp simd
-  for (int j = 0; j < len; ++j) p[j] = log_prob_exp(log_prob(load(b0 + j), r, inv_t));
 }
 
 template <class Stats, class TS, class TT, bool C, Kind K>
@@ -161,16 +127,6 @@ ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
   using SS = typename TS::storage;
   using ST = typename TT::storage;
   const int64_t V = a.x.V;
-  const int64_t v_pad = ((V + 15) / 16) * 16;
-  const int64_t n_blocks = (V + kBlock - 1) / kBlock;
-  // both rows' exps: [student | teacher], and their block shifts likewise
-  const RowScratch keep = row_scratch(2 * v_pad);
-  float* exps_s = keep.exps;
-  float* exps_t = keep.exps ? keep.exps + v_pad : nullptr;
-  float* shifts_s = keep.shifts;
-  float* shifts_t = keep.shifts ? keep.shifts + n_blocks : nullptr;
-  alignas(64) float local_s[kBlock];
-  alignas(64) float local_t[kBlock];
   RowConsts c;
   c.inv_t = a.inv_t;
   c.ws_scaled = std::ldexp(a.w_s, kWeightExp);
@@ -188,21 +144,25 @@ ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
     const RawLoad<TT, C> load_t{a.t.row<ST>(n), a.t.sV};
     const float x_y = load_s(y);
     float lse_s = 0.0f, lse_t = 0.0f;
-    c.s = Stats::template run<TS, C>(V, load_s, x_y, c.inv_t, &lse_s, exps_s, shifts_s);
-    c.t = Stats::template run<TT, C>(V, load_t, load_t(y), c.inv_t, &lse_t, exps_t, shifts_t);
+    c.s = Stats::template run<TS, C>(V, load_s, x_y, c.inv_t, &lse_s);
+    c.t = Stats::template run<TT, C>(V, load_t, load_t(y), c.inv_t, &lse_t);
+    const RowConsts rc = c;
     float vt[kLanes], vs[kLanes];
     for (int l = 0; l < kLanes; ++l) vt[l] = vs[l] = 0.0f;
-    for (int64_t b0 = 0, blk = 0; b0 < V; b0 += kBlock, ++blk) {
-      const int len = static_cast<int>(std::min<int64_t>(kBlock, V - b0));
-      if (keep.exps) {
-        accumulate_terms<K>(load_s, load_t, b0, len, exps_s + b0,
-                            kept_factor(shifts_s[blk], c.s, c.inv_t), exps_t + b0,
-                            kept_factor(shifts_t[blk], c.t, c.inv_t), c, vt, vs);
-      } else {
-        block_probs(load_s, b0, len, c.s, c.inv_t, local_s);
-        block_probs(load_t, b0, len, c.t, c.inv_t, local_t);
-        accumulate_terms<K>(load_s, load_t, b0, len, local_s, 1.0f, local_t, 1.0f, c, vt, vs);
+    int64_t j = 0;
+    for (; j + kLanes <= V; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        float term_t, term_s;
+        loss_terms<K>(load_s(j + l), load_t(j + l), rc, term_t, term_s);
+        vt[l] += term_t;
+        vs[l] += term_s;
       }
+    }
+    for (int l = 0; j < V; ++j, ++l) {
+      float term_t, term_s;
+      loss_terms<K>(load_s(j), load_t(j), rc, term_t, term_s);
+      vt[l] += term_t;
+      vs[l] += term_s;
     }
     float sum_t = 0.0f, sum_s = 0.0f;
     for (int l = 0; l < kLanes; ++l) {
@@ -213,8 +173,7 @@ ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
     if (a.hard_lse) {  // hard_weight * (lse - x_y) at temperature 1, relative to the row max
       float hard_lse = lse_s;
       RowLogProbs h = c.s;
-      if (a.inv_t != 1.0f)
-        h = Stats::template run<TS, C>(V, load_s, x_y, 1.0f, &hard_lse, nullptr, nullptr);
+      if (a.inv_t != 1.0f) h = Stats::template run<TS, C>(V, load_s, x_y, 1.0f, &hard_lse);
       loss += a.hard_weight * ((h.ref - x_y) + h.log_sum);
       a.hard_lse[n] = hard_lse;
     }
@@ -289,16 +248,14 @@ ASTRAI_INLINE void backward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
 #define ASTRAI_DISTILL_VARIANTS(ATTR, SUFFIX)                                                \
   template <class T, bool C>                                                                 \
   ATTR ASTRAI_NOINLINE RowLogProbs stats_##SUFFIX(int64_t V, const RawLoad<T, C>& load,      \
-                                                  float hint, float scale, float* lse,       \
-                                                  float* exps, float* shifts) {              \
-    return fresh_stats(V, load, hint, scale, lse, exps, shifts);                             \
+                                                  float hint, float scale, float* lse) {     \
+    return fresh_stats(V, load, hint, scale, lse);                                           \
   }                                                                                          \
   struct Stats_##SUFFIX {                                                                    \
     template <class T, bool C>                                                               \
     static ASTRAI_INLINE RowLogProbs run(int64_t V, const RawLoad<T, C>& load, float hint,   \
-                                         float scale, float* lse, float* exps,               \
-                                         float* shifts) {                                    \
-      return stats_##SUFFIX<T, C>(V, load, hint, scale, lse, exps, shifts);                  \
+                                         float scale, float* lse) {                          \
+      return stats_##SUFFIX<T, C>(V, load, hint, scale, lse);                                \
     }                                                                                        \
   };                                                                                         \
   template <class TS, class TT, bool C, Kind K>                                              \
