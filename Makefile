@@ -23,7 +23,7 @@ NEWEST_VENV ?= .venv-newest
 NEWEST_TORCH_SPEC ?= torch==2.15.0
 NEWEST_TRITON_SPEC ?= triton==3.9.0
 NEWEST_PINS = "$(NEWEST_TORCH_SPEC)" "$(NEWEST_TRITON_SPEC)"
-PINNED_EXTRAS ?= test,plot,transformers
+PINNED_EXTRAS ?= test,plot,transformers,trl
 
 .PHONY: setup test test-oldest test-newest bench bench-check bench-pytest lint compile-check verify clean
 
