@@ -63,7 +63,7 @@ from ._common import (
     refuse_double_backward,
     rows_view,
 )
-from .head import ChunkedHead, check_head, head_needs
+from .head import ChunkedHead, check_head, head_needs, row_floats
 from .primitives import CrossEntropyArgs, LogprobsArgs, ShardGradArgs
 
 # Local targets handed to the primitives: a row ignored by the caller, and (backward only) a
@@ -239,15 +239,11 @@ def combine_cross_entropy(nll_r, smooth_r, lse_r, targets: LocalTargets, layout:
     return torch.where(valid, loss, 0.0), torch.where(valid, lse, 0.0)
 
 
-def _row_floats(n_rows: int, device) -> Tensor:
-    return torch.empty(n_rows, dtype=torch.float32, device=device)
-
-
 def logprobs_stats(kernels, chunks, targets: LocalTargets, temperature, with_entropy, n_rows,
                    device):
     """The shard's ``(logp_r, entropy_r, lse_r)`` over ``chunks`` of ``(start, stop, logits)``."""
-    logp, lse = _row_floats(n_rows, device), _row_floats(n_rows, device)
-    entropy = _row_floats(n_rows if with_entropy else 0, device)
+    logp, lse = row_floats(n_rows, device), row_floats(n_rows, device)
+    entropy = row_floats(n_rows if with_entropy else 0, device)
     for start, stop, logits in chunks:
         rows = slice(start, stop)
         logp[rows], chunk_entropy, lse[rows] = kernels.logprobs_forward(
@@ -260,8 +256,8 @@ def logprobs_stats(kernels, chunks, targets: LocalTargets, temperature, with_ent
 def cross_entropy_stats(kernels, chunks, targets: LocalTargets, params, n_rows, device):
     """The shard's ``(lse_r - z_y, lse_r - mean_j z_j, lse_r)`` of the softcapped logits; the
     second (label smoothing only) costs a second pass of the forward primitive."""
-    nll, lse = _row_floats(n_rows, device), _row_floats(n_rows, device)
-    smooth = _row_floats(n_rows if params.label_smoothing else 0, device)
+    nll, lse = row_floats(n_rows, device), row_floats(n_rows, device)
+    smooth = row_floats(n_rows if params.label_smoothing else 0, device)
     # lse - z_y and (all smoothing) lse - mean z, without the z-loss: combined over the group
     nll_args = CrossEntropyArgs(LOCAL_IGNORE, 0.0, 0.0, params.softcap)
     smooth_args = CrossEntropyArgs(LOCAL_IGNORE, 1.0, 0.0, params.softcap)
