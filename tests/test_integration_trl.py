@@ -213,15 +213,18 @@ VARIANTS = {
 
 
 def _train(trainer_name, model_kind, dtype, installed, monkeypatch, op=None, tmp="/tmp",
-           variant=""):
+           variant="", config_overrides=(), install_kwargs=None):
+    """Two steps of a trainer; ``config_overrides``: ``(name, value)`` pairs of its config;
+    ``install_kwargs``: ``install``'s keywords."""
     cls, config_cls, config_kwargs, trainer_kwargs = _case(trainer_name)
+    config_kwargs = {**config_kwargs, **dict(config_overrides)}
     config_extra, trainer_extra = VARIANTS[variant]
     if trainer_extra.get("peft_config") == "lora":
         from peft import LoraConfig
 
         trainer_extra = dict(peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                                     target_modules=["q_proj", "v_proj"]))
-    args = config_cls(output_dir=os.path.join(tmp, "out"), **COMMON_ARGS, **config_kwargs,
+    args = config_cls(output_dir=os.path.join(tmp, "out"), **{**COMMON_ARGS, **config_kwargs},
                       model_init_kwargs={"dtype": dtype}, **config_extra)
     if isinstance(trainer_kwargs.get("teacher_model"), str):  # a model kind: load it
         from transformers import AutoModelForCausalLM
@@ -235,7 +238,7 @@ def _train(trainer_name, model_kind, dtype, installed, monkeypatch, op=None, tmp
         trainer = cls(model=_model_dir(model_kind), args=args, processing_class=_tokenizer(),
                       callbacks=[recorder.callback], **trainer_kwargs, **trainer_extra)
         if installed:
-            ak_trl.install(trainer, chunk_size=8)
+            ak_trl.install(trainer, chunk_size=8, **(install_kwargs or {}))
         torch.manual_seed(1)
         trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -245,12 +248,12 @@ def _train(trainer_name, model_kind, dtype, installed, monkeypatch, op=None, tmp
 _RUNS = {}
 
 
-def _reference_runs(trainer_name, model_kind, monkeypatch, tmp, variant=""):
+def _reference_runs(trainer_name, model_kind, monkeypatch, tmp, variant="", config_overrides=()):
     """TRL's own head in float64 and float32 (cached per case: the broken variants reuse it)."""
-    key = (trainer_name, model_kind, variant)
+    key = (trainer_name, model_kind, variant, tuple(config_overrides))
     if key not in _RUNS:
         _RUNS[key] = tuple(_train(trainer_name, model_kind, dtype, False, monkeypatch, tmp=tmp,
-                                  variant=variant)
+                                  variant=variant, config_overrides=config_overrides)
                            for dtype in (torch.float64, torch.float32))
     return _RUNS[key]
 
@@ -293,11 +296,13 @@ def _comparisons(actual, expected, naive):
     return results
 
 
-def _check_against_trl(trainer_name, model_kind, monkeypatch, tmp_path, variant="", **kwargs):
+def _check_against_trl(trainer_name, model_kind, monkeypatch, tmp_path, variant="",
+                       config_overrides=(), **kwargs):
     expected, naive = _reference_runs(trainer_name, model_kind, monkeypatch, str(tmp_path),
-                                      variant)
+                                      variant, config_overrides)
     actual = _train(trainer_name, model_kind, torch.float32, True, monkeypatch,
-                    tmp=str(tmp_path), variant=variant, **kwargs)
+                    tmp=str(tmp_path), variant=variant, config_overrides=config_overrides,
+                    **kwargs)
     return actual, expected, naive, _comparisons(actual, expected, naive)
 
 

@@ -268,6 +268,7 @@ def _hidden_forward(inner, backbone_attr: str):
 
 
 def _gkd_base(trainer) -> nn.Module:
+    """The trainer's policy: its model, or the PEFT model's base."""
     model = trainer.model
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -337,13 +338,247 @@ def _gkd_compute_loss(trainer, original, backend: str, chunk_size: Optional[int]
     return compute_loss
 
 
-def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None):
+_MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+                      "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
+                      "mm_token_type_ids", "image_position_ids")
+#: TRL's GRPO loss types that normalise by the generation batch's token count
+_GLOBAL_COUNT_TYPES = ("cispo", "dapo", "vespo")
+
+
+def _grpo_trainer_class():
+    from trl import GRPOTrainer
+
+    return GRPOTrainer
+
+
+def _check_fused_loss(trainer) -> None:
+    """Refuse every GRPOTrainer configuration whose loss ``ak.linear_grpo_loss`` does not
+    reproduce exactly (TRL 1.16's ``GRPOTrainer._compute_loss``)."""
+    grpo = _grpo_trainer_class()
+    if not isinstance(trainer, grpo):
+        reason = ("RLOO's ratio is exp of the summed sequence log-ratio, ak.grpo_loss's "
+                  "sequence level (GSPO) the mean" if type(trainer).__name__ == "RLOOTrainer"
+                  else "fused_loss serves GRPOTrainer only")
+        raise _refuse(trainer, f"fused_loss=True: {reason}")
+    cls = type(trainer)
+    if (cls._compute_loss is not grpo._compute_loss or cls.compute_loss is not grpo.compute_loss
+            or cls._get_per_token_logps_and_entropies
+            is not grpo._get_per_token_logps_and_entropies):
+        raise _refuse(trainer, "fused_loss=True: it overrides GRPOTrainer's loss, whose "
+                               "semantics are not known here")
+    from transformers import ProcessorMixin
+
+    refusals = [
+        (isinstance(trainer.processing_class, ProcessorMixin),
+         "a multimodal processor: the image inputs of the loss are not served"),
+        (trainer.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo",
+                                   "vespo"),
+         f"loss_type {trainer.loss_type!r} is not one of ak.grpo_loss's"),
+        (trainer.importance_sampling_level not in ("token", "sequence"),
+         f"importance_sampling_level {trainer.importance_sampling_level!r}"),
+        (trainer._entropy_bonus_enabled,
+         "the entropy bonus (entropy_coef, adaptive entropy) and its policy_loss metric are "
+         "not reproduced"),
+        (trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1,
+         "top_entropy_quantile < 1 over several processes: TRL's quantile is over every "
+         "process's tokens, ak.grpo_loss's over the local ones"),
+        (trainer.loss_type == "vespo" and trainer.use_vllm
+         and trainer.vllm_importance_sampling_correction
+         and not ((trainer.vllm_importance_sampling_clip_min or 0.0) <= 1.0
+                  <= (trainer.vllm_importance_sampling_clip_max or math.inf)),
+         "VESPO with vLLM ratio bounds that exclude 1: TRL sums the log of the masked tokens' "
+         "bounded ratios into the sequence weight, ak.grpo_loss sums the unmasked tokens'"),
+        (trainer.off_policy_mask_threshold is not None and trainer.use_vllm,
+         "the off-policy mask with vLLM: TRL zeroes the KL of tokens vLLM could not score "
+         "(NaN sampling log-probs), ak.grpo_loss does not"),
+    ]
+    for refused, reason in refusals:
+        if refused:
+            raise _refuse(trainer, f"fused_loss=True: {reason}")
+
+
+def _grpo_options(trainer, temperature: float) -> "ak.GRPOOptions":
+    """TRL 1.16's GRPO settings as ``ak.GRPOOptions``, each set only where its loss type reads
+    it (the op refuses the others); ``temperature``: the one TRL's head uses."""
+    args, loss_type = trainer.args, trainer.loss_type
+    clipped = loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+    keywords = dict(
+        beta=float(trainer.beta), clip_eps_low=float(trainer.epsilon_low),
+        loss_type=loss_type, importance_sampling=trainer.importance_sampling_level,
+        temperature=float(temperature),
+        kl_ratio_correction=bool(args.use_bias_correction_kl) and trainer.beta != 0.0,
+        top_entropy_quantile=float(trainer.top_entropy_quantile))
+    if clipped or loss_type == "cispo":
+        keywords["clip_eps_high"] = float(trainer.epsilon_high)
+    if clipped and args.delta is not None:
+        keywords["delta"] = float(args.delta)
+    if loss_type == "dr_grpo":
+        keywords["max_completion_length"] = int(trainer.max_completion_length)
+    if loss_type == "sapo":
+        keywords.update(sapo_tau_pos=float(args.sapo_temperature_pos),
+                        sapo_tau_neg=float(args.sapo_temperature_neg))
+    if loss_type == "vespo":
+        keywords.update(vespo_k_pos=float(args.vespo_k_pos),
+                        vespo_lambda_pos=float(args.vespo_lambda_pos),
+                        vespo_k_neg=float(args.vespo_k_neg),
+                        vespo_lambda_neg=float(args.vespo_lambda_neg))
+    if trainer.off_policy_mask_threshold is not None:
+        keywords["off_policy_threshold"] = float(trainer.off_policy_mask_threshold)
+    return ak.GRPOOptions(**keywords)
+
+
+def _check_grpo_options(trainer, options: "ak.GRPOOptions") -> None:
+    """The op's own checks of ``options`` on a one-token stand-in call, as a refusal."""
+    one = torch.zeros(1, 1)
+    try:
+        ak.grpo_loss(torch.zeros(1, 1, 2), torch.zeros(1, 1, dtype=torch.long), one[0],
+                     ref_logprobs=one if options.beta > 0 else None,
+                     normalizer=1.0 if options.loss_type in _GLOBAL_COUNT_TYPES else None,
+                     options=options, backend="torch")
+    except (TypeError, ValueError) as error:
+        raise _refuse(trainer, f"fused_loss=True: its GRPO settings are outside "
+                               f"ak.grpo_loss's: {error}") from None
+
+
+def _grpo_compute_loss(trainer, policy: nn.Module, settings: Dict[str, Any], backend: str,
+                       chunk_size: Optional[int]):
+    """GRPOTrainer._compute_loss (TRL 1.16) on ``ak.linear_grpo_loss``: the policy's final
+    hidden states at the completion positions, its LM head, TRL's options, masks, importance
+    ratios and normalisation; the gradient comes out of the loss's own walk. Logs TRL's
+    metrics under TRL's names, from the token log-probs and entropies of that walk."""
+    options = _grpo_options(trainer, settings["temperature"])
+    cast_lm_head_to_fp32 = bool(settings["cast_lm_head_to_fp32"])
+    logit_scale = float(settings["logit_scale"])
+    softcap = settings["final_logit_softcapping"]
+    softcap = None if softcap is None else float(softcap)
+
+    def compute_loss(model, inputs):
+        present = [name for name in _MULTIMODAL_INPUTS if inputs.get(name) is not None]
+        if present:
+            raise ValueError(f"astrai_kernels.integrations.trl: fused_loss got the multimodal "
+                             f"inputs {present}, which it does not serve")
+        completion_ids = inputs["completion_ids"]
+        completion_mask = inputs["completion_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        keep = completion_ids.size(1)
+        mask = (completion_mask if "tool_mask" not in inputs
+                else completion_mask * inputs["tool_mask"])
+        with trainer.accelerator.autocast():
+            hidden = model(input_ids=input_ids, attention_mask=attention_mask,
+                           astrai_hidden_states=True).last_hidden_state[:, -keep - 1:-1]
+            head = policy.get_output_embeddings()
+            weight, bias = head.weight, head.bias
+            dtype = _compute_dtype(hidden, cast_lm_head_to_fp32)
+        mode = "train" if trainer.model.training else "eval"
+        accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
+        normalizer = None
+        if trainer.loss_type in _GLOBAL_COUNT_TYPES:
+            normalizer = (inputs["num_items_in_batch"].clamp(min=1.0)
+                          / trainer.accelerator.num_processes)
+            if mode == "train":
+                normalizer = (normalizer * trainer.current_gradient_accumulation_steps
+                              / trainer.args.steps_per_generation)
+        importance_weights = None
+        if trainer.loss_type == "vespo" or (trainer.use_vllm
+                                            and trainer.vllm_importance_sampling_correction):
+            importance_weights = inputs.get("importance_sampling_ratio")
+            if importance_weights is not None:
+                importance_weights = importance_weights.expand_as(mask)
+        advantages = inputs["advantages"]
+        device = weight.device
+        with torch.autocast(hidden.device.type, enabled=False):
+            loss, _, values = ak.linear_grpo_loss(
+                hidden.to(device).to(dtype), weight.to(dtype), completion_ids.to(device),
+                advantages.to(device), bias=None if bias is None else bias.to(dtype),
+                mask=mask.to(device), old_logprobs=inputs.get("old_per_token_logps"),
+                ref_logprobs=inputs.get("ref_per_token_logps") if trainer.beta != 0.0 else None,
+                normalizer=normalizer, importance_weights=importance_weights, options=options,
+                softcap=softcap, logit_scale=logit_scale, return_token_values=True,
+                chunk_size=chunk_size, backend=backend)
+        if trainer.loss_type not in _GLOBAL_COUNT_TYPES:
+            loss = loss / accumulation
+        _log_grpo_metrics(trainer, mode, values, inputs, mask.to(device), advantages.to(device))
+        return loss
+
+    return compute_loss
+
+
+def _log_grpo_metrics(trainer, mode: str, values: Dict[str, Tensor], inputs,
+                      mask: Tensor, advantages: Tensor) -> None:
+    """The metrics GRPOTrainer._compute_loss logs, with its formulas and names, on the
+    detached token log-probs and entropies of ``ak.linear_grpo_loss``."""
+    from trl.trainer.utils import nanmax, nanmin
+
+    logp, entropies = values["logprobs"], values["entropy"]
+    mask = mask.to(logp.dtype)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    old = inputs.get("old_per_token_logps")
+    old = logp if old is None else old.to(logp.dtype)
+    log_ratio = logp - old
+    if trainer.importance_sampling_level == "sequence":
+        log_ratio_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+                             ).unsqueeze(-1)
+    else:
+        log_ratio_weights = log_ratio
+    coef_1 = torch.exp(log_ratio_weights)
+    accelerator, metrics = trainer.accelerator, trainer._metrics[mode]
+
+    def masked_seq_mean(x):
+        return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+
+    def global_masked_mean(x):
+        if x.shape[1] == 1:
+            local_sum, local_count = x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
+        else:
+            local_sum, local_count = (x * mask).sum(), mask.sum().float()
+        totals = accelerator.reduce(torch.stack([local_sum, local_count]), reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    if trainer.beta != 0.0:
+        ref = inputs["ref_per_token_logps"].to(logp.dtype)
+        per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if trainer.args.use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+        metrics["kl"].append(global_masked_mean(per_token_kl))
+    metrics["entropy"].append(global_masked_mean(entropies))
+    if trainer.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        is_low = (coef_1 < 1 - trainer.epsilon_low) & (advantages < 0)
+        is_high = (coef_1 > 1 + trainer.epsilon_high) & (advantages > 0)
+        metrics["clip_ratio/low_mean"].append(global_masked_mean(is_low.float()))
+        metrics["clip_ratio/high_mean"].append(global_masked_mean(is_high.float()))
+        metrics["clip_ratio/region_mean"].append(global_masked_mean((is_low | is_high).float()))
+        metrics["clip_ratio/low_min"].append(
+            nanmin(accelerator.gather(masked_seq_mean(is_low.float()))).item())
+        metrics["clip_ratio/high_max"].append(
+            nanmax(accelerator.gather(masked_seq_mean(is_high.float()))).item())
+    elif trainer.loss_type == "cispo":
+        is_capped = (coef_1 > trainer.epsilon_high) & (advantages > 0)
+        metrics["cispo_clip_ratio"].append(global_masked_mean(is_capped.float()))
+    elif trainer.loss_type == "vespo":
+        args = trainer.args
+        phi_seq = trainer.get_gamma_weights(
+            advantages=advantages, log_ratio_per_token=log_ratio, mask=mask,
+            importance_sampling_ratio=inputs.get("importance_sampling_ratio"),
+            k_pos=args.vespo_k_pos, lambda_pos=args.vespo_lambda_pos, k_neg=args.vespo_k_neg,
+            lambda_neg=args.vespo_lambda_neg)
+        metrics["vespo/phi_seq_mean"].append(global_masked_mean(phi_seq))
+
+
+def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None,
+            fused_loss: bool = False):
     """Serve every fused-head call of ``trainer`` (a built TRL 1.16 trainer) with
-    ``ak.linear_token_logprobs``; returns the trainer. Raises ``TRLHeadError`` (a
+    ``ak.linear_token_logprobs``; returns the trainer. ``fused_loss=True`` (a GRPOTrainer)
+    also computes its loss with ``ak.linear_grpo_loss``. Raises ``TRLHeadError`` (a
     ``ValueError``) saying why when it cannot serve the trainer exactly (module docstring)."""
+    if not isinstance(fused_loss, bool):
+        raise TypeError(f"fused_loss must be a bool, got {type(fused_loss).__name__}")
     if is_installed(trainer):
         raise _refuse(trainer, "install was already called on it; uninstall first")
     _check_contract(trainer)
+    if fused_loss:
+        _check_fused_loss(trainer)
     models = _served_models(trainer)
     if not models:
         raise _refuse(trainer, "none of its models (model, ref_model, teacher_model) carries "
@@ -368,16 +603,25 @@ def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None)
     is_gkd = gkd is not None and isinstance(trainer, gkd)
     if is_gkd:
         _check_gkd(trainer, backend)
+    policy = _gkd_base(trainer)
+    if fused_loss and not any(model is policy for model, _ in plans):
+        raise _refuse(trainer, "fused_loss=True: its policy model carries no TRL fused head")
+    if fused_loss:
+        policy_settings = next(settings for model, settings in plans if model is policy)
+        _check_grpo_options(trainer, _grpo_options(trainer, policy_settings["temperature"]))
     for model, settings in plans:
         trl_forward = model.__dict__["forward"]
         model.__dict__[_MODEL_STATE] = {"trl_forward": trl_forward, "settings": settings}
         forward = types.MethodType(_make_forward(trl_forward, settings, backend, chunk_size),
                                    model)
-        if is_gkd and model is _gkd_base(trainer):
+        if (is_gkd and model is _gkd_base(trainer)) or (fused_loss and model is policy):
             forward = types.MethodType(_hidden_forward(forward, settings["backbone_attr"]),
                                        model)
         model.forward = forward
     served = [model for model, _ in plans]
+    if fused_loss:
+        trainer._compute_loss = _grpo_compute_loss(trainer, policy, policy_settings, backend,
+                                                   chunk_size)
     if is_gkd:
         teacher = trainer.teacher_model
         teacher.__dict__[_MODEL_STATE] = {"trl_forward": teacher.__dict__.get("forward")}
@@ -408,6 +652,7 @@ def uninstall(trainer):
         else:
             model.forward = state["trl_forward"]
     trainer.__dict__.pop("compute_loss", None)  # GKD's: the class's again
+    trainer.__dict__.pop("_compute_loss", None)  # fused_loss's
     del trainer.__dict__[_TRAINER_STATE]
     return trainer
 

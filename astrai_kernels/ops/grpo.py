@@ -263,6 +263,8 @@ class GRPOPlan:
     inputs: _Inputs
     params: GRPOParams
     weight: Tensor
+    #: ``return_token_values``: the call also returns each token's log-prob and entropy
+    token_values: bool = False
 
     @property
     def fused(self) -> bool:
@@ -288,10 +290,13 @@ class GRPOPlan:
 def plan(logits: Tensor, target: Tensor, advantages: Tensor,
          options: Optional[GRPOOptions] = None, *, mask=None, old_logprobs=None,
          ref_logprobs=None, normalizer=None, importance_weights=None, sampling_logprobs=None,
-         backend="auto", **keywords) -> GRPOPlan:
+         backend="auto", return_token_values=False, **keywords) -> GRPOPlan:
     """Check a call's arguments and weigh its tokens. ``logits`` may be a zero-byte stand-in of
     the logits' shape, dtype and device (the fused LM head's checks). The options come as
     ``options`` or as ``GRPOOptions``' fields in ``keywords``."""
+    if not isinstance(return_token_values, bool):
+        raise TypeError(f"return_token_values must be a bool, got "
+                        f"{type(return_token_values).__name__}")
     unknown = set(keywords) - set(OPTION_NAMES)
     if unknown:
         raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
@@ -301,7 +306,22 @@ def plan(logits: Tensor, target: Tensor, advantages: Tensor,
                             sampling_logprobs)
     weight = _token_weight(inputs.valid, params.loss_type, options.max_completion_length,
                            inputs.normalizer)
-    return GRPOPlan(inputs, params, weight)
+    return GRPOPlan(inputs, params, weight, return_token_values)
+
+
+def token_values(logp: Tensor, entropy: Tensor, valid: Tensor) -> Dict[str, Tensor]:
+    """``return_token_values``' dict: each token's log-prob and entropy at the call's
+    temperature, detached float32 ``[B, T]``, 0 at masked tokens."""
+    return {"logprobs": torch.where(valid, logp.detach().float().view(valid.shape), 0.0),
+            "entropy": torch.where(valid, entropy.detach().float().view(valid.shape), 0.0)}
+
+
+def with_token_values(result: Tuple[Tensor, Dict[str, Tensor]], checked: GRPOPlan,
+                      logp: Tensor, entropy: Optional[Tensor]):
+    """``result``, and the token values when the call asked for them."""
+    if not checked.token_values:
+        return result
+    return result + (token_values(logp, entropy, checked.inputs.valid),)
 
 
 def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
@@ -319,7 +339,8 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
               off_policy_threshold: Optional[float] = None,
               sampling_logprobs: Optional[Tensor] = None, top_entropy_quantile: float = 1.0,
               entropy_coef: float = 0.0, options: Optional[GRPOOptions] = None,
-              backend: str = "auto", process_group: Optional["ProcessGroup"] = None,
+              return_token_values: bool = False, backend: str = "auto",
+              process_group: Optional["ProcessGroup"] = None,
               check_consistency: bool = True) -> Tuple[Tensor, Dict[str, Tensor]]:
     """GRPO-family policy loss and detached float32 metrics (means over the unmasked tokens).
 
@@ -336,6 +357,12 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
 
     ``options``: a :class:`GRPOOptions` holding every scalar keyword above at once (the
     individual keywords then stay at their defaults).
+
+    ``return_token_values=True`` returns ``(loss, metrics, values)``: ``values["logprobs"]``
+    and ``values["entropy"]`` are each token's log-prob and entropy at ``temperature``,
+    detached float32 ``[B, T]``, 0 at masked tokens, from the same pass over the logits (what a
+    trainer logs or keeps as the next step's old log-probs). ``metrics`` then also hold
+    ``entropy``.
     """
     options = options_from(options, dict(
         beta=beta, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
@@ -347,7 +374,7 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
         top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef))
     inputs = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                   normalizer=normalizer, importance_weights=importance_weights,
-                  sampling_logprobs=sampling_logprobs)
+                  sampling_logprobs=sampling_logprobs, return_token_values=return_token_values)
     if process_group is not None:
         return _vocab_parallel_grpo_loss(logits, target, advantages, process_group, backend,
                                          check_consistency, options, inputs)
@@ -372,10 +399,18 @@ def reference_loss(logits: Tensor, target: Tensor, checked: GRPOPlan):
     inputs, params = checked.inputs, checked.params
     options = dataclasses.replace(params.options, clip_eps_high=params.clip_eps_high,
                                   delta=params.delta or None)
-    return reference.grpo_loss(
+    result = reference.grpo_loss(
         logits.float(), target, inputs.advantages, inputs.valid, inputs.old, inputs.ref,
         normalizer=inputs.normalizer, importance_weights=inputs.importance_weights,
         sampling_logprobs=inputs.sampling, options=options)
+    if not checked.token_values:
+        return result
+    with torch.no_grad():
+        masked_target = torch.where(inputs.valid, target, torch.full_like(target, -100))
+        logp, entropy = reference.token_logprobs(logits.float(), masked_target,
+                                                 params.temperature, -100)
+    result[1]["entropy"] = _masked_mean(entropy, inputs.valid)
+    return with_token_values(result, checked, logp, entropy)
 
 
 def _vocab_parallel_grpo_loss(logits, target, advantages, process_group, backend,
@@ -471,26 +506,33 @@ def _token_level(logits: Tensor, target: Tensor,
                  checked: GRPOPlan) -> Tuple[Tensor, Dict[str, Tensor]]:
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
     params, flat = checked.params, checked.flat_rows()
+    params = dataclasses.replace(params, with_entropy=checked.token_values)
     with torch.no_grad():
-        logp, token_loss, grad = _library.grpo_forward(
+        logp, token_loss, entropy, grad = _library.grpo_forward(
             rows_view(logits), flat_target(target), flat.advantages, flat.old, flat.ref,
             flat.weight, params, needs_grad, params.backend)
-        value, metrics = token_level_result(logp, token_loss, checked)
+        value, metrics, *values = token_level_result(logp, token_loss, entropy, checked)
     loss = (AttachGrad.apply(rows_view(logits), value, grad, "grpo_loss", None) if needs_grad
             else value)
-    return loss, metrics
+    return (loss, metrics, *values)
 
 
-def token_level_result(logp: Tensor, token_loss: Tensor,
-                       checked: GRPOPlan) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """The loss (weighted sum of the fused kernel's per-token losses) and the metrics."""
+def token_level_result(logp: Tensor, token_loss: Tensor, entropy: Tensor, checked: GRPOPlan):
+    """The loss (weighted sum of the fused kernel's per-token losses) and the metrics (and the
+    token values when asked: ``entropy`` is then the kernel's, else empty)."""
     inputs, params = checked.inputs, checked.params
     valid = inputs.valid.reshape(-1)
     value = torch.where(valid, token_loss * checked.flat_rows().weight, 0.0).sum()
     logp = torch.where(inputs.valid, logp.view(inputs.valid.shape), 0.0)
     old = logp if inputs.old is None else inputs.old
     ratio = torch.exp((logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    return value, _metrics(ratio, _k3(logp, inputs.ref), inputs, params)
+    k3 = _k3(logp, inputs.ref)
+    if params.options.kl_ratio_correction:
+        k3 = k3 * ratio
+    extra = {"entropy": _masked_mean(entropy.view(inputs.valid.shape), inputs.valid)
+             } if checked.token_values else None
+    result = value, _metrics(ratio, k3, inputs, params, extra)
+    return with_token_values(result, checked, logp, entropy)
 
 
 def _vespo_weight(token_log_ratio: Tensor, inputs: _Inputs, options: GRPOOptions) -> Tensor:
@@ -566,7 +608,7 @@ def from_logprobs(logprobs_of: Callable[[Tensor, bool], Tuple[Tensor, Optional[T
     inputs, params, weight = checked.inputs, checked.params, checked.weight
     options, valid = params.options, inputs.valid
     masked_target = torch.where(valid, target, torch.full_like(target, -100))
-    logp, entropy = logprobs_of(masked_target, options.needs_entropy)
+    logp, entropy = logprobs_of(masked_target, options.needs_entropy or checked.token_values)
     old = logp.detach() if inputs.old is None else inputs.old
     token_log_ratio = torch.where(valid, logp - old, 0.0)
     if params.importance_sampling == "sequence":
@@ -600,7 +642,8 @@ def from_logprobs(logprobs_of: Callable[[Tensor, bool], Tuple[Tensor, Optional[T
         extra["entropy"] = _masked_mean(entropy, valid)
     if options.entropy_coef != 0.0:
         loss = loss - options.entropy_coef * _entropy_bonus(entropy, entropy_keep, checked)
-    return loss, _metrics(ratio.detach(), k3.detach(), inputs, params, extra)
+    result = loss, _metrics(ratio.detach(), k3.detach(), inputs, params, extra)
+    return with_token_values(result, checked, logp, entropy)
 
 
 def _entropy_bonus(entropy: Tensor, keep: Tensor, checked: GRPOPlan) -> Tensor:

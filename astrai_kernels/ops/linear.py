@@ -198,38 +198,45 @@ def _(hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, tempe
 def _linear_grpo_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                          temperature: float, advantages: Tensor, old_logprobs: Optional[Tensor],
                          ref_logprobs: Optional[Tensor], token_weight: Tensor, clip_low: float,
-                         clip_high: float, delta: float, beta: float, needs_hidden: bool,
+                         clip_high: float, delta: float, beta: float,
+                         kl_ratio_correction: bool, with_entropy: bool, needs_hidden: bool,
                          needs_weight: bool, needs_bias: bool, chunk_size: Optional[int],
                          backend: str, logit_scale: float, softcap: float
-                         ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(logp, token_loss, grad_hidden, grad_weight, grad_bias)`` of ``sum(weight * loss)``."""
+                         ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(logp, token_loss, entropy, grad_hidden, grad_weight, grad_bias)`` of
+    ``sum(weight * loss)``; ``entropy`` is empty unless ``with_entropy``."""
     needs = (needs_hidden, needs_weight, needs_bias)
     head = ChunkedHead(hidden, weight, bias, chunk_size, needs, logit_scale, softcap)
     kernels = backend_module(backend)
     n_rows = hidden.shape[0]
     logp, token_loss = row_floats(n_rows, hidden.device), row_floats(n_rows, hidden.device)
-    args = SurrogateArgs(temperature, clip_low, clip_high, delta, beta)
+    entropy = row_floats(n_rows if with_entropy else 0, hidden.device)
+    args = SurrogateArgs(temperature, clip_low, clip_high, delta, beta,
+                         kl_ratio_correction=kl_ratio_correction, with_entropy=with_entropy)
 
     def rows_of(values, rows):
         return None if values is None else values[rows]
 
     for start, stop, logits in head.chunks():
         rows = slice(start, stop)
-        logp[rows], token_loss[rows] = kernels.grpo_forward(
+        logp[rows], token_loss[rows], chunk_entropy = kernels.grpo_forward(
             logits, target[rows], advantages[rows], rows_of(old_logprobs, rows),
             rows_of(ref_logprobs, rows), token_weight[rows], args,
             logits if any(needs) else None)
+        if with_entropy:
+            entropy[rows] = chunk_entropy
         if any(needs):
             head.fold(start, stop, logits)
-    return (logp, token_loss, *head.gradients())
+    return (logp, token_loss, entropy, *head.gradients())
 
 
 @_linear_grpo_forward.register_fake
 def _(hidden, weight, bias, target, temperature, advantages, old_logprobs, ref_logprobs,
-      token_weight, clip_low, clip_high, delta, beta, needs_hidden, needs_weight, needs_bias,
-      chunk_size, backend, logit_scale, softcap):
+      token_weight, clip_low, clip_high, delta, beta, kl_ratio_correction, with_entropy,
+      needs_hidden, needs_weight, needs_bias, chunk_size, backend, logit_scale, softcap):
     n_rows = hidden.shape[0]
     return (row_floats(n_rows, hidden.device), row_floats(n_rows, hidden.device),
+            row_floats(n_rows if with_entropy else 0, hidden.device),
             *fake_head_gradients(hidden, weight, needs_hidden, needs_weight, needs_bias))
 
 
@@ -473,7 +480,7 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
                      sampling_logprobs: Optional[Tensor] = None,
                      top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0,
                      options: Optional[GRPOOptions] = None, softcap: Optional[float] = None,
-                     logit_scale: float = 1.0,
+                     logit_scale: float = 1.0, return_token_values: bool = False,
                      chunk_size: Optional[int] = None, backend: str = "auto",
                      process_group: Optional["ProcessGroup"] = None,
                      check_consistency: bool = True) -> Tuple[Tensor, Dict[str, Tensor]]:
@@ -485,7 +492,8 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
     VESPO, the masks, the entropy bonus) differentiates through ``linear_token_logprobs``.
     ``softcap`` and ``logit_scale`` transform the logits before the temperature, as in
     ``linear_token_logprobs``. ``process_group``: vocabulary parallel, as in
-    ``linear_cross_entropy`` (no softcap or logit scale there).
+    ``linear_cross_entropy`` (no softcap or logit scale there). ``return_token_values`` as in
+    ``ak.grpo_loss``: the token log-probs and entropies come out of the same walk.
     """
     logit_scale, softcap_value = checked_transform(logit_scale, softcap)
     options = options_from(options, dict(
@@ -498,7 +506,7 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
         top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef))
     inputs = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                   normalizer=normalizer, importance_weights=importance_weights,
-                  sampling_logprobs=sampling_logprobs)
+                  sampling_logprobs=sampling_logprobs, return_token_values=return_token_values)
     if process_group is not None:
         _refuse_transform_with_process_group(logit_scale, softcap_value, 0)
         return _vocab_parallel_grpo_loss(hidden, weight, target, advantages, process_group, bias,
@@ -526,17 +534,18 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
     hidden_rows = hidden.reshape(-1, hidden.shape[-1])
     flat = plan.flat_rows()
     with torch.no_grad():
-        logp, token_loss, grad_hidden, grad_weight, grad_bias = _linear_grpo_forward(
+        logp, token_loss, entropy, grad_hidden, grad_weight, grad_bias = _linear_grpo_forward(
             hidden_rows, weight, bias, flat_target(target), plan.params.temperature,
             flat.advantages, flat.old, flat.ref, flat.weight, plan.params.clip_eps_low,
-            plan.params.clip_eps_high, plan.params.delta, plan.params.beta, *needs, chunk_size,
+            plan.params.clip_eps_high, plan.params.delta, plan.params.beta,
+            plan.params.options.kl_ratio_correction, plan.token_values, *needs, chunk_size,
             plan.params.backend, logit_scale, softcap_value)
-        value, metrics = grpo_op.token_level_result(logp, token_loss, plan)
+        value, metrics, *values = grpo_op.token_level_result(logp, token_loss, entropy, plan)
     if not any(needs):
-        return value, metrics
+        return (value, metrics, *values)
     loss = AttachHeadGrads.apply(hidden_rows, weight, bias, value, grad_hidden, grad_weight,
                                   grad_bias, "linear_grpo_loss", None)
-    return loss, metrics
+    return (loss, metrics, *values)
 
 
 def _vocab_parallel_cross_entropy(hidden, weight, target, process_group, bias, ignore_index,

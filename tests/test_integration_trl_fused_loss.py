@@ -1,0 +1,258 @@
+"""``install(trainer, fused_loss=True)``: TRL's GRPOTrainer computing its loss with
+``ak.linear_grpo_loss``, against TRL's own loss and head.
+
+Trainer cases run two SGD steps as ``tests/test_integration_trl.py`` does (TRL in float64 the
+expected values, TRL in float32 the yardstick, ours in float32): the loss, every logged metric
+(same names) and every gradient must pass the shared per-element tolerance model. With
+``num_iterations=2`` the second step's policy has moved from the sampling one, so the ratios,
+the clipping and their metrics are exercised. ``_compute_loss`` cases compare one call of ours
+with TRL's ``GRPOTrainer._compute_loss`` on inputs a trainer does not produce on CPU (vLLM's
+importance-sampling ratios, tool masks, several accumulation steps).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("trl", reason="trl is not installed (pip install -e '.[trl]'); "
+                                  "`make test` installs it")
+
+import astrai_kernels as ak  # noqa: E402
+import astrai_kernels.ops.linear as linear_ops  # noqa: E402
+from astrai_kernels.integrations import trl as ak_trl  # noqa: E402
+from astrai_kernels.testing import compare_elementwise  # noqa: E402
+
+from test_integration_trl import (  # noqa: E402
+    COMMON_ARGS,
+    _case,
+    _check_against_trl,
+    _model_dir,
+    _tokenizer,
+    _yardstick,
+)
+
+#: second step off-policy (two iterations per generation), small clip ranges so clipping shows;
+#: a step small enough that the second one is not chaotic (at 0.5 TRL's own float32 run is 6x
+#: further from float64 than on the first step)
+OFF_POLICY = (("num_iterations", 2), ("epsilon", 0.02), ("learning_rate", 0.01))
+
+GRPO_CASES = [
+    ("llama", "dapo", (("beta", 0.05),)),  # TRL's default loss; bias-corrected KL
+    ("llama", "grpo", (("beta", 0.0),)),
+    ("llama", "bnpo", (("delta", 1.01), ("use_bias_correction_kl", False))),
+    ("llama", "dr_grpo", ()),
+    ("llama", "luspo", (("importance_sampling_level", "sequence"),)),
+    ("llama", "grpo", (("importance_sampling_level", "sequence"),)),
+    ("llama", "cispo", (("epsilon_high", 1.01),)),
+    ("llama", "sapo", ()),
+    ("llama", "vespo", ()),
+    ("llama", "dapo", (("top_entropy_quantile", 0.5), ("off_policy_mask_threshold", 0.001))),
+    ("gemma2", "grpo", ()),
+    ("cohere", "dapo", ()),
+]
+#: loss types whose calls the single-pass kernel covers (token ratios, no extra mask)
+SINGLE_PASS = {"dapo", "grpo", "bnpo", "dr_grpo", "luspo"}
+
+
+def _case_id(case):
+    model_kind, loss_type, overrides = case
+    return "-".join([model_kind, loss_type] + [f"{k}={v}" for k, v in overrides])
+
+
+class _Counts:
+    def __init__(self, monkeypatch):
+        self.loss = self.walk = 0
+        loss_op, walk = ak.linear_grpo_loss, linear_ops._linear_grpo_forward
+
+        def counted_loss(*args, **kwargs):
+            self.loss += 1
+            return loss_op(*args, **kwargs)
+
+        def counted_walk(*args, **kwargs):
+            self.walk += 1
+            return walk(*args, **kwargs)
+
+        monkeypatch.setattr(ak, "linear_grpo_loss", counted_loss)
+        monkeypatch.setattr(linear_ops, "_linear_grpo_forward", counted_walk)
+
+
+@pytest.mark.parametrize("case", GRPO_CASES, ids=_case_id)
+def test_fused_loss_matches_trl(case, monkeypatch, tmp_path):
+    model_kind, loss_type, overrides = case
+    config = (("loss_type", loss_type),) + OFF_POLICY + overrides
+    counts = _Counts(monkeypatch)
+    actual, expected, naive, results = _check_against_trl(
+        "grpo", model_kind, monkeypatch, tmp_path, config_overrides=config,
+        install_kwargs=dict(fused_loss=True))
+    failed = [result.message() for _, result in results if not result.ok]
+    assert not failed, "\n".join(failed[:5])
+    assert actual["calls"]["trl"] == 0 and actual["calls"]["ak"] > 0
+    assert counts.loss == 2  # one loss per optimizer step, on our op
+    assert counts.walk == (2 if loss_type in SINGLE_PASS and not dict(overrides).get(
+        "top_entropy_quantile") and dict(overrides).get("importance_sampling_level",
+                                                         "token") == "token" else 0)
+    # the metrics TRL logs, by name, are all there
+    assert set(actual["logs"][1]) == set(expected["logs"][1])
+
+
+def test_fused_loss_lora_and_gradient_checkpointing(monkeypatch, tmp_path):
+    pytest.importorskip("peft", reason="peft is not installed (the LoRA case needs it)")
+    for variant in ("lora", "gradient checkpointing"):
+        counts = _Counts(monkeypatch)
+        actual, _, _, results = _check_against_trl(
+            "grpo", "llama", monkeypatch, tmp_path / variant.replace(" ", "-"), variant=variant,
+            config_overrides=OFF_POLICY, install_kwargs=dict(fused_loss=True))
+        failed = [result.message() for _, result in results if not result.ok]
+        assert not failed, f"{variant}: " + "\n".join(failed[:5])
+        assert counts.loss == 2 and actual["calls"]["trl"] == 0
+
+
+def test_fused_loss_broken_variant_fails(monkeypatch, tmp_path):
+    """A loss that drops TRL's KL bias correction is seen failing."""
+    original = ak.linear_grpo_loss
+
+    def broken(*args, options, **kwargs):
+        import dataclasses
+
+        return original(*args, options=dataclasses.replace(options, kl_ratio_correction=False),
+                        **kwargs)
+
+    monkeypatch.setattr(ak_trl.ak, "linear_grpo_loss", broken)
+    _, _, _, results = _check_against_trl(
+        "grpo", "llama", monkeypatch, tmp_path,
+        config_overrides=(("loss_type", "dapo"),) + OFF_POLICY + (("beta", 0.05),),
+        install_kwargs=dict(fused_loss=True))
+    assert any(not result.ok for _, result in results)
+
+
+def _grpo_trainer(tmp_path, dtype=torch.float32, **overrides):
+    cls, config_cls, config_kwargs, trainer_kwargs = _case("grpo")
+    args = config_cls(output_dir=str(tmp_path), **COMMON_ARGS, model_init_kwargs={"dtype": dtype},
+                      **{**config_kwargs, **overrides})
+    torch.manual_seed(0)
+    return cls(model=_model_dir("llama"), args=args, processing_class=_tokenizer(),
+               **trainer_kwargs)
+
+
+def _inputs(policy, sequence_ratios, batch=4, prompt=3, completion=6, seed=0):
+    """What ``_generate_and_score_completions`` hands ``_compute_loss``, with vLLM's ratios
+    (``exp`` of the masked log-prob gap per token, or of its sum per sequence, as TRL forms
+    them), a tool mask and padded completions (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    completion_mask = torch.ones(batch, completion, dtype=torch.long)
+    completion_mask[0, 4:] = 0
+    completion_mask[2, 1:] = 0
+    tool_mask = torch.ones(batch, completion, dtype=torch.long)
+    tool_mask[1, 2:4] = 0
+    input_ids = torch.randint(3, 30, (batch, prompt + completion), generator=g)
+    with torch.no_grad():
+        current = policy(input_ids=input_ids, labels=input_ids,
+                         fused_lm_head=True).log_probs[:, -completion:].double()
+
+    def noise(scale):
+        return scale * torch.randn(batch, completion, generator=g, dtype=torch.float64)
+
+    gap = noise(0.1) * completion_mask * tool_mask
+    return dict(
+        prompt_ids=input_ids[:, :prompt], prompt_mask=torch.ones(batch, prompt, dtype=torch.long),
+        completion_ids=input_ids[:, prompt:], completion_mask=completion_mask,
+        tool_mask=tool_mask, advantages=torch.randn(batch, generator=g, dtype=torch.float64),
+        old_per_token_logps=current + noise(0.05), ref_per_token_logps=current + noise(0.1),
+        importance_sampling_ratio=torch.exp(gap.sum(-1, keepdim=True) if sequence_ratios
+                                            else gap),
+        num_items_in_batch=completion_mask.sum().double())
+
+
+@pytest.mark.parametrize("loss_type, sequence_ratios", [
+    ("dapo", False), ("grpo", True), ("vespo", False)])
+def test_fused_loss_compute_loss_with_vllm_ratios_and_tool_mask(loss_type, sequence_ratios,
+                                                                tmp_path):
+    """One ``_compute_loss`` of ours against TRL's on the same inputs (TRL's on the float64
+    model the expected values, on the float32 one the yardstick): vLLM's importance-sampling
+    correction, a tool mask, padded completions, 3 accumulation steps."""
+    config = dict(loss_type=loss_type, beta=0.05, gradient_accumulation_steps=3, epsilon=0.02)
+    trainers = [_grpo_trainer(tmp_path / str(i), dtype, **config)
+                for i, dtype in enumerate((torch.float64, torch.float32, torch.float32))]
+    inputs = _inputs(trainers[0].model, sequence_ratios)
+    for trainer in trainers:
+        trainer.use_vllm = True  # what the correction needs; no generation runs here
+        trainer.vllm_importance_sampling_correction = True
+        trainer.current_gradient_accumulation_steps = 3
+        trainer.model.train()
+    expected_trainer, naive_trainer, ours = trainers
+    ak_trl.install(ours, fused_loss=True, chunk_size=4)
+
+    def run(trainer, dtype):
+        batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+        loss = trainer._compute_loss(trainer.model, batch)
+        loss.backward()
+        grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    expected = run(expected_trainer, torch.float64)
+    naive, actual = run(naive_trainer, torch.float32), run(ours, torch.float32)
+    assert set(actual[2]) == set(expected[2])
+    keys = sorted(expected[2])
+
+    def vec(metrics):
+        return torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+
+    checks = [("loss", actual[0], expected[0], naive[0]),
+              ("metrics", vec(actual[2]), vec(expected[2]), vec(naive[2]))]
+    checks += [(f"grad {n}", actual[1][n], expected[1][n], naive[1][n]) for n in expected[1]]
+    for name, got, want, base in checks:
+        result = compare_elementwise(got, want, _yardstick(base, want), dtype=torch.float32,
+                                     name=name)
+        assert result.ok, result.message()
+
+
+def test_fused_loss_refusals(monkeypatch, tmp_path):
+    trainer = _grpo_trainer(tmp_path)
+    with pytest.raises(TypeError, match="fused_loss"):
+        ak_trl.install(trainer, fused_loss=1)
+    trainer._entropy_bonus_enabled = True
+    with pytest.raises(ak_trl.TRLHeadError, match="entropy bonus"):
+        ak_trl.install(trainer, fused_loss=True)
+    trainer._entropy_bonus_enabled = False
+    trainer.loss_type = "unknown"
+    with pytest.raises(ak_trl.TRLHeadError, match="loss_type 'unknown'"):
+        ak_trl.install(trainer, fused_loss=True)
+    trainer.loss_type = "dapo"
+    trainer.off_policy_mask_threshold, trainer.use_vllm = 0.1, True
+    with pytest.raises(ak_trl.TRLHeadError, match="NaN sampling"):
+        ak_trl.install(trainer, fused_loss=True)
+    trainer.off_policy_mask_threshold, trainer.use_vllm = None, False
+    trainer.top_entropy_quantile = 0.5
+    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+    with pytest.raises(ak_trl.TRLHeadError, match="quantile"):
+        ak_trl.install(trainer, fused_loss=True)
+    monkeypatch.undo()
+    trainer.top_entropy_quantile = 1.0
+
+    class Overriding(type(trainer)):
+        def _compute_loss(self, model, inputs):
+            return super()._compute_loss(model, inputs)
+
+    trainer.__class__ = Overriding
+    with pytest.raises(ak_trl.TRLHeadError, match="overrides"):
+        ak_trl.install(trainer, fused_loss=True)
+    trainer.__class__ = Overriding.__mro__[1]
+    assert not ak_trl.is_installed(trainer)
+    ak_trl.install(trainer, fused_loss=True)
+    assert "_compute_loss" in trainer.__dict__
+    ak_trl.uninstall(trainer)
+    assert "_compute_loss" not in trainer.__dict__
+
+    # RLOO's sequence ratio is a sum; other trainers have no GRPO loss
+    cls, config_cls, config_kwargs, trainer_kwargs = _case("rloo")
+    rloo = cls(model=_model_dir("llama"), processing_class=_tokenizer(),
+               args=config_cls(output_dir=str(tmp_path), **COMMON_ARGS, **config_kwargs),
+               **trainer_kwargs)
+    with pytest.raises(ak_trl.TRLHeadError, match="summed sequence log-ratio"):
+        ak_trl.install(rloo, fused_loss=True)
+    assert not ak_trl.is_installed(rloo)
+    cls, config_cls, config_kwargs, trainer_kwargs = _case("sft")
+    sft = cls(model=_model_dir("llama"), processing_class=_tokenizer(),
+              args=config_cls(output_dir=str(tmp_path), **COMMON_ARGS, **config_kwargs),
+              **trainer_kwargs)
+    with pytest.raises(ak_trl.TRLHeadError, match="GRPOTrainer only"):
+        ak_trl.install(sft, fused_loss=True)
