@@ -3,7 +3,7 @@ import torch
 
 import astrai_kernels as ak
 from astrai_kernels import reference
-from astrai_kernels.testing import assert_close
+from astrai_kernels.testing import assert_close, spec
 
 from cases import (
     COMPILE_BACKENDS,
@@ -166,6 +166,7 @@ def test_no_grad_call_returns_loss_without_graph():
     (dict(clip_eps_low=-0.1), ValueError, "clip_eps_low"),
     (dict(delta=0.0), ValueError, "delta"),
     (dict(temperature=-1.0), ValueError, "temperature"),
+    (dict(return_token_values=1), TypeError, "return_token_values"),
 ])
 def test_bad_arguments(kwargs, error, match):
     base, target, mask, advantages, _, _ = _batch(torch.float32)
@@ -206,3 +207,73 @@ def test_torch_compile_fullgraph(backend):
     assert_close(out, expected, "value", torch.float32)
     assert_close(kl, kl_eager, "value", torch.float32)
     assert_close(x.grad, x_eager.grad, "grad", torch.float32)
+
+
+TOKEN_VALUE_CASES = [  # single-pass kernel: clipped surrogate on token ratios, with/without KL
+    dict(loss_type="dapo", beta=0.1, ref=True),
+    dict(loss_type="grpo", beta=0.1, ref=True, kl_ratio_correction=True),
+    dict(loss_type="bnpo"),
+    # torch math on the token log-probs: GSPO, SAPO, the entropy mask
+    dict(loss_type="grpo", importance_sampling="sequence"),
+    dict(loss_type="sapo"),
+    dict(loss_type="dapo", top_entropy_quantile=0.5),
+]
+
+
+@pytest.mark.parametrize("linear", [False, True], ids=["logits", "linear"])
+@pytest.mark.parametrize("case", TOKEN_VALUE_CASES,
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_return_token_values(backend, case, linear):
+    """``return_token_values=True``: each token's log-prob and entropy (float64 spec, 0 where
+    masked, detached) beside the same loss, gradient and metrics as without it, plus the mean
+    entropy in the metrics."""
+    case = dict(case)
+    with_ref = case.pop("ref", False) or case.get("kl_ratio_correction", False)
+    base, target, mask, advantages, old, ref = _batch(torch.float32, vocab=37)
+    temperature = 0.8
+    kwargs = dict(mask=mask, old_logprobs=old, ref_logprobs=ref if with_ref else None,
+                  temperature=temperature, backend=backend, **case)
+    if linear:
+        g = torch.Generator().manual_seed(5)
+        hidden = torch.randn(*target.shape, 8, generator=g)
+        weight = torch.randn(37, 8, generator=g)
+
+        def call(**extra):
+            h = hidden.clone().requires_grad_(True)
+            out = ak.linear_grpo_loss(h, weight, target, advantages, chunk_size=4, **kwargs,
+                                      **extra)
+            out[0].backward()
+            return out, h.grad
+        logits = (hidden @ weight.T).double()
+    else:
+        def call(**extra):
+            x = base[:, :-1].clone().requires_grad_(True)
+            out = ak.grpo_loss(x, target, advantages, **kwargs, **extra)
+            out[0].backward()
+            return out, x.grad
+        logits = base[:, :-1].double()
+    (loss, metrics), grad = call()
+    (loss_v, metrics_v, values), grad_v = call(return_token_values=True)
+    assert torch.equal(loss_v, loss) and torch.equal(grad_v, grad)
+    assert set(metrics_v) == set(metrics) | {"entropy"}
+    for key in metrics:
+        assert torch.equal(metrics_v[key], metrics[key]), key
+    valid = mask > 0
+    masked_target = torch.where(valid, target, -100)
+    expected = reference.token_logprobs(logits, masked_target, temperature)
+    naive = reference.token_logprobs(logits.float(), masked_target, temperature)
+    assert set(values) == {"logprobs", "entropy"}
+    # the entropy's terms (lse - sum_j p_j s_j cancels): their float32 rounding is allowed
+    entropy_terms = spec.logprobs_terms(logits, masked_target, temperature, -100,
+                                        True)["entropy_terms"].view(target.shape)
+    for i, (name, scale) in enumerate((("logprobs", None), ("entropy", entropy_terms))):
+        got = values[name]
+        assert got.dtype == torch.float32 and got.shape == target.shape
+        assert not got.requires_grad
+        assert torch.count_nonzero(got[~valid]) == 0, name
+        assert_close(got, expected[i], "value", torch.float32, name, naive=naive[i],
+                     scale=scale)
+    assert_close(metrics_v["entropy"], expected[1][valid].mean(), "value", torch.float32,
+                 "entropy mean", naive=naive[1][valid].mean(),
+                 scale=entropy_terms[valid].mean())
