@@ -267,8 +267,9 @@ def _yardstick(naive, expected):
     return expected + (naive - expected).abs().max()
 
 
-def _comparisons(actual, expected, naive):
-    """Every comparison of a run against the float64 run (``naive``: TRL's float32 run)."""
+def _comparisons(actual, expected, naive, dtype=torch.float32):
+    """Every comparison of a run against the float64 run (``naive``: TRL's float32 run;
+    ``dtype``: the row of the tolerance table)."""
     results = []
     assert len(actual["logs"]) == len(expected["logs"]) == 2
     assert len(actual["grads"]) == len(expected["grads"]) == 2
@@ -283,7 +284,7 @@ def _comparisons(actual, expected, naive):
         results.append((f"step {step} logs {keys}",
                         compare_elementwise(vector(got), vector(want),
                                             _yardstick(vector(base), vector(want)),
-                                            dtype=torch.float32, name=f"step {step} logs")))
+                                            dtype=dtype, name=f"step {step} logs")))
     for step, (got, want, base) in enumerate(zip(actual["grads"], expected["grads"],
                                                  naive["grads"])):
         assert set(got) == set(want), set(got) ^ set(want)
@@ -291,7 +292,7 @@ def _comparisons(actual, expected, naive):
             results.append((f"step {step} grad {name}",
                             compare_elementwise(got[name], want[name],
                                                 _yardstick(base[name], want[name]),
-                                                dtype=torch.float32,
+                                                dtype=dtype,
                                                 name=f"step {step} grad {name}")))
     return results
 
@@ -490,3 +491,26 @@ def test_trainer_built_on_a_patched_model(monkeypatch, tmp_path):
         assert patched_run["logs"][step]["loss"] == plain["logs"][step]["loss"]
         for name, grad in plain["grads"][step].items():
             assert torch.equal(patched_run["grads"][step][name], grad), name
+
+
+@pytest.mark.parametrize("trainer_name, install_kwargs", [
+    ("sft", {}), ("dpo", {}), ("grpo", {}), ("grpo", {"fused_loss": True}), ("gkd", {})],
+    ids=["sft", "dpo", "grpo", "grpo-fused_loss", "gkd"])
+def test_bf16_autocast_trainer_steps(trainer_name, install_kwargs, monkeypatch, tmp_path):
+    """``bf16=True`` (autocast on CPU, as TRL 1.16 turns on by default): two steps of ours and
+    of TRL's head, both under autocast, against TRL's head in float64 without it, on the
+    bfloat16 row of the tolerance table (TRL's own bf16 run the yardstick)."""
+    bf16 = (("bf16", True),)
+    expected = _train(trainer_name, "llama", torch.float64, False, monkeypatch,
+                      tmp=str(tmp_path / "fp64"))
+    naive = _train(trainer_name, "llama", torch.float32, False, monkeypatch,
+                   tmp=str(tmp_path / "trl"), config_overrides=bf16)
+    actual = _train(trainer_name, "llama", torch.float32, True, monkeypatch,
+                    tmp=str(tmp_path / "ours"), config_overrides=bf16,
+                    install_kwargs=install_kwargs)
+    results = _comparisons(actual, expected, naive, dtype=torch.bfloat16)
+    failed = [result.message() for _, result in results if not result.ok]
+    assert not failed, "\n".join(failed[:5])
+    assert actual["calls"]["trl"] == 0
+    assert (actual["calls"]["ak_distill"] == 2 if trainer_name == "gkd"
+            else actual["calls"]["ak"] > 0)

@@ -44,7 +44,7 @@ TRL is imported only when these functions run; ``import astrai_kernels`` never i
 import functools
 import math
 import types
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -81,15 +81,48 @@ def _trl_version() -> str:
     return trl.__version__
 
 
+def _is_trl_forward(forward) -> bool:
+    function = getattr(forward, "__func__", None)
+    return getattr(function, "__code__", None) is _trl_forward_code()
+
+
+def _trl_forward(model) -> Tuple[Any, bool]:
+    """``(TRL's bound forward or None, wrapped)``: ``wrapped`` when accelerate's mixed
+    precision wraps it (``prepare_model`` keeps the wrapped forward as ``_original_forward``,
+    as TRL's trainers do to ``ref_model`` when they are built)."""
+    if not isinstance(model, nn.Module):
+        return None, False
+    forward = model.__dict__.get("forward")
+    if _is_trl_forward(forward):
+        return forward, False
+    original = model.__dict__.get("_original_forward")
+    if forward is not None and _is_trl_forward(original):
+        return original, True
+    return None, False
+
+
 def trl_head_settings(model: nn.Module) -> Optional[Dict[str, Any]]:
     """The settings of TRL's fused head on ``model`` (its forward's closure), or None when
-    ``model``'s forward is not TRL's ``add_fused_lm_head`` forward."""
-    forward = model.__dict__.get("forward") if isinstance(model, nn.Module) else None
-    function = getattr(forward, "__func__", None)
-    if getattr(function, "__code__", None) is not _trl_forward_code():
+    ``model``'s forward is not TRL's ``add_fused_lm_head`` forward (or accelerate's mixed
+    precision wrapper of it)."""
+    forward, _ = _trl_forward(model)
+    if forward is None:
         return None
+    function = forward.__func__
     names = function.__code__.co_freevars
     return {name: cell.cell_contents for name, cell in zip(names, function.__closure__ or ())}
+
+
+def _mixed_precision_forward(trainer, forward):
+    """``forward`` wrapped as accelerate's ``prepare_model`` wraps a forward under mixed
+    precision: autocast, outputs converted to float32."""
+    from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+
+    accelerator = trainer.accelerator
+    context = get_mixed_precision_context_manager(accelerator.native_amp,
+                                                  accelerator.autocast_handler)
+    return types.MethodType(convert_outputs_to_fp32(context(forward.__func__)),
+                            forward.__self__)
 
 
 def _trl_forward_code():
@@ -610,13 +643,18 @@ def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None,
         policy_settings = next(settings for model, settings in plans if model is policy)
         _check_grpo_options(trainer, _grpo_options(trainer, policy_settings["temperature"]))
     for model, settings in plans:
-        trl_forward = model.__dict__["forward"]
-        model.__dict__[_MODEL_STATE] = {"trl_forward": trl_forward, "settings": settings}
+        trl_forward, wrapped = _trl_forward(model)
+        model.__dict__[_MODEL_STATE] = {
+            "trl_forward": model.__dict__["forward"], "settings": settings,
+            "original_forward": model.__dict__.get("_original_forward")}
         forward = types.MethodType(_make_forward(trl_forward, settings, backend, chunk_size),
                                    model)
         if (is_gkd and model is _gkd_base(trainer)) or (fused_loss and model is policy):
             forward = types.MethodType(_hidden_forward(forward, settings["backbone_attr"]),
                                        model)
+        if wrapped:
+            model._original_forward = forward
+            forward = _mixed_precision_forward(trainer, forward)
         model.forward = forward
     served = [model for model, _ in plans]
     if fused_loss:
@@ -651,6 +689,8 @@ def uninstall(trainer):
             del model.__dict__["forward"]
         else:
             model.forward = state["trl_forward"]
+        if state.get("original_forward") is not None:
+            model._original_forward = state["original_forward"]
     trainer.__dict__.pop("compute_loss", None)  # GKD's: the class's again
     trainer.__dict__.pop("_compute_loss", None)  # fused_loss's
     del trainer.__dict__[_TRAINER_STATE]
