@@ -339,7 +339,9 @@ def _gkd_compute_loss(trainer, original, backend: str, chunk_size: Optional[int]
         student = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                         astrai_hidden_states=True).last_hidden_state[:, :-1]
         trainer.teacher_model.eval()
-        with torch.no_grad():
+        # accelerate's mixed-precision wrapper of the teacher (prepared when the trainer was
+        # built) is skipped by the hidden-state call: its autocast is entered here
+        with torch.no_grad(), trainer.accelerator.autocast():
             teacher = trainer.teacher_model(
                 input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                 astrai_hidden_states=True).last_hidden_state[:, :-1]
