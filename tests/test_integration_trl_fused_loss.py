@@ -40,6 +40,7 @@ GRPO_CASES = [
     ("llama", "grpo", (("beta", 0.0),)),
     ("llama", "bnpo", (("delta", 1.01), ("use_bias_correction_kl", False))),
     ("llama", "dr_grpo", ()),
+    ("llama", "luspo", ()),
     ("llama", "luspo", (("importance_sampling_level", "sequence"),)),
     ("llama", "grpo", (("importance_sampling_level", "sequence"),)),
     ("llama", "cispo", (("epsilon_high", 1.01),)),
