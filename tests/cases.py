@@ -308,3 +308,28 @@ def spec_expected_and_naive(primitive, logits, *args, **kwargs):
     if logits.dtype not in (torch.float32, torch.float64) and "grad" in expected:
         naive["grad"] = primitive(logits, *args, precision=logits.dtype, **kwargs)["grad"]
     return expected, naive
+
+
+def shard_grad_float64(logits, target, lse, alpha, beta, gamma, delta, temperature, softcap,
+                       ignore_index=-100):
+    """``(1/T) dz/dx (p (alpha + beta log p) + gamma d_jy + delta)`` in float64, with its term
+    sizes (the scale of the tolerance)."""
+    x = logits.double().reshape(-1, logits.shape[-1])
+    z = softcap * torch.tanh(x / softcap) if softcap else x
+    t2 = torch.tanh(x / softcap) ** 2 if softcap else torch.zeros_like(x)
+    dz = 1.0 - t2  # itself formed by two terms: its size is 1 + t2
+    log_p = (z / temperature - lse.double()[:, None]).clamp(min=-1e4)
+    p = log_p.exp()
+    rows = torch.arange(x.shape[0])
+    owned = (target >= 0) & (target < x.shape[1])
+    onehot = torch.zeros_like(x)
+    onehot[rows[owned], target[owned]] = 1.0
+    b = 0.0 if beta is None else beta.double()[:, None]
+    d = 0.0 if delta is None else delta.double()[:, None]
+    a, g = alpha.double()[:, None], gamma.double()[:, None]
+    grad = dz * (p * (a + b * log_p) + g * onehot + d) / temperature
+    scale = (1.0 + t2) * (p * (a.abs() + (b * log_p).abs()) + g.abs() * onehot + abs(d))
+    scale = scale / temperature
+    ignored = (target == ignore_index)[:, None]
+    return (torch.where(ignored, 0.0, grad).reshape(logits.shape),
+            torch.where(ignored, 0.0, scale).reshape(logits.shape))

@@ -29,6 +29,7 @@ from astrai_kernels.testing import assert_close as check_close
 from cases import (
     assert_matches_spec,
     make_logits,
+    shard_grad_float64,
     spec_cross_entropy,
     spec_expected_and_naive,
     spec_grpo,
@@ -602,30 +603,6 @@ def test_lse_reference_value():
 # ------------------------------------------------------------------------------------------
 
 NOT_IN_SHARD = -2
-
-
-def shard_grad_float64(logits, target, lse, alpha, beta, gamma, delta, temperature, softcap):
-    """``(1/T) dz/dx (p (alpha + beta log p) + gamma d_jy + delta)`` in float64, with its term
-    sizes (the scale of the tolerance)."""
-    x = logits.double().reshape(-1, logits.shape[-1])
-    z = softcap * torch.tanh(x / softcap) if softcap else x
-    t2 = torch.tanh(x / softcap) ** 2 if softcap else torch.zeros_like(x)
-    dz = 1.0 - t2  # itself formed by two terms: its size is 1 + t2
-    log_p = (z / temperature - lse.double()[:, None]).clamp(min=-1e4)
-    p = log_p.exp()
-    rows = torch.arange(x.shape[0])
-    owned = (target >= 0) & (target < x.shape[1])
-    onehot = torch.zeros_like(x)
-    onehot[rows[owned], target[owned]] = 1.0
-    b = 0.0 if beta is None else beta.double()[:, None]
-    d = 0.0 if delta is None else delta.double()[:, None]
-    a, g = alpha.double()[:, None], gamma.double()[:, None]
-    grad = dz * (p * (a + b * log_p) + g * onehot + d) / temperature
-    scale = (1.0 + t2) * (p * (a.abs() + (b * log_p).abs()) + g.abs() * onehot + abs(d))
-    scale = scale / temperature
-    ignored = (target == IGNORE)[:, None]
-    return (torch.where(ignored, 0.0, grad).reshape(logits.shape),
-            torch.where(ignored, 0.0, scale).reshape(logits.shape))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -9,6 +9,8 @@ a 2-rank subgroup (shards 4/7). Each case's outcome per rank comes back to a tes
 
 import traceback
 
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -316,36 +318,35 @@ def case_reference_backend(group, start, stop, dtype):
 
 
 def case_backends_and_errors(group, start, stop, dtype):
-    """The cpp backend's shard gradient equals the torch backend's; a backend without
-    ``vocab_shard_backward`` names itself when a gradient is asked for; bad input raises before
-    any collective hangs."""
+    """The cpp and triton (interpreted) backends' shard gradients equal the torch backend's; a
+    backend without ``vocab_shard_backward`` names itself when a gradient is asked for; bad
+    input raises before any collective hangs."""
     full, target = _logits(dtype, seed=13), _target()
     results = {}
     for backend in ak.available_backends("cpu"):
         if backend == "reference":
             continue
         shard = _shard_leaf(full, start, stop)
-        if not hasattr(backend_module(backend), "vocab_shard_backward"):  # triton, interpreted
-            forward_only = ak.token_logprobs(shard.detach(), target, process_group=group,
-                                             backend=backend)
-            assert_close(forward_only, ak.token_logprobs(
-                shard.detach(), target, process_group=group, backend="torch").double(),
-                "value", dtype, f"{backend} logp")
-            with pytest.raises(NotImplementedError, match=f"'{backend}'"):
-                ak.token_logprobs(shard, target, process_group=group, backend=backend)
-            continue
         logp, entropy = ak.token_logprobs(shard, target, process_group=group, backend=backend,
                                           temperature=0.7, return_entropy=True)
         (logp.sum() + 0.5 * entropy.sum()).backward()
         results[backend] = (logp.detach(), shard.grad)
     torch_logp, torch_grad = results["torch"]
-    if "cpp" in results:
-        cpp_logp, cpp_grad = results["cpp"]
-        assert_close(cpp_logp, torch_logp.double(), "value", dtype, "cpp logp")
-        assert_close(cpp_grad, torch_grad.double(), "grad", dtype, "cpp shard grad",
-                     naive=torch_grad, scale=torch_grad.double().abs() + 1.0 / VOCAB)
-    with pytest.raises(NotImplementedError, match="'triton'"):
-        vocab_parallel.shard_backend("triton", "triton", needs_grad=True)
+    for backend in ("triton", "cpp"):
+        if backend in results:
+            got_logp, got_grad = results[backend]
+            assert_close(got_logp, torch_logp.double(), "value", dtype, f"{backend} logp")
+            assert_close(got_grad, torch_grad.double(), "grad", dtype, f"{backend} shard grad",
+                         naive=torch_grad, scale=torch_grad.double().abs() + 1.0 / VOCAB)
+    # a backend module without the primitive: auto falls back to torch, by name it refuses
+    saved = vocab_parallel.backend_module
+    vocab_parallel.backend_module = lambda name: types.SimpleNamespace()
+    try:
+        with pytest.raises(NotImplementedError, match="'cpp'"):
+            vocab_parallel.shard_backend("cpp", "cpp", needs_grad=True)
+        assert vocab_parallel.shard_backend("auto", "cpp", needs_grad=True) == "torch"
+    finally:
+        vocab_parallel.backend_module = saved
     assert vocab_parallel.shard_backend("auto", "cpp", needs_grad=True) == "cpp"
     with pytest.raises(ValueError, match="target holds 11"):
         ak.cross_entropy(_shard_leaf(full, start, stop), torch.full_like(target, VOCAB),

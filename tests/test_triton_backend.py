@@ -18,6 +18,7 @@ from astrai_kernels.triton import config
 
 from cases import (
     assert_matches_spec,
+    shard_grad_float64,
     spec_cross_entropy,
     spec_expected_and_naive,
     spec_grpo,
@@ -372,3 +373,44 @@ def test_unavailable_reason():
         assert kb.unavailable_reason("cpu") is None
     else:
         assert "TRITON_INTERPRET" in kb.unavailable_reason("cpu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES_2, ids=str)
+@pytest.mark.parametrize("layout", ("contiguous", "strided_vocab"))
+@pytest.mark.parametrize("softcap", (0.0, 3.0))
+@pytest.mark.parametrize("with_beta", (False, True))
+def test_vocab_shard_backward(dtype, layout, softcap, with_beta, tile, few_programs):
+    """The shard gradient against its float64 statement (``cases.shard_grad_float64``): counted
+    rows whose target another shard holds, an ignored row, several tiles, fewer programs than
+    rows, in place."""
+    from astrai_kernels.ops.primitives import ShardGradArgs
+
+    vocab, n = 37, 12
+    x = make_logits(2, 6, vocab, dtype, layout)
+    target = make_target(n, vocab, ignore_every=0)
+    target[3] = IGNORE
+    target[[1, 7]] = -2  # counted rows whose target another rank holds
+    g = torch.Generator().manual_seed(21)
+    z = x.float().cpu()
+    z = softcap * torch.tanh(z / softcap) if softcap else z
+    # a whole-vocabulary lse above this shard's own (other shards hold mass too)
+    lse = torch.logsumexp(z.reshape(n, vocab) / 0.8, -1) + torch.rand(n, generator=g)
+    alpha, gamma = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    beta = torch.randn(n, generator=g) if with_beta else None
+    delta = torch.randn(n, generator=g) * 0.01 if with_beta else None
+    expected, scale = shard_grad_float64(x.cpu(), target.cpu(), lse, alpha, beta, gamma, delta,
+                                         0.8, softcap, IGNORE)
+
+    def on_device(t):
+        return None if t is None else t.to(DEVICE)
+
+    args = ShardGradArgs(0.8, softcap, IGNORE)
+    coefficients = [on_device(t) for t in (lse, alpha, beta, gamma, delta)]
+    grad = torch.full_like(x, float("nan"))
+    kb.vocab_shard_backward(x, target, *coefficients, args, grad)
+    check_close(grad.cpu(), expected, "grad", dtype, "shard grad", scale=scale)
+    assert (grad.reshape(n, vocab)[3] == 0).all()  # ignored row
+    if layout == "contiguous":
+        inplace = x.clone()
+        kb.vocab_shard_backward(inplace, target, *coefficients, args, inplace)
+        assert torch.equal(inplace, grad)

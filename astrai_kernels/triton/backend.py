@@ -11,7 +11,13 @@ import os
 
 import torch
 
-from ..ops.primitives import CrossEntropyArgs, DistillArgs, LogprobsArgs, SurrogateArgs
+from ..ops.primitives import (
+    CrossEntropyArgs,
+    DistillArgs,
+    LogprobsArgs,
+    ShardGradArgs,
+    SurrogateArgs,
+)
 from . import config
 
 try:
@@ -22,6 +28,7 @@ try:
     from . import grpo as _grpo
     from . import helpers as _helpers
     from . import logprobs as _lp
+    from . import vocab_shard as _shard
     _IMPORT_ERROR = None
 except Exception as exc:  # ImportError, or a triton too broken to build the kernels
     triton = None
@@ -338,6 +345,28 @@ def scale_grad_(grad, grad_output):
     return grad
 
 
+
+def vocab_shard_backward(logits, target, lse, alpha, beta, gamma, delta, params, grad):
+    outer, inner, vocab = logits.shape
+    n_rows = outer * inner
+    if n_rows == 0:
+        return
+    softcap = float(params.softcap or 0.0)
+    target = target.reshape(-1).contiguous()
+    has_beta, has_delta = beta is not None, delta is not None
+    lse, alpha, gamma = _rows_f32(lse), _rows_f32(alpha), _rows_f32(gamma)
+    beta = _rows_f32(beta) if has_beta else alpha  # unread without HAS_BETA
+    delta = _rows_f32(delta) if has_delta else alpha  # unread without HAS_DELTA
+    cfg = _tile_config(logits, grad)
+    programs = config.row_programs(n_rows, _row_bytes(logits), logits.device, rereads=False)
+    _launch(_shard.vocab_shard_bwd_kernel, programs,
+            (logits, target, lse, alpha, beta, gamma, delta, grad, n_rows, inner, vocab,
+             *logits.stride(), *grad.stride(), float(params.temperature), softcap,
+             int(params.ignore_index)),
+            dict(BLOCK_V=cfg.block_v, HAS_BETA=has_beta, HAS_DELTA=has_delta,
+                 HAS_SOFTCAP=softcap != 0.0),
+            cfg.num_warps)
+
 # ---------------------------------------------------------------------------------------------
 # what the compile-check builds
 
@@ -408,6 +437,12 @@ def _representative_calls(logits, grad):
                 distill_forward(logits, logits, target, args)
                 distill_backward(logits, logits, target, rows, rows, rows,
                                  rows if hard_weight else rows[:0], rows, args, grad)
+    for has_beta in (False, True):
+        for has_delta in (False, True):
+            for softcap in (0.0, 30.0):
+                vocab_shard_backward(logits, target, rows, rows, rows if has_beta else None, rows,
+                                     rows if has_delta else None,
+                                     ShardGradArgs(1.0, softcap, -100), grad)
     scale_grad_(grad, torch.empty((), dtype=torch.float32, device=device))
 
 
