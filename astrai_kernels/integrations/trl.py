@@ -27,6 +27,18 @@ temperature 1 and ``batchmean`` or ``num_items_in_batch`` as TRL's ``generalized
 there, each model's logit scale and soft-cap); the models are called through ``__call__`` with
 ``astrai_hidden_states=True``, which their installed forward answers with the backbone's output.
 
+On a ``DistillationTrainer`` (``trl.DistillationTrainer``), whose models carry no TRL head,
+``install`` gives the trainer TRL's own ``_compute_loss`` (its inputs, backbone calls, logit
+scales and soft-caps) with the one global name ``_chunked_divergence_loss`` resolved to
+``_distillation_divergence_loss``: ``ak.linear_distill_loss`` on the completion positions with
+the trainer's ``beta`` and ``temperature``, divided by ``num_items_in_batch`` or the position
+count, each head in its hidden states' (or the autocast) dtype, and the logged student entropy
+from ``ak.linear_token_logprobs`` (one more walk of the student head, no gradient). Refused:
+no local ``teacher_model`` (``ServerDistillationTrainer``: a vLLM teacher's top-k log-probs, a
+sparse divergence), a subclass overriding ``compute_loss`` or ``_compute_loss``, a TRL whose
+``_compute_loss`` does not call ``_chunked_divergence_loss`` with 1.16's arguments, ``beta``
+outside [0, 1], ``temperature <= 0``, heads of different vocabularies or DTensor heads.
+
 Calls without ``fused_lm_head`` go to TRL's forward (so to the model's own, e.g. for
 ``generate``). The models are still called through ``model(...)``, so hooks run. TRL's
 settings are read from its forward's closure, which is why ``install`` checks TRL's version
