@@ -24,10 +24,6 @@ import torch
 pytest.importorskip("trl", reason="trl is not installed (pip install -e '.[trl]'); "
                                   "`make test` installs it")
 
-import astrai_kernels as ak  # noqa: E402
-from astrai_kernels import reference  # noqa: E402
-from astrai_kernels.integrations import trl as ak_trl  # noqa: E402
-from astrai_kernels.testing import compare_elementwise  # noqa: E402
 from test_integration_trl import (  # noqa: E402
     COMMON_ARGS,
     _comparisons,
@@ -38,6 +34,11 @@ from test_integration_trl import (  # noqa: E402
     _tokenizer,
     _yardstick,
 )
+
+import astrai_kernels as ak  # noqa: E402
+from astrai_kernels import reference  # noqa: E402
+from astrai_kernels.integrations import trl as ak_trl  # noqa: E402
+from astrai_kernels.testing import compare_elementwise  # noqa: E402
 
 # student, teacher, and the config: JSD from a tied teacher head to a soft-capped student,
 # forward KL from a teacher with a logit scale, reverse KL from a soft-capped teacher to a
