@@ -27,6 +27,18 @@ temperature 1 and ``batchmean`` or ``num_items_in_batch`` as TRL's ``generalized
 there, each model's logit scale and soft-cap); the models are called through ``__call__`` with
 ``astrai_hidden_states=True``, which their installed forward answers with the backbone's output.
 
+On a ``DistillationTrainer`` (``trl.DistillationTrainer``), whose models carry no TRL head,
+``install`` gives the trainer TRL's own ``_compute_loss`` (its inputs, backbone calls, logit
+scales and soft-caps) with the one global name ``_chunked_divergence_loss`` resolved to
+``_distillation_divergence_loss``: ``ak.linear_distill_loss`` on the completion positions with
+the trainer's ``beta`` and ``temperature``, divided by ``num_items_in_batch`` or the position
+count, each head in its hidden states' (or the autocast) dtype, and the logged student entropy
+from ``ak.linear_token_logprobs`` (one more walk of the student head, no gradient). Refused:
+no local ``teacher_model`` (``ServerDistillationTrainer``: a vLLM teacher's top-k log-probs, a
+sparse divergence), a subclass overriding ``compute_loss`` or ``_compute_loss``, a TRL whose
+``_compute_loss`` does not call ``_chunked_divergence_loss`` with 1.16's arguments, ``beta``
+outside [0, 1], ``temperature <= 0``, heads of different vocabularies or DTensor heads.
+
 Calls without ``fused_lm_head`` go to TRL's forward (so to the model's own, e.g. for
 ``generate``). The models are still called through ``model(...)``, so hooks run. TRL's
 settings are read from its forward's closure, which is why ``install`` checks TRL's version
@@ -42,6 +54,7 @@ TRL is imported only when these functions run; ``import astrai_kernels`` never i
 """
 
 import functools
+import inspect
 import math
 import types
 from typing import Any, Dict, List, Optional, Tuple
@@ -373,6 +386,7 @@ def _gkd_compute_loss(trainer, original, backend: str, chunk_size: Optional[int]
     return compute_loss
 
 
+<<<<<<< HEAD
 _MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
                       "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
                       "mm_token_type_ids", "image_position_ids")
@@ -603,6 +617,148 @@ def _log_grpo_metrics(trainer, mode: str, values: Dict[str, Tensor], inputs,
 
 def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None,
             fused_loss: bool = False):
+=======
+#: TRL 1.16's ``distillation_trainer._chunked_divergence_loss`` parameters, in order.
+_DISTILLATION_LOSS_PARAMETERS = (
+    "student_hidden_states", "teacher_hidden_states", "student_lm_head_weight",
+    "teacher_lm_head_weight", "completion_mask", "beta", "num_items_in_batch",
+    "student_lm_head_bias", "teacher_lm_head_bias", "student_logit_scale", "teacher_logit_scale",
+    "student_final_logit_softcapping", "teacher_final_logit_softcapping", "temperature")
+
+
+def _distillation_trainer(trainer) -> bool:
+    """Whether ``trainer`` is a TRL ``DistillationTrainer`` (or a subclass: the deprecated
+    ``trl.experimental.distillation`` alias, ``ServerDistillationTrainer``)."""
+    if not any(klass.__name__ == "DistillationTrainer" for klass in type(trainer).__mro__):
+        return False
+    from trl.trainer.distillation_trainer import DistillationTrainer
+
+    return isinstance(trainer, DistillationTrainer)
+
+
+def _distillation_check(trainer, backend: str, chunk_size: Optional[int]) -> None:
+    from torch.distributed.tensor import DTensor
+    from trl.trainer import distillation_trainer as trl_distillation
+
+    base = trl_distillation.DistillationTrainer
+    if not isinstance(getattr(trainer, "teacher_model", None), nn.Module):
+        raise _refuse(trainer, "it has no local teacher_model (ServerDistillationTrainer's teacher "
+                               "is a vLLM server returning top-k log-probs: a sparse divergence, "
+                               "not the full-vocabulary one of linear_distill_loss)")
+    for name in ("compute_loss", "_compute_loss"):
+        if getattr(type(trainer), name) is not getattr(base, name):
+            raise _refuse(trainer, f"it overrides DistillationTrainer.{name}, whose loss is not "
+                                   f"known here")
+    loss_function = getattr(trl_distillation, "_chunked_divergence_loss", None)
+    code = base._compute_loss.__code__
+    try:
+        parameters = tuple(inspect.signature(loss_function).parameters)
+    except TypeError:
+        parameters = None
+    if (parameters != _DISTILLATION_LOSS_PARAMETERS or code.co_freevars
+            or "_chunked_divergence_loss" not in code.co_names):
+        raise _refuse(trainer, "TRL's DistillationTrainer._compute_loss does not call "
+                               "_chunked_divergence_loss(" + ", ".join(
+                                   _DISTILLATION_LOSS_PARAMETERS) + ") as TRL 1.16's does")
+    beta, temperature = trainer.beta, trainer.temperature
+    if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):
+        raise _refuse(trainer, f"beta {beta!r} is not a number in [0, 1]")
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise _refuse(trainer, f"temperature {temperature!r} is not a positive number")
+    if chunk_size is not None and (not isinstance(chunk_size, int)
+                                   or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+    vocabularies = []
+    for role, model in (("student", trainer.model), ("teacher", trainer.teacher_model)):
+        head = model.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        if not isinstance(weight, Tensor) or weight.dim() != 2:
+            raise _refuse(trainer, f"its {role}'s output embedding {type(head).__name__} has no "
+                                   f"[V, H] weight")
+        if isinstance(weight, DTensor):
+            raise _refuse(trainer, f"its {role}'s LM head weight is a DTensor (sharded)")
+        _resolve_backend(backend, weight.device)  # an unknown backend fails here
+        vocabularies.append(weight.shape[0])
+    if vocabularies[0] != vocabularies[1]:
+        raise _refuse(trainer, f"the student's and the teacher's LM heads have vocabularies "
+                               f"{vocabularies[0]} and {vocabularies[1]}")
+
+
+def _distillation_divergence_loss(student_hidden_states, teacher_hidden_states,
+                                  student_lm_head_weight, teacher_lm_head_weight, completion_mask,
+                                  beta, num_items_in_batch=None, student_lm_head_bias=None,
+                                  teacher_lm_head_bias=None, student_logit_scale=1.0,
+                                  teacher_logit_scale=1.0, student_final_logit_softcapping=None,
+                                  teacher_final_logit_softcapping=None, temperature=1.0, *,
+                                  backend: str = "auto", chunk_size: Optional[int] = None):
+    """TRL 1.16's ``_chunked_divergence_loss`` (same arguments, same ``(loss, entropy_sum,
+    n_valid)``) on ``ak.linear_distill_loss``: the generalized JSD of ``beta`` at
+    ``temperature`` over the positions where ``completion_mask`` is not 0, summed and divided by
+    ``num_items_in_batch``, else by their count (at least 1); ``entropy_sum`` is the student's
+    entropy at ``temperature`` summed over them (``ak.linear_token_logprobs``, no gradient).
+    Each head computes in its hidden states' dtype, or the autocast dtype, as TRL's does."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(student_lm_head_weight, DTensor) or isinstance(teacher_lm_head_weight, DTensor):
+        raise ValueError("astrai_kernels.integrations.trl: a DTensor (sharded) LM head is not "
+                         "served (uninstall to use TRL's loss)")
+    valid = completion_mask.reshape(-1) != 0
+    n_valid = valid.sum()
+    normalizer = n_valid.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    if isinstance(normalizer, Tensor):
+        normalizer = normalizer.to(student_hidden_states.device)
+
+    def head_args(hidden, weight, bias):
+        dtype = _compute_dtype(hidden, False)
+        rows = hidden.reshape(-1, hidden.shape[-1])[valid.to(hidden.device)].to(dtype)
+        return rows, weight.to(dtype), None if bias is None else bias.to(dtype)
+
+    with torch.autocast(student_hidden_states.device.type, enabled=False):
+        s_rows, s_weight, s_bias = head_args(student_hidden_states, student_lm_head_weight,
+                                             student_lm_head_bias)
+        t_rows, t_weight, t_bias = head_args(teacher_hidden_states, teacher_lm_head_weight,
+                                             teacher_lm_head_bias)
+        student = dict(temperature=float(temperature), softcap=student_final_logit_softcapping,
+                       logit_scale=float(student_logit_scale), chunk_size=chunk_size,
+                       backend=backend)
+        loss = ak.linear_distill_loss(
+            s_rows, s_weight, t_rows, t_weight, student_bias=s_bias, teacher_bias=t_bias,
+            beta=float(beta), reduction="batchmean", normalizer=normalizer,
+            teacher_softcap=teacher_final_logit_softcapping,
+            teacher_logit_scale=float(teacher_logit_scale), **student)
+        with torch.no_grad():  # the logged entropy; any in-range target serves
+            _, entropy = ak.linear_token_logprobs(
+                s_rows, s_weight, s_rows.new_zeros(s_rows.shape[0], dtype=torch.long),
+                bias=s_bias, return_entropy=True, **student)
+    return loss, entropy.sum(), n_valid
+
+
+def _distillation_compute_loss(trainer, backend: str, chunk_size: Optional[int]):
+    """TRL's own ``DistillationTrainer._compute_loss`` (its inputs, backbone calls, heads,
+    logit scales and soft-caps, ``beta``, ``temperature``), bound to ``trainer``, whose
+    ``_chunked_divergence_loss`` is ``_distillation_divergence_loss``: TRL's function body run
+    with that one global name resolved to ours, nothing of TRL's module changed."""
+    from trl.trainer.distillation_trainer import DistillationTrainer
+
+    original = DistillationTrainer._compute_loss
+    namespace = dict(original.__globals__)
+    namespace["_chunked_divergence_loss"] = functools.partial(
+        _distillation_divergence_loss, backend=backend, chunk_size=chunk_size)
+    function = types.FunctionType(original.__code__, namespace, original.__name__,
+                                  original.__defaults__)
+    function.__kwdefaults__ = original.__kwdefaults__
+    return types.MethodType(functools.update_wrapper(function, original), trainer)
+
+
+def _distillation_install(trainer, backend: str, chunk_size: Optional[int]):
+    _distillation_check(trainer, backend, chunk_size)
+    trainer._compute_loss = _distillation_compute_loss(trainer, backend, chunk_size)
+    trainer.__dict__[_TRAINER_STATE] = []  # no model's forward is replaced
+    return trainer
+
+
+def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None):
+>>>>>>> trl-distill
     """Serve every fused-head call of ``trainer`` (a built TRL 1.16 trainer) with
     ``ak.linear_token_logprobs``; returns the trainer. ``fused_loss=True`` (a GRPOTrainer)
     also computes its loss with ``ak.linear_grpo_loss``. Raises ``TRLHeadError`` (a
@@ -612,8 +768,13 @@ def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None,
     if is_installed(trainer):
         raise _refuse(trainer, "install was already called on it; uninstall first")
     _check_contract(trainer)
+<<<<<<< HEAD
     if fused_loss:
         _check_fused_loss(trainer)
+=======
+    if _distillation_trainer(trainer):  # its loss reads both LM heads directly: no fused head
+        return _distillation_install(trainer, backend, chunk_size)
+>>>>>>> trl-distill
     models = _served_models(trainer)
     if not models:
         raise _refuse(trainer, "none of its models (model, ref_model, teacher_model) carries "
@@ -694,7 +855,11 @@ def uninstall(trainer):
         if state.get("original_forward") is not None:
             model._original_forward = state["original_forward"]
     trainer.__dict__.pop("compute_loss", None)  # GKD's: the class's again
+<<<<<<< HEAD
     trainer.__dict__.pop("_compute_loss", None)  # fused_loss's
+=======
+    trainer.__dict__.pop("_compute_loss", None)  # DistillationTrainer's
+>>>>>>> trl-distill
     del trainer.__dict__[_TRAINER_STATE]
     return trainer
 
