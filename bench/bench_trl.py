@@ -223,9 +223,7 @@ def _trainer_setup(trainer, examples, batch, prompt_len, seq_len, vocab, model_k
             {"prompt": column(prompt_len), "chosen": column(seq_len),
              "rejected": column(seq_len)}))
     if trainer == "kto":
-        from trl.experimental.kto import KTOConfig, KTOTrainer
-
-        return KTOTrainer, KTOConfig, {}, dict(train_dataset=Dataset.from_dict(
+        return trl.KTOTrainer, trl.KTOConfig, {}, dict(train_dataset=Dataset.from_dict(
             {"prompt": column(prompt_len), "completion": column(seq_len),
              "label": [i % 2 == 0 for i in range(examples)]}))
     if trainer in ("grpo", "rloo"):
