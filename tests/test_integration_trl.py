@@ -11,6 +11,7 @@ only ours run. Broken heads (a dropped soft-cap, a wrong temperature) are seen f
 """
 
 import functools
+import importlib.util
 import os
 import tempfile
 
@@ -514,3 +515,40 @@ def test_bf16_autocast_trainer_steps(trainer_name, install_kwargs, monkeypatch, 
     assert actual["calls"]["trl"] == 0
     assert (actual["calls"]["ak_distill"] == 2 if trainer_name == "gkd"
             else actual["calls"]["ak"] > 0)
+
+
+def _bench_trl():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_trl",
+                                                  os.path.join(root, "bench", "bench_trl.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.parametrize("trainer", ["sft", "dpo", "grpo", "kto", "rloo", "gkd"])
+def test_bench_trainer_step_runs_each_head(trainer):
+    """bench/bench_trl.py's trainer cases at a tiny shape, in this process (the bench runs each
+    in a fresh one): each head runs where its name says, the rows it counts are TRL's (every
+    position on the CPU) or fewer for ours, and the tables carry every case. No timing."""
+    bench = _bench_trl()
+    shape = dict(vocab=64, model_hidden=16, layers=1, batch=2, prompt_len=3, seq_len=4,
+                 repeats=1, threads=0)
+    results = [bench.run_trainer_case(trainer, head, **shape)
+               for head in bench.trainer_heads(trainer)]
+    by_head = {r["head"]: r for r in results}
+    assert by_head["trl"]["head_calls"]["ak"] == 0 < by_head["trl"]["head_calls"]["trl"]
+    assert by_head["ak"]["head_calls"]["trl"] == 0 < by_head["ak"]["head_calls"]["ak"]
+    for kind in ("grad", "no_grad"):
+        assert by_head["ak"]["head_rows"][kind] <= by_head["trl"]["head_rows"][kind]
+    assert by_head["ak"]["head_rows"]["grad"] > 0
+    if trainer == "sft":  # every text token is scored: batch x seq_len rows
+        assert by_head["ak"]["head_rows"]["grad"] == 2 * 4
+    if trainer in ("dpo", "kto", "rloo", "gkd"):  # a reference or teacher model, forward-only
+        assert by_head["ak"]["head_rows"]["no_grad"] > 0
+    fused = by_head.get("ak_fused")
+    if fused is not None and "unavailable" not in fused:
+        assert fused["head_calls"]["trl"] == 0 < fused["head_calls"]["ak"]
+    for table in (bench.format_trainer_table(results), bench.trainer_markdown(results)):
+        for r in results:
+            assert r["head"] in table and trainer in table
