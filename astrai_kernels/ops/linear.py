@@ -198,7 +198,8 @@ def _(hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, tempe
 def _linear_grpo_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                          temperature: float, advantages: Tensor, old_logprobs: Optional[Tensor],
                          ref_logprobs: Optional[Tensor], token_weight: Tensor, clip_low: float,
-                         clip_high: float, delta: float, beta: float, needs_hidden: bool,
+                         clip_high: float, delta: float, beta: float,
+                         kl_ratio_correction: bool, needs_hidden: bool,
                          needs_weight: bool, needs_bias: bool, chunk_size: Optional[int],
                          backend: str, logit_scale: float, softcap: float
                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -208,14 +209,15 @@ def _linear_grpo_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
     kernels = backend_module(backend)
     n_rows = hidden.shape[0]
     logp, token_loss = row_floats(n_rows, hidden.device), row_floats(n_rows, hidden.device)
-    args = SurrogateArgs(temperature, clip_low, clip_high, delta, beta)
+    args = SurrogateArgs(temperature, clip_low, clip_high, delta, beta, kl_ratio_correction,
+                         False)
 
     def rows_of(values, rows):
         return None if values is None else values[rows]
 
     for start, stop, logits in head.chunks():
         rows = slice(start, stop)
-        logp[rows], token_loss[rows] = kernels.grpo_forward(
+        logp[rows], token_loss[rows], _ = kernels.grpo_forward(
             logits, target[rows], advantages[rows], rows_of(old_logprobs, rows),
             rows_of(ref_logprobs, rows), token_weight[rows], args,
             logits if any(needs) else None)
@@ -226,8 +228,8 @@ def _linear_grpo_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
 
 @_linear_grpo_forward.register_fake
 def _(hidden, weight, bias, target, temperature, advantages, old_logprobs, ref_logprobs,
-      token_weight, clip_low, clip_high, delta, beta, needs_hidden, needs_weight, needs_bias,
-      chunk_size, backend, logit_scale, softcap):
+      token_weight, clip_low, clip_high, delta, beta, kl_ratio_correction, needs_hidden,
+      needs_weight, needs_bias, chunk_size, backend, logit_scale, softcap):
     n_rows = hidden.shape[0]
     return (row_floats(n_rows, hidden.device), row_floats(n_rows, hidden.device),
             *fake_head_gradients(hidden, weight, needs_hidden, needs_weight, needs_bias))
@@ -529,8 +531,9 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
         logp, token_loss, grad_hidden, grad_weight, grad_bias = _linear_grpo_forward(
             hidden_rows, weight, bias, flat_target(target), plan.params.temperature,
             flat.advantages, flat.old, flat.ref, flat.weight, plan.params.clip_eps_low,
-            plan.params.clip_eps_high, plan.params.delta, plan.params.beta, *needs, chunk_size,
-            plan.params.backend, logit_scale, softcap_value)
+            plan.params.clip_eps_high, plan.params.delta, plan.params.beta,
+            plan.params.kl_ratio_correction, *needs, chunk_size, plan.params.backend,
+            logit_scale, softcap_value)
         value, metrics = grpo_op.token_level_result(logp, token_loss, plan)
     if not any(needs):
         return value, metrics
