@@ -190,6 +190,7 @@ py::tuple grpo_forward(const Tensor& logits, const Tensor& target, double temper
                        const Tensor& advantages, const std::optional<Tensor>& old_logprobs,
                        const std::optional<Tensor>& ref_logprobs, const Tensor& token_weight,
                        double clip_low, double clip_high, double delta, double beta,
+                       bool kl_ratio_correction, bool with_entropy,
                        const std::optional<Tensor>& grad) {
   TORCH_CHECK(temperature > 0, "temperature must be > 0, got ", temperature);
   GrpoArgs a{};
@@ -208,10 +209,13 @@ py::tuple grpo_forward(const Tensor& logits, const Tensor& target, double temper
   a.ratio_hi = static_cast<float>(1.0 + clip_high);
   a.delta = static_cast<float>(delta);
   a.beta = static_cast<float>(beta);
+  a.kl_ratio_correction = kl_ratio_correction;
   if (grad.has_value()) a.grad = grad_of(*grad, logits);
   Tensor logp = new_rows(n), loss = new_rows(n);
+  Tensor entropy = with_entropy ? new_rows(n) : new_rows(0);
   a.logp = logp.data_ptr<float>();
   a.loss = loss.data_ptr<float>();
+  a.entropy = with_entropy ? entropy.data_ptr<float>() : nullptr;
   BadRow bad;
   a.bad = &bad;
   {
@@ -219,7 +223,7 @@ py::tuple grpo_forward(const Tensor& logits, const Tensor& target, double temper
     grpo_forward_kernel(a, kernel_threads());
   }
   raise_if_bad(bad, a.x.V, "grpo_forward");
-  return py::make_tuple(logp, loss);
+  return py::make_tuple(logp, loss, entropy);
 }
 
 void vocab_shard_backward(const Tensor& logits, const Tensor& target, const Tensor& lse,
@@ -363,7 +367,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grpo_forward", &grpo_forward, py::arg("logits"), py::arg("target"),
         py::arg("temperature"), py::arg("advantages"), py::arg("old_logprobs"),
         py::arg("ref_logprobs"), py::arg("token_weight"), py::arg("clip_low"),
-        py::arg("clip_high"), py::arg("delta"), py::arg("beta"), py::arg("grad"));
+        py::arg("clip_high"), py::arg("delta"), py::arg("beta"),
+        py::arg("kl_ratio_correction"), py::arg("with_entropy"), py::arg("grad"));
   m.def("distill_forward", &distill_forward, py::arg("student"), py::arg("teacher"),
         py::arg("target"), py::arg("ignore_index"), py::arg("beta"), py::arg("temperature"),
         py::arg("hard_weight"));

@@ -685,9 +685,11 @@ struct GrpoArgs {
   const float* token_weight;
   float ratio_lo, ratio_hi;  // 1 - clip_low, 1 + clip_high (computed in double)
   float delta, beta;
+  bool kl_ratio_correction;  // the k3 term times the (uncapped) ratio
   GradView grad;  // grad.data null when no gradient
   float* logp;
   float* loss;
+  float* entropy;  // null when not requested
   BadRow* bad;
 };
 

@@ -274,29 +274,37 @@ def spec_cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, so
 
 
 def spec_grpo(logits, target, temperature, advantages, old_logprobs, ref_logprobs, token_weight,
-              clip_low, clip_high, delta, beta, with_grad=True, precision=torch.float64):
-    """``grpo_forward``'s (logp, loss) and grad of ``sum(token_weight * loss)``."""
+              clip_low, clip_high, delta, beta, kl_ratio_correction=False, with_entropy=False,
+              with_grad=True, precision=torch.float64):
+    """``grpo_forward``'s (logp, loss, entropy) and grad of ``sum(token_weight * loss)``; the
+    KL term as ``reference.grpo_loss`` states it (``k3 * r`` with ``kl_ratio_correction``)."""
     def rows(t):
         return None if t is None else t.detach().cpu().to(precision)
 
     x = _spec_rows(logits, precision)
     weight = rows(token_weight)
     active = weight != 0
-    logp, _ = reference.token_logprobs(x, torch.where(active, target.cpu().long(), -100),
-                                       temperature, -100)
-    loss, _, _ = reference.grpo_token_loss(logp, rows(old_logprobs),
-                                           rows(ref_logprobs) if beta > 0 else None,
-                                           rows(advantages), clip_low, clip_high,
-                                           delta if delta > 0 else None, beta)
+    masked_target = torch.where(active, target.cpu().long(), -100)
+    logp, entropy = reference.token_logprobs(x, masked_target, temperature, -100)
+    ref = rows(ref_logprobs) if beta > 0 else None
+    loss, ratio, k3 = reference.grpo_token_loss(logp, rows(old_logprobs), ref, rows(advantages),
+                                                clip_low, clip_high,
+                                                delta if delta > 0 else None, 0.0)
+    if ref is not None:
+        loss = loss + beta * (k3 * ratio if kl_ratio_correction else k3)
     loss = torch.where(active, loss, 0.0)
-    out = {"logp": logp, "loss": loss}
+    out = {"logp": logp, "loss": loss, "entropy": entropy if with_entropy else None}
+    if with_entropy and precision == torch.float64:
+        out["entropy_terms"] = spec.logprobs_terms(logits, masked_target, temperature, -100,
+                                                   True)["entropy_terms"]
     if with_grad:
         (loss * weight).sum().backward()
         out["grad"] = _spec_grad(x, logits)
         if precision == torch.float64:
             out["grad_terms"] = spec.grpo_terms(logits, target, temperature, advantages,
                                                 old_logprobs, ref_logprobs, token_weight,
-                                                clip_low, clip_high, delta, beta)
+                                                clip_low, clip_high, delta, beta,
+                                                kl_ratio_correction)
     return _detached(out)
 
 

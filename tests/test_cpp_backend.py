@@ -262,7 +262,13 @@ def test_cross_entropy_all_ignored():
 # Log-ratio offsets of old_logprobs: far off-policy both ways (clamped at +-20), clipped low and
 # high, inside the trust region.
 OFFSETS = (-30.0, -1.0, -0.5, 0.0, 0.05, 0.5, 1.0, 30.0, 0.3, -0.1)
-GRPO = ("logp", "loss")
+GRPO = ("logp", "loss", "entropy")
+# (ref, beta, kl_ratio_correction) x (delta, with_entropy): the KL term plain and times the
+# ratio; the entropy from the online walk with and without the gradient pass. The ref of row 4
+# has its KL log-ratio clamped above (+25) or below (-25): times the ratio, k3's own gradient
+# k3 * dr stays, and k3 = e^20 there would overflow a float16 gradient.
+GRPO_KL = ((None, 0.0, False), ("above", 0.04, False), ("below", 0.04, True))
+GRPO_DELTA_ENTROPY = ((0.0, True), (2.0, False), (1.2, True))  # 1.2 = 1 + clip_high: ties
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -280,34 +286,51 @@ def test_grpo(dtype, layout):
     offsets = torch.tensor(OFFSETS * (n // len(OFFSETS)), dtype=torch.float64)
     old = (logp_now + offsets).float()
     ref = (logp_now + torch.randn(n, generator=g, dtype=torch.float64)).float()
-    ref[4] = logp_now[4] + 25.0  # KL log-ratio clamped
-    for old_lp in (None, old):
-        for ref_lp, beta in ((None, 0.0), (ref, 0.04)):
-            for delta in (0.0, 2.0, 1.2):  # 1.2 = 1 + clip_high: ties between the branches
-                args = (0.8, advantages, old_lp, ref_lp, token_weight, 0.2, 0.2, delta, beta)
+    refs = {None: None, "above": ref.clone(), "below": ref.clone()}
+    refs["above"][4] = logp_now[4] + 25.0
+    refs["below"][4] = logp_now[4] - 25.0
+    # float16 with the ratio correction: beta * (1 - e^dr) * r at the clamped r = e^20 exceeds
+    # its range, so the far off-policy rows stay at |log r| <= 5 (float32 and bf16 take +-30)
+    old_fp16 = (logp_now + offsets.clamp(-5.0, 5.0)).float()
+    for off_policy in (False, True):
+        for ref_name, beta, correction in GRPO_KL:
+            ref_lp = refs[ref_name]
+            old_lp = None
+            if off_policy:
+                old_lp = old_fp16 if correction and dtype == torch.float16 else old
+            for delta, with_entropy in GRPO_DELTA_ENTROPY:
+                args = (0.8, advantages, old_lp, ref_lp, token_weight, 0.2, 0.2, delta, beta,
+                        correction, with_entropy)
                 expected, naive = spec_expected_and_naive(spec_grpo, x0, target, *args)
                 rows = (advantages, old_lp, ref_lp, token_weight)
-                surrogate = SurrogateArgs(0.8, 0.2, 0.2, delta, beta)
+                surrogate = SurrogateArgs(0.8, 0.2, 0.2, delta, beta, correction, with_entropy)
                 grad = empty_grad_like(x0)
                 got = tb.grpo_forward(x0, target, *rows, surrogate, grad)
-                what = f"old={old_lp is not None} beta={beta} delta={delta}"
+                what = (f"old={old_lp is not None} beta={beta} correction={correction} "
+                        f"delta={delta} entropy={with_entropy}")
                 assert_matches_spec({**named(GRPO, got), "grad": grad}, expected, naive,
                                     f"torch {what}", dtype)
+                got = tb.grpo_forward(x0, target, *rows, surrogate, None)
+                assert_matches_spec(named(GRPO, got), expected, naive, f"torch {what} (no grad)",
+                                    dtype)
                 for isa in each_isa_and_path():
-                    what = f"{isa} old={old_lp is not None} beta={beta} delta={delta}"
+                    label = f"{isa} {what}"
                     got = cb.grpo_forward(x0, target, *rows, surrogate, None)
-                    assert_matches_spec(named(GRPO, got), expected, naive, f"{what} (no grad)",
+                    assert_matches_spec(named(GRPO, got), expected, naive, f"{label} (no grad)",
                                         dtype)
                     grad = empty_grad_like(x0)
                     got = cb.grpo_forward(x0, target, *rows, surrogate, grad)
                     assert_matches_spec({**named(GRPO, got), "grad": grad}, expected, naive,
-                                        what, dtype)
+                                        label, dtype)
+                    assert got[2].shape == ((n,) if with_entropy else (0,))
                     assert got[0][2] == 0 and got[1][13] == 0
+                    if with_entropy:
+                        assert got[2][2] == 0 and got[2][13] == 0
                     assert (grad[0, 2] == 0).all() and (grad[1, 3] == 0).all()
                     if layout == "contiguous":
                         x = x0.clone()
                         cb.grpo_forward(x, target, *rows, surrogate, x)
-                        assert_matches_spec({"grad": x}, expected, naive, f"{what} (in-place)",
+                        assert_matches_spec({"grad": x}, expected, naive, f"{label} (in-place)",
                                             dtype)
 
 
@@ -322,7 +345,7 @@ def test_grpo_clipping_zeroes_gradient():
     for isa in each_isa_and_path():
         grad = torch.empty_like(x)
         cb.grpo_forward(x, target, advantages, old, None, torch.ones(4),
-                        SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.0), grad)
+                        SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.0, False, False), grad)
         assert (grad == 0).all(), isa
 
 
@@ -439,9 +462,10 @@ def test_zero_rows(shape):
     loss, lse = cb.cross_entropy_forward(x, target, torch.ones(1),
                                          CrossEntropyArgs(IGNORE, 0.1, 0.0, 0.0), grad)
     assert loss.shape == lse.shape == (0,)
-    logp, loss = cb.grpo_forward(x, target, e, None, None, e,
-                                 SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.0), grad)
-    assert logp.shape == loss.shape == (0,)
+    logp, loss, entropy = cb.grpo_forward(x, target, e, None, None, e,
+                                          SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.0, False, True),
+                                          grad)
+    assert logp.shape == loss.shape == entropy.shape == (0,)
 
 
 def test_out_of_range_target_raises():
@@ -455,7 +479,7 @@ def test_out_of_range_target_raises():
                                      CrossEntropyArgs(IGNORE, 0.0, 0.0, 0.0), torch.empty_like(x))
         with pytest.raises(ValueError, match="out of range"):
             cb.grpo_forward(x, target, torch.ones(4), None, None, torch.ones(4),
-                            SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.0), None)
+                            SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.0, False, False), None)
 
 
 def test_results_do_not_depend_on_thread_count():

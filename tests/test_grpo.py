@@ -41,6 +41,19 @@ def _run(backend, base, target, advantages, **kwargs):
 METRICS = ("kl", "ratio/mean", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region")
 
 
+def _surrogate_grad_terms(base, target, checked, upstream):
+    """The size of the terms forming each gradient entry of a single-pass call (``base``'s
+    shape; the advantage and the KL term of a token's ``dL/dlogp`` may cancel)."""
+    rows, params = checked.flat_rows(), checked.params
+    terms = spec.grpo_terms(base[:, :-1], target.reshape(-1), params.temperature,
+                            rows.advantages, rows.old, rows.ref, rows.weight * upstream,
+                            params.clip_eps_low, params.clip_eps_high, params.delta, params.beta,
+                            params.kl_ratio_correction)
+    full = torch.zeros(base.shape, dtype=torch.float64)
+    full[:, :-1] = terms
+    return full
+
+
 def _run_reference(base, target, advantages, mask, upstream, **kwargs):
     """``(expected, naive)``: reference.py's loss, metrics and gradient in float64 and in each
     result's dtype (see ``cases.reference_and_naive``)."""
@@ -58,7 +71,8 @@ def _run_reference(base, target, advantages, mask, upstream, **kwargs):
     return reference_and_naive(run, base)
 
 
-def _check(backend, dtype, base, target, advantages, mask, upstream=0.7, **kwargs):
+def _check(backend, dtype, base, target, advantages, mask, upstream=0.7, grad_terms=None,
+           **kwargs):
     before = base.clone()
     x, loss, metrics = _run(backend, base, target, advantages, mask=mask, **kwargs)
     expected, naive = _run_reference(base, target, advantages, mask, upstream, **kwargs)
@@ -69,7 +83,8 @@ def _check(backend, dtype, base, target, advantages, mask, upstream=0.7, **kwarg
         assert_close(metrics[key], expected[key], "value", dtype, key, naive=naive[key])
     (loss * upstream).backward()
     assert x.grad.dtype == dtype
-    assert_close(x.grad, expected["grad"], "grad", dtype, "grad", naive=naive["grad"])
+    assert_close(x.grad, expected["grad"], "grad", dtype, "grad", naive=naive["grad"],
+                 scale=grad_terms)
     masked = (mask == 0)
     assert torch.count_nonzero(x.grad[:, :-1][masked]) == 0, "masked tokens got a gradient"
     assert torch.count_nonzero(x.grad[:, -1]) == 0
@@ -131,6 +146,26 @@ def test_far_off_policy_batch_clips_many_tokens(backend, dtype):
                      ref_logprobs=ref, beta=0.02, clip_eps_high=0.28)
     assert metrics["clip_ratio/region"] > 0.2
     assert torch.isfinite(metrics["ratio/mean"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("policy", ["off_policy", "on_policy", "delta"])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_kl_ratio_correction_in_the_single_pass_kernel(backend, policy, dtype):
+    """TRL's bias-corrected KL, ``beta * k3 * r``, through the single-pass kernel: the loss, the
+    ``kl`` metric (with the correction) and the gradient (``dk3 * r + k3 * dr``) against
+    reference.py in float64; on-policy ``r = 1`` still carries ``k3``'s share of the gradient,
+    and ``delta`` caps the surrogate's ratio but not the KL's."""
+    from astrai_kernels.ops import grpo as grpo_op
+
+    base, target, mask, advantages, old, ref = _batch(dtype, seed=5, off_policy=0.6)
+    kwargs = dict(old_logprobs=None if policy == "on_policy" else old, ref_logprobs=ref,
+                  beta=0.3, kl_ratio_correction=True, loss_type="grpo", temperature=0.8,
+                  delta=1.1 if policy == "delta" else None)
+    checked = grpo_op.plan(base[:, :-1], target, advantages, mask=mask, **kwargs)
+    assert checked.fused
+    _check(backend, dtype, base, target, advantages, mask,
+           grad_terms=_surrogate_grad_terms(base, target, checked, 0.7), **kwargs)
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)

@@ -166,6 +166,8 @@ GRPO_SETTINGS = {
     "dr_grpo_delta": dict(loss_type="dr_grpo", delta=1.5, max_completion_length=9),
     "dapo_normalizer": dict(loss_type="dapo", normalizer=13.0),
     "gspo": dict(loss_type="grpo", importance_sampling="sequence", beta=0.02),
+    "grpo_kl_ratio_correction": dict(loss_type="grpo", beta=0.3, kl_ratio_correction=True,
+                                     delta=1.2),
 }
 
 

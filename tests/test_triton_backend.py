@@ -80,7 +80,7 @@ def named(names, values):
 
 LOGPROBS = ("logp", "entropy", "lse")
 CE = ("loss", "lse")
-GRPO = ("logp", "loss")
+GRPO = ("logp", "loss", "entropy")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,21 +265,24 @@ def grpo_inputs(n_rows, seed=3, spread=0.5):
     return [t.to(DEVICE) for t in (advantages, weight, noise)]
 
 
-GRPO_CASES = [  # (has_old, has_ref, beta, delta)
-    (False, False, 0.0, 0.0),
-    (True, False, 0.0, 0.0),
-    (True, True, 0.1, 0.0),
-    (False, True, 0.05, 0.0),
-    (True, False, 0.0, 1.5),
+GRPO_CASES = [  # (has_old, has_ref, beta, delta, kl_ratio_correction, with_entropy)
+    (False, False, 0.0, 0.0, False, True),
+    (True, False, 0.0, 0.0, False, False),
+    (True, True, 0.1, 0.0, False, True),
+    (True, True, 0.1, 0.0, True, False),
+    (False, True, 0.05, 0.0, True, True),  # on-policy: r = 1, its gradient still flows
+    (True, False, 0.0, 1.5, False, False),
+    (True, True, 0.1, 1.5, True, True),  # delta caps the surrogate's ratio, not the KL's
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES_2)
 @pytest.mark.parametrize("vocab, tile", VOCAB_TILES, indirect=["tile"],
                          ids=[f"V{v}-tile{t or 'auto'}" for v, t in VOCAB_TILES])
-@pytest.mark.parametrize("case", GRPO_CASES, ids=lambda c: "old{}-ref{}-b{}-d{}".format(*c))
+@pytest.mark.parametrize("case", GRPO_CASES,
+                         ids=lambda c: "old{}-ref{}-b{}-d{}-kl_r{}-H{}".format(*c))
 def test_grpo_forward(dtype, vocab, case, tile):
-    has_old, has_ref, beta, delta = case
+    has_old, has_ref, beta, delta, correction, with_entropy = case
     logits = make_logits(2, 4, vocab, dtype, layout="shifted", seed=vocab + 1)
     target = make_target(8, vocab, ignore_every=0)
     advantages, weight, noise = grpo_inputs(8)
@@ -287,16 +290,21 @@ def test_grpo_forward(dtype, vocab, case, tile):
     logp = spec_logprobs(logits, target, temperature, IGNORE, False)["logp"].float().to(DEVICE)
     old = logp + noise if has_old else None
     ref = logp - noise.flip(0) if has_ref else None
-    args = (temperature, advantages, old, ref, weight, 0.2, 0.28, delta, beta)
+    args = (temperature, advantages, old, ref, weight, 0.2, 0.28, delta, beta, correction,
+            with_entropy)
     expected, naive = spec_expected_and_naive(spec_grpo, logits, target, *args)
-    rows, surrogate = args[1:5], SurrogateArgs(temperature, 0.2, 0.28, delta, beta)
+    rows = args[1:5]
+    surrogate = SurrogateArgs(temperature, 0.2, 0.28, delta, beta, correction, with_entropy)
     got = kb.grpo_forward(logits, target, *rows, surrogate, None)
     assert_matches_spec(named(GRPO, got), expected, naive, "no grad", dtype)
+    assert got[2].shape == ((8,) if with_entropy else (0,))
     grad_t = torch.full_like(logits, float("nan"))
-    logp_t, loss_t = kb.grpo_forward(logits, target, *rows, surrogate, grad_t)
-    assert_matches_spec({"logp": logp_t, "loss": loss_t, "grad": grad_t}, expected, naive,
-                        "with grad", dtype)
+    logp_t, loss_t, entropy_t = kb.grpo_forward(logits, target, *rows, surrogate, grad_t)
+    assert_matches_spec({"logp": logp_t, "loss": loss_t, "entropy": entropy_t, "grad": grad_t},
+                        expected, naive, "with grad", dtype)
     assert (grad_t[0, 1] == 0).all() and (logp_t[1] == 0) and (loss_t[1] == 0)  # masked row
+    if with_entropy:
+        assert entropy_t[1] == 0
 
 
 def test_grpo_on_policy_gradient_flows():
@@ -305,8 +313,8 @@ def test_grpo_on_policy_gradient_flows():
     advantages = torch.tensor([1.0, -1.0, 0.5, 2.0], device=DEVICE)
     weight = torch.ones(4, device=DEVICE)
     grad = torch.empty_like(logits)
-    logp, loss = kb.grpo_forward(logits, target, advantages, None, None, weight,
-                                 SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.0), grad)
+    logp, loss, _ = kb.grpo_forward(logits, target, advantages, None, None, weight,
+                                    SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.0, False, False), grad)
     assert torch.equal(loss.cpu(), -advantages.cpu())  # ratio exactly 1
     p = torch.softmax(logits.double().cpu(), -1)[0]
     onehot = torch.nn.functional.one_hot(target.cpu(), 37).double()
@@ -320,11 +328,13 @@ def test_grpo_inplace_and_strided(tile):
     target = make_target(6, 300, ignore_every=0)
     advantages, weight, noise = grpo_inputs(6, spread=1.0)
     logp, _, _ = tb.logprobs_forward(logits, target, LogprobsArgs(1.0, IGNORE, False))
-    args = (1.0, advantages, logp + noise, logp - noise, weight, 0.2, 0.2, 0.0, 0.04)
+    args = (1.0, advantages, logp + noise, logp - noise, weight, 0.2, 0.2, 0.0, 0.04, True, True)
     expected, naive = spec_expected_and_naive(spec_grpo, logits, target, *args)
     buffer = logits.clone()
-    kb.grpo_forward(buffer, target, *args[1:5], SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.04), buffer)
-    assert_matches_spec({"grad": buffer}, expected, naive, "in-place", torch.bfloat16)
+    _, _, entropy = kb.grpo_forward(buffer, target, *args[1:5],
+                                    SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.04, True, True), buffer)
+    assert_matches_spec({"entropy": entropy, "grad": buffer}, expected, naive, "in-place",
+                        torch.bfloat16)
 
 
 def test_grpo_requires_ref_with_beta():
@@ -332,7 +342,7 @@ def test_grpo_requires_ref_with_beta():
     rows = torch.zeros(2, device=DEVICE)
     with pytest.raises(ValueError, match="ref_logprobs"):
         kb.grpo_forward(logits, torch.zeros(2, dtype=torch.long, device=DEVICE), rows, None, None,
-                        rows + 1, SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.1), None)
+                        rows + 1, SurrogateArgs(1.0, 0.2, 0.2, 0.0, 0.1, False, False), None)
 
 
 # ---------------------------------------------------------------------------------------------

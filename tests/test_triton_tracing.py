@@ -62,7 +62,8 @@ graphs = {
         logits, target, one),
     "grpo_forward": graph_of(
         lambda x, y, r: _library.grpo_forward(
-            x, y, r, r, r, r, SurrogateArgs(1.0, 0.2, 0.28, 0.0, 0.04), True, "triton"),
+            x, y, r, r, r, r, SurrogateArgs(1.0, 0.2, 0.28, 0.0, 0.04, True, True), True,
+            "triton"),
         logits, target, rows),
 }
 print(json.dumps({"triton_ops": _library.TRITON_OPS, "graphs": graphs}))

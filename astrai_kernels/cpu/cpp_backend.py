@@ -375,12 +375,12 @@ def cross_entropy_forward(logits, target, grad_scale, params, grad):
 def grpo_forward(logits, target, advantages, old_logprobs, ref_logprobs, token_weight, params,
                  grad):
     ext = load_extension()
-    logp, loss = ext.grpo_forward(
+    logp, loss, entropy = ext.grpo_forward(
         logits, _target(target), float(params.temperature), _rows_f32(advantages),
         _rows_f32(old_logprobs), _rows_f32(ref_logprobs), _rows_f32(token_weight),
         float(params.clip_eps_low), float(params.clip_eps_high), float(params.delta or 0.0),
-        float(params.beta), grad)
-    return logp, loss
+        float(params.beta), bool(params.kl_ratio_correction), bool(params.with_entropy), grad)
+    return logp, loss, entropy
 
 
 def distill_forward(student, teacher, target, params):

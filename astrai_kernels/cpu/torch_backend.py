@@ -134,6 +134,12 @@ def _softmax_rows(s, out, y):
     return p, shifted_y - log_sum, row_max + log_sum, row_max, log_sum
 
 
+def _entropy_rows(p, ls):
+    """``H = -sum_j p_j log p_j`` per row; terms with ``p_j = 0`` are 0, not ``0 * -inf``
+    (``ls`` is clamped in place)."""
+    return torch.linalg.vecdot(p, ls.clamp_(min=LOG_P_FLOOR)).neg_()
+
+
 def _grad_dst(grad_block, p):
     """Where the float32 gradient of a block is assembled: ``grad_block`` itself when it is
     float32 (written once), else ``p``'s scratch block, cast by one copy at the end (a bf16/fp16
@@ -177,9 +183,7 @@ def logprobs_forward(logits, target, params):
         logp[n0:n1] = ls_y
         lse[n0:n1] = _row_lse(s_y, ls_y, ls, block, temperature, offset)
         if with_entropy:
-            # H = -sum_j p_j log p_j; terms with p_j = 0 (s_j = -inf) are 0, not 0 * -inf.
-            p = torch.softmax(s, -1, out=bufs[0])
-            entropy[n0:n1] = torch.linalg.vecdot(p, ls.clamp_(min=LOG_P_FLOOR)).neg_()
+            entropy[n0:n1] = _entropy_rows(torch.softmax(s, -1, out=bufs[0]), ls)
     logp = torch.where(valid, logp, 0.0)
     lse = torch.where(valid, lse, 0.0)
     if with_entropy:
@@ -307,7 +311,7 @@ def cross_entropy_forward(logits, target, grad_scale, params, grad):
 
 
 def grpo_token_terms(logp, old_logprobs, ref_logprobs, advantages, clip_low, clip_high, delta,
-                     beta):
+                     beta, kl_ratio_correction):
     """Per-token GRPO loss ``l`` and ``dl/dlogp`` (explicit, as the fused kernels compute them)."""
     raw_log_ratio = logp - old_logprobs if old_logprobs is not None else torch.zeros_like(logp)
     log_ratio = raw_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -328,9 +332,19 @@ def grpo_token_terms(logp, old_logprobs, ref_logprobs, advantages, clip_low, cli
     if beta > 0:
         raw_ref_ratio = ref_logprobs - logp
         ref_ratio = raw_ref_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        loss = loss + beta * (torch.exp(ref_ratio) - ref_ratio - 1.0)
-        inside = raw_ref_ratio.abs() <= LOG_RATIO_CLAMP
-        dloss = dloss + beta * (1.0 - torch.exp(ref_ratio)) * inside
+        ref_inside = raw_ref_ratio.abs() <= LOG_RATIO_CLAMP
+        k3 = torch.exp(ref_ratio) - ref_ratio - 1.0
+        dk3 = (1.0 - torch.exp(ref_ratio)) * ref_inside
+        if kl_ratio_correction:
+            # k3 * r, r the uncapped ratio (not delta's). Its derivative dk3 * r + k3 * dr is
+            # r * (1 - e + k3) = -r * dr inside both clamps, formed so: the sum cancels
+            ratio_inside = raw_log_ratio.abs() <= LOG_RATIO_CLAMP
+            inner = torch.where(ref_inside, torch.where(ratio_inside, -ref_ratio, dk3),
+                                k3 * ratio_inside)
+            dk3 = ratio * inner
+            k3 = k3 * ratio
+        loss = loss + beta * k3
+        dloss = dloss + beta * dk3
     return loss, dloss
 
 
@@ -338,26 +352,33 @@ def grpo_forward(logits, target, advantages, old_logprobs, ref_logprobs, token_w
                  grad):
     temperature, clip_low, clip_high, delta, beta = (
         params.temperature, params.clip_eps_low, params.clip_eps_high, params.delta, params.beta)
+    correction, with_entropy = params.kl_ratio_correction, params.with_entropy
     n_rows = target.numel()
     logp = torch.zeros(n_rows, dtype=torch.float32, device=logits.device)
+    entropy = torch.zeros_like(logp) if with_entropy else logp.new_empty(0)
     if n_rows == 0:
-        return logp, torch.zeros_like(logp)
+        return logp, torch.zeros_like(logp), entropy
     valid = token_weight != 0
     safe_y = _safe_target(target, valid)
     loss = torch.zeros_like(logp) if grad is not None else None
-    for n0, n1, block, (buf,) in _row_blocks(logits, 1):
+    for n0, n1, block, bufs in _row_blocks(logits, 2 if with_entropy else 1):
         y = safe_y[n0:n1]
-        s = _tempered(block, temperature, buf)[0]  # log-probs are shift-invariant
+        s = _tempered(block, temperature, bufs[0])[0]  # log-probs are shift-invariant
         if grad is None:  # log-probs only here; the token terms are computed once below
-            logp[n0:n1] = _log_softmax_rows(s, buf, y)[1]
+            ls, logp[n0:n1], _ = _log_softmax_rows(s, bufs[-1], y)
+            if with_entropy:
+                entropy[n0:n1] = _entropy_rows(torch.softmax(s, -1, out=bufs[0]), ls)
             continue
-        p, row_logp = _softmax_rows(s, buf, y)[:2]
+        ls = torch.log_softmax(s, -1, out=bufs[1]) if with_entropy else None
+        p, row_logp = _softmax_rows(s, bufs[0], y)[:2]
+        if with_entropy:
+            entropy[n0:n1] = _entropy_rows(p, ls)
         row_valid = valid[n0:n1]
         row_logp = torch.where(row_valid, row_logp, 0.0)
         old = None if old_logprobs is None else old_logprobs[n0:n1]
         ref = None if ref_logprobs is None else ref_logprobs[n0:n1]
         row_loss, dloss = grpo_token_terms(row_logp, old, ref, advantages[n0:n1], clip_low,
-                                           clip_high, delta, beta)
+                                           clip_high, delta, beta, correction)
         logp[n0:n1] = row_logp
         loss[n0:n1] = row_loss
         # grad = coef * (onehot - p) = -coef * p + coef * onehot, coef = weight * dl/dlogp / T
@@ -369,8 +390,10 @@ def grpo_forward(logits, target, advantages, old_logprobs, ref_logprobs, token_w
     if grad is None:
         logp = torch.where(valid, logp, 0.0)
         loss, _ = grpo_token_terms(logp, old_logprobs, ref_logprobs, advantages, clip_low,
-                                   clip_high, delta, beta)
-    return logp, torch.where(valid, loss, 0.0)
+                                   clip_high, delta, beta, correction)
+    if with_entropy:
+        entropy = torch.where(valid, entropy, 0.0)
+    return logp, torch.where(valid, loss, 0.0), entropy
 
 
 def vocab_shard_backward(logits, target, lse, alpha, beta, gamma, delta, params, grad):

@@ -3,13 +3,13 @@ log-softmax-gather.
 
 Contract: ``grpo_loss(logits [B, T, V], target [B, T], advantages [B] or [B, T])``
 -> ``(loss, metrics)``. With token-level importance sampling and the clipped surrogate one
-kernel computes per token ``lse``, ``logp``, the ratio, the clip, the k3 KL and ``dL/dlogp``
-(the aggregation weight of each token is known up front), and writes the gradient in the same
-pass. Every other objective (GSPO's sequence ratio, CISPO, SAPO, VESPO, the off-policy and
-entropy masks, the KL ratio correction, the entropy bonus) is O(B*T) torch math here on the
-differentiable token log-probs (and entropies) of ``token_logprobs``: a forward pass, then
-the gradient pass. Log-ratios are clamped to +-20 before ``exp`` (as verl does) so no ratio
-overflows.
+kernel computes per token ``lse``, ``logp``, the ratio, the clip, the k3 KL (times the ratio
+with ``kl_ratio_correction``) and ``dL/dlogp`` (the aggregation weight of each token is known
+up front), and writes the gradient in the same pass. Every other objective (GSPO's sequence
+ratio, CISPO, SAPO, VESPO, the off-policy and entropy masks, the entropy bonus) is O(B*T)
+torch math here on the differentiable token log-probs (and entropies) of ``token_logprobs``: a
+forward pass, then the gradient pass. Log-ratios are clamped to +-20 before ``exp`` (as verl
+does) so no ratio overflows.
 
 Masked tokens are selected away (``torch.where``), never multiplied by 0: their targets,
 logits, advantages and old/reference log-probs may hold anything, inf and NaN included.
@@ -237,7 +237,9 @@ def _check(logits, target, advantages, options: GRPOOptions, mask, old_logprobs,
     _check_values(mask, valid, normalizer, weights)
     params = GRPOParams(temperature=options.temperature,
                         clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
-                        beta=beta, loss_type=loss_type, importance_sampling=importance_sampling,
+                        beta=beta, kl_ratio_correction=options.kl_ratio_correction,
+                        with_entropy=False, loss_type=loss_type,
+                        importance_sampling=importance_sampling,
                         backend=resolve_backend(backend, device), options=options)
 
     def select(values: Optional[Tensor]) -> Optional[Tensor]:
@@ -527,7 +529,7 @@ def token_level_result(logp: Tensor, token_loss: Tensor, entropy: Tensor, checke
     old = logp if inputs.old is None else inputs.old
     ratio = torch.exp((logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     k3 = _k3(logp, inputs.ref)
-    if params.options.kl_ratio_correction:
+    if params.kl_ratio_correction:
         k3 = k3 * ratio
     extra = {"entropy": _masked_mean(entropy.view(inputs.valid.shape), inputs.valid)
              } if checked.token_values else None

@@ -12,7 +12,7 @@ from typing import Optional
 #: options beyond the clipped surrogate on token ratios: the fused single-pass kernel covers a
 #: call only when every one of them is at its default
 POLICY_EXTRAS = ("sapo_tau_pos", "sapo_tau_neg", "vespo_k_pos", "vespo_lambda_pos",
-                 "vespo_k_neg", "vespo_lambda_neg", "kl_ratio_correction", "off_policy_threshold",
+                 "vespo_k_neg", "vespo_lambda_neg", "off_policy_threshold",
                  "top_entropy_quantile", "entropy_coef")
 
 

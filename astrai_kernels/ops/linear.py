@@ -538,7 +538,7 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
             hidden_rows, weight, bias, flat_target(target), plan.params.temperature,
             flat.advantages, flat.old, flat.ref, flat.weight, plan.params.clip_eps_low,
             plan.params.clip_eps_high, plan.params.delta, plan.params.beta,
-            plan.params.options.kl_ratio_correction, plan.token_values, *needs, chunk_size,
+            plan.params.kl_ratio_correction, plan.token_values, *needs, chunk_size,
             plan.params.backend, logit_scale, softcap_value)
         value, metrics, *values = grpo_op.token_level_result(logp, token_loss, entropy, plan)
     if not any(needs):

@@ -45,21 +45,25 @@ Primitives (``s = z / T``, ``p = softmax(s)``, ``lse = logsumexp(s)``, ``d_jy`` 
     float32 before the cast). Ignored rows get zeros.
 
 ``grpo_forward(logits, target, advantages, old_logprobs, ref_logprobs, token_weight,
-params: SurrogateArgs, grad)`` -> ``(logp, loss)``
+params: SurrogateArgs, grad)`` -> ``(logp, loss, entropy)``
     per row, float32 inputs of N elements (``old_logprobs``/``ref_logprobs`` may be None; None
     old means on-policy: ``old = logp`` detached). Rows with ``token_weight == 0`` are masked:
-    their target is not read, ``logp = loss = 0`` and grad is zero. Otherwise, with ``A`` the
-    advantage::
+    their target is not read, ``logp = loss = entropy = 0`` and grad is zero. Otherwise, with
+    ``A`` the advantage::
 
         lr = clamp(logp - old, -20, 20);  r = exp(lr)
         r_u = min(r, delta) if delta > 0 else r          (delta <= 0 means off)
         l = -min(r_u * A, clamp(r, 1 - clip_eps_low, 1 + clip_eps_high) * A)
-        if beta > 0:  dr = clamp(ref - logp, -20, 20);  l += beta * (exp(dr) - dr - 1)
+        if beta > 0:
+            dr = clamp(ref - logp, -20, 20);  k3 = exp(dr) - dr - 1
+            l += beta * k3 * r if kl_ratio_correction else beta * k3
 
-    ``loss`` is ``l`` (unweighted). When ``grad`` is given it writes
+    ``r`` in the KL term is the uncapped ratio (TRL's ``use_bias_correction_kl``).
+    ``entropy = lse - sum_j p_j s_j`` of the row, from the same walk (an empty tensor unless
+    ``with_entropy``). ``loss`` is ``l`` (unweighted). When ``grad`` is given it writes
     ``grad_j = token_weight * dl/dlogp * (d_jy - p_j) / T``, with ``dl/dlogp`` the derivative of
     the formula above, taking clamp's gradient as zero outside its range and, where the two
-    branches of the min are equal, the unclipped branch.
+    branches of the min are equal, the unclipped branch (the entropy gets no gradient here).
 
 ``distill_forward(student, teacher, target, params: DistillArgs)``
     -> ``(loss, student_lse, teacher_lse, student_kl, hard_lse)``. ``teacher`` is an
@@ -138,6 +142,8 @@ class SurrogateArgs:
     clip_eps_high: float
     delta: float  # 0.0: off
     beta: float
+    kl_ratio_correction: bool  # the k3 term times the ratio r
+    with_entropy: bool
 
 
 @dataclass(frozen=True)
@@ -196,7 +202,8 @@ PRIMITIVES = {p.name: p for p in (
               CrossEntropyArgs, _rows(2), OPTIONAL),
     Primitive("grpo_forward",
               (("logits", _T), ("target", _T), ("advantages", _T), ("old_logprobs", _OT),
-               ("ref_logprobs", _OT), ("token_weight", _T)), SurrogateArgs, _rows(2), OPTIONAL),
+               ("ref_logprobs", _OT), ("token_weight", _T)), SurrogateArgs,
+              lambda p, n: (n, n, n if p.with_entropy else 0), OPTIONAL),
     Primitive("distill_forward", (("student", _T), ("teacher", _T), ("target", _T)),
               DistillArgs, lambda p, n: (n, n, n, n, n if p.hard_weight else 0)),
     Primitive("distill_backward",
@@ -232,7 +239,7 @@ class Backend(Protocol):
     def grpo_forward(self, logits: Tensor, target: Tensor, advantages: Tensor,
                      old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor],
                      token_weight: Tensor, params: SurrogateArgs,
-                     grad: Optional[Tensor]) -> Tuple[Tensor, Tensor]: ...
+                     grad: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]: ...
 
     def distill_forward(self, student: Tensor, teacher: Tensor, target: Tensor,
                         params: DistillArgs) -> Tuple[Tensor, ...]: ...

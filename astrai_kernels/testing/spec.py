@@ -80,7 +80,7 @@ def cross_entropy_terms(logits, target, ignore_index, label_smoothing, z_loss, s
 
 
 def grpo_terms(logits, target, temperature, advantages, old_logprobs, ref_logprobs,
-               token_weight, clip_low, clip_high, delta, beta):
+               token_weight, clip_low, clip_high, delta, beta, kl_ratio_correction=False):
     """The gradient terms of ``grpo_forward``'s gradient of ``sum(token_weight * loss)``."""
     def rows(t):
         return None if t is None else t.detach().cpu().reshape(-1).double()
@@ -96,8 +96,10 @@ def grpo_terms(logits, target, temperature, advantages, old_logprobs, ref_logpro
     old = rows(old_logprobs)
     advantages = rows(advantages)
     with torch.enable_grad():
-        loss, _, _ = reference.grpo_token_loss(logp, old, ref, advantages, clip_low, clip_high,
-                                               delta if delta > 0 else None, beta)
+        loss, ratio, k3 = reference.grpo_token_loss(logp, old, ref, advantages, clip_low,
+                                                    clip_high, delta if delta > 0 else None, 0.0)
+        if ref is not None:
+            loss = loss + beta * (k3 * ratio if kl_ratio_correction else k3)
         (torch.where(active, loss, 0.0) * weight).sum().backward()
     coefficient = logp.grad
     lp = logp.detach()
@@ -108,7 +110,10 @@ def grpo_terms(logits, target, temperature, advantages, old_logprobs, ref_logpro
     size = 1 + lp.abs() + old_lp.abs()
     coefficient_terms = advantages.abs() * ratio * size
     if ref is not None:
-        kl_terms = beta * (1 + torch.exp((ref - lp).clamp(-20, 20)))
+        ref_log_ratio = (ref - lp).clamp(-20, 20)
+        kl_terms = beta * (1 + torch.exp(ref_log_ratio))
+        if kl_ratio_correction:  # r * (dk3 + k3): k3 = exp(dr) - dr - 1 adds its own terms
+            kl_terms = ratio * (2 * kl_terms + beta * ref_log_ratio.abs())
         coefficient_terms = coefficient_terms + kl_terms * (size + ref.abs())
     coefficient_terms = (coefficient_terms * weight).abs() + coefficient.abs()
     terms = coefficient_terms.unsqueeze(-1) * (_onehot(target, active, s) + _prob_terms(s))

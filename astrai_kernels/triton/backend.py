@@ -209,11 +209,13 @@ def grpo_forward(logits, target, advantages, old_logprobs, ref_logprobs, token_w
     has_ref = beta > 0.0
     if has_ref and ref_logprobs is None:
         raise ValueError("ref_logprobs is required when beta > 0")
+    with_entropy = bool(params.with_entropy)
     target = target.reshape(-1).contiguous()
     logp = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     loss = torch.empty_like(logp)
+    entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
     if n_rows == 0:
-        return logp, loss
+        return logp, loss, entropy
     advantages = _rows_f32(advantages)
     token_weight = _rows_f32(token_weight)
     old_logprobs = _rows_f32(old_logprobs) if has_old else advantages
@@ -227,12 +229,14 @@ def grpo_forward(logits, target, advantages, old_logprobs, ref_logprobs, token_w
                                    rereads=has_grad and not cfg.one_tile)
     _launch(_grpo.grpo_fwd_kernel, programs,
             (logits, target, advantages, old_logprobs, ref_logprobs, token_weight, logp, loss,
-             grad, n_rows, inner, vocab, *logits.stride(), *grad_strides,
-             float(temperature), float(clip_low), float(clip_high), float(delta or 0.0), beta),
+             entropy if with_entropy else logp, grad, n_rows, inner, vocab, *logits.stride(),
+             *grad_strides, float(temperature), float(clip_low), float(clip_high),
+             float(delta or 0.0), beta),
             dict(BLOCK_V=cfg.block_v, ONE_TILE=cfg.one_tile, HAS_OLD=has_old, HAS_REF=has_ref,
-                 HAS_GRAD=has_grad),
+                 KL_RATIO_CORRECTION=has_ref and bool(params.kl_ratio_correction),
+                 WITH_ENTROPY=with_entropy, HAS_GRAD=has_grad),
             cfg.num_warps)
-    return logp, loss
+    return logp, loss, entropy
 
 
 def _distill_launch(student, teacher, grad=None):
@@ -427,9 +431,13 @@ def _representative_calls(logits, grad):
                         CrossEntropyArgs(-100, smoothing, 1e-4, softcap, logit_scale=logit_scale),
                         grad if has_grad else None)
         for old in (None, rows):
-            for ref, beta in ((None, 0.0), (rows, 0.04)):
-                grpo_forward(logits, target, rows, old, ref, rows,
-                             SurrogateArgs(1.0, 0.2, 0.2, 0.0, beta), grad if has_grad else None)
+            for ref, beta, correction in ((None, 0.0, False), (rows, 0.04, False),
+                                          (rows, 0.04, True)):
+                for with_entropy in (False, True):
+                    grpo_forward(logits, target, rows, old, ref, rows,
+                                 SurrogateArgs(1.0, 0.2, 0.2, 0.0, beta, correction,
+                                               with_entropy),
+                                 grad if has_grad else None)
     for beta in (0.0, 0.5, 1.0):
         for hard_weight in (0.0, 0.5):
             for temperature in (1.0, 0.7) if hard_weight else (1.0,):
