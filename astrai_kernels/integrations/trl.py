@@ -386,7 +386,6 @@ def _gkd_compute_loss(trainer, original, backend: str, chunk_size: Optional[int]
     return compute_loss
 
 
-<<<<<<< HEAD
 _MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
                       "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
                       "mm_token_type_ids", "image_position_ids")
@@ -615,9 +614,6 @@ def _log_grpo_metrics(trainer, mode: str, values: Dict[str, Tensor], inputs,
         metrics["vespo/phi_seq_mean"].append(global_masked_mean(phi_seq))
 
 
-def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None,
-            fused_loss: bool = False):
-=======
 #: TRL 1.16's ``distillation_trainer._chunked_divergence_loss`` parameters, in order.
 _DISTILLATION_LOSS_PARAMETERS = (
     "student_hidden_states", "teacher_hidden_states", "student_lm_head_weight",
@@ -757,8 +753,8 @@ def _distillation_install(trainer, backend: str, chunk_size: Optional[int]):
     return trainer
 
 
-def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None):
->>>>>>> trl-distill
+def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None,
+            fused_loss: bool = False):
     """Serve every fused-head call of ``trainer`` (a built TRL 1.16 trainer) with
     ``ak.linear_token_logprobs``; returns the trainer. ``fused_loss=True`` (a GRPOTrainer)
     also computes its loss with ``ak.linear_grpo_loss``. Raises ``TRLHeadError`` (a
@@ -768,13 +764,10 @@ def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None)
     if is_installed(trainer):
         raise _refuse(trainer, "install was already called on it; uninstall first")
     _check_contract(trainer)
-<<<<<<< HEAD
     if fused_loss:
         _check_fused_loss(trainer)
-=======
     if _distillation_trainer(trainer):  # its loss reads both LM heads directly: no fused head
         return _distillation_install(trainer, backend, chunk_size)
->>>>>>> trl-distill
     models = _served_models(trainer)
     if not models:
         raise _refuse(trainer, "none of its models (model, ref_model, teacher_model) carries "
@@ -855,11 +848,7 @@ def uninstall(trainer):
         if state.get("original_forward") is not None:
             model._original_forward = state["original_forward"]
     trainer.__dict__.pop("compute_loss", None)  # GKD's: the class's again
-<<<<<<< HEAD
-    trainer.__dict__.pop("_compute_loss", None)  # fused_loss's
-=======
-    trainer.__dict__.pop("_compute_loss", None)  # DistillationTrainer's
->>>>>>> trl-distill
+    trainer.__dict__.pop("_compute_loss", None)  # fused_loss's, DistillationTrainer's
     del trainer.__dict__[_TRAINER_STATE]
     return trainer
 
