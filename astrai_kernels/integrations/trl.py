@@ -558,8 +558,11 @@ def _log_grpo_metrics(trainer, mode: str, values: Dict[str, Tensor], inputs,
     detached token log-probs and entropies of ``ak.linear_grpo_loss``."""
     from trl.trainer.utils import nanmax, nanmin
 
-    logp, entropies = values["logprobs"], values["entropy"]
-    mask = mask.to(logp.dtype)
+    # float64: TRL's formulas on float32 inputs, without their float32 roundings (k3 near 0
+    # is exp(d) - d - 1, a cancellation whose float32 error exceeds the value it logs)
+    logp, entropies = values["logprobs"].double(), values["entropy"].double()
+    mask = mask.double()
+    advantages = advantages.double()
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
     old = inputs.get("old_per_token_logps")
