@@ -53,7 +53,8 @@ def test_every_kernel_compiles_without_spills():
             "distill_bwd_kernel"} <= kernels
     assert all(isinstance(row["registers"], int) and 0 < row["registers"] <= 255 for row in rows)
     for flag in ("ONE_TILE", "WITH_ENTROPY", "HAS_SMOOTHING", "HAS_SOFTCAP", "HAS_LOGIT_SCALE",
-                 "HAS_GRAD", "HAS_OLD", "HAS_REF", "FORWARD_KL", "HARD", "HARD_OWN_STATS"):
+                 "HAS_GRAD", "HAS_OLD", "HAS_REF", "KL_RATIO_CORRECTION", "FORWARD_KL", "HARD",
+                 "HARD_OWN_STATS"):
         assert any(row["config"].get(flag) is True for row in rows), flag
 
 
