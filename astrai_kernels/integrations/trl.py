@@ -27,6 +27,17 @@ temperature 1 and ``batchmean`` or ``num_items_in_batch`` as TRL's ``generalized
 there, each model's logit scale and soft-cap); the models are called through ``__call__`` with
 ``astrai_hidden_states=True``, which their installed forward answers with the backbone's output.
 
+``install(trainer, fused_loss=True)`` on a ``GRPOTrainer`` also replaces its ``_compute_loss``
+(``_grpo_compute_loss``): the policy's final hidden states at the completion positions and its
+LM head go into ``ak.linear_grpo_loss`` with TRL's settings as ``ak.GRPOOptions``
+(``_grpo_options``), TRL's masks, old/reference log-probs, vLLM importance ratios and
+normalisation; the gradient comes out of the loss's own walk (the single-pass kernel for the
+clipped surrogate on token ratios), and TRL's metrics are logged under TRL's names from the
+same walk's token values (``return_token_values``). What does not map exactly is refused
+(``_check_fused_loss``, ``_check_grpo_options``): other trainers (RLOO's ratio is a summed
+sequence log-ratio), an overridden loss, multimodal inputs, the entropy bonus, a multi-process
+entropy quantile, the off-policy mask with vLLM, VESPO with vLLM bounds excluding 1.
+
 On a ``DistillationTrainer`` (``trl.DistillationTrainer``), whose models carry no TRL head,
 ``install`` gives the trainer TRL's own ``_compute_loss`` (its inputs, backbone calls, logit
 scales and soft-caps) with the one global name ``_chunked_divergence_loss`` resolved to
@@ -313,7 +324,7 @@ def _hidden_forward(inner, backbone_attr: str):
     return functools.update_wrapper(forward, getattr(inner, "__func__", inner))
 
 
-def _gkd_base(trainer) -> nn.Module:
+def _policy_model(trainer) -> nn.Module:
     """The trainer's policy: its model, or the PEFT model's base."""
     model = trainer.model
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -327,13 +338,13 @@ def _check_gkd(trainer, backend: str) -> None:
         raise _refuse(trainer, "its teacher_model is not an nn.Module")
     from . import transformers as hf
 
-    for role, model in (("student", _gkd_base(trainer)), ("teacher", trainer.teacher_model)):
+    for role, model in (("student", _policy_model(trainer)), ("teacher", trainer.teacher_model)):
         try:
             head = hf.fused_head(model)
         except (TypeError, ValueError) as error:
             raise _refuse(trainer, f"its {role}: {error}") from None
         _resolve_backend(backend, head.weight.device)
-    if (_gkd_base(trainer).get_output_embeddings().weight.shape[0]
+    if (_policy_model(trainer).get_output_embeddings().weight.shape[0]
             != trainer.teacher_model.get_output_embeddings().weight.shape[0]):
         raise _refuse(trainer, "the student's and the teacher's vocabularies differ")
 
@@ -359,7 +370,7 @@ def _gkd_compute_loss(trainer, original, backend: str, chunk_size: Optional[int]
                 input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                 astrai_hidden_states=True).last_hidden_state[:, :-1]
         labels = inputs["labels"][:, 1:]
-        student_head = hf.fused_head(_gkd_base(trainer))
+        student_head = hf.fused_head(_policy_model(trainer))
         teacher_head = hf.fused_head(trainer.teacher_model)
         dtype = _compute_dtype(student, False)
         teacher_dtype = _compute_dtype(teacher, False)
@@ -759,7 +770,8 @@ def _distillation_install(trainer, backend: str, chunk_size: Optional[int]):
 def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None,
             fused_loss: bool = False):
     """Serve every fused-head call of ``trainer`` (a built TRL 1.16 trainer) with
-    ``ak.linear_token_logprobs``; returns the trainer. ``fused_loss=True`` (a GRPOTrainer)
+    ``ak.linear_token_logprobs`` (a GKDTrainer's or DistillationTrainer's loss with
+    ``ak.linear_distill_loss``); returns the trainer. ``fused_loss=True`` (a GRPOTrainer)
     also computes its loss with ``ak.linear_grpo_loss``. Raises ``TRLHeadError`` (a
     ``ValueError``) saying why when it cannot serve the trainer exactly (module docstring)."""
     if not isinstance(fused_loss, bool):
@@ -795,7 +807,7 @@ def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None,
     is_gkd = gkd is not None and isinstance(trainer, gkd)
     if is_gkd:
         _check_gkd(trainer, backend)
-    policy = _gkd_base(trainer)
+    policy = _policy_model(trainer)
     if fused_loss and not any(model is policy for model, _ in plans):
         raise _refuse(trainer, "fused_loss=True: its policy model carries no TRL fused head")
     if fused_loss:
@@ -808,7 +820,7 @@ def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None,
             "original_forward": model.__dict__.get("_original_forward")}
         forward = types.MethodType(_make_forward(trl_forward, settings, backend, chunk_size),
                                    model)
-        if (is_gkd and model is _gkd_base(trainer)) or (fused_loss and model is policy):
+        if (is_gkd and model is _policy_model(trainer)) or (fused_loss and model is policy):
             forward = types.MethodType(_hidden_forward(forward, settings["backbone_attr"]),
                                        model)
         if wrapped:
