@@ -256,7 +256,7 @@ def counting_head_rows(rows, calls, trainer_class):
 
     import astrai_kernels as ak
 
-    def count(head, *tensors, rows_of=lambda t: t.shape[0]):
+    def count(head, *tensors, rows_of=lambda t: t.shape[:-1].numel()):  # [..., H] hidden
         calls[head] += 1
         for tensor in tensors:
             grad = torch.is_grad_enabled() and tensor.requires_grad
@@ -279,8 +279,7 @@ def counting_head_rows(rows, calls, trainer_class):
 
     def counted_full_logits(loss):
         def wrapper(student_logits, teacher_logits, *args, **kwargs):
-            count("trl", student_logits, teacher_logits,
-                  rows_of=lambda logits: logits.shape[:-1].numel())
+            count("trl", student_logits, teacher_logits)
             return loss(student_logits, teacher_logits, *args, **kwargs)
         return staticmethod(wrapper)
 
