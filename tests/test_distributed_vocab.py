@@ -8,7 +8,6 @@ a 2-rank subgroup (shards 4/7). Each case's outcome per rank comes back to a tes
 """
 
 import traceback
-
 import types
 
 import pytest
@@ -20,7 +19,6 @@ import astrai_kernels as ak
 from astrai_kernels import reference
 from astrai_kernels.ops import grpo as grpo_op
 from astrai_kernels.ops import vocab_parallel
-from astrai_kernels.ops._backend import backend_module
 from astrai_kernels.testing import assert_close, assert_close_elementwise, spec
 from astrai_kernels.testing.multiprocess import spawn_ranks
 

@@ -18,11 +18,6 @@ import torch
 pytest.importorskip("trl", reason="trl is not installed (pip install -e '.[trl]'); "
                                   "`make test` installs it")
 
-import astrai_kernels as ak  # noqa: E402
-import astrai_kernels.ops.linear as linear_ops  # noqa: E402
-from astrai_kernels.integrations import trl as ak_trl  # noqa: E402
-from astrai_kernels.testing import compare_elementwise  # noqa: E402
-
 from test_integration_trl import (  # noqa: E402
     COMMON_ARGS,
     _case,
@@ -31,6 +26,11 @@ from test_integration_trl import (  # noqa: E402
     _tokenizer,
     _yardstick,
 )
+
+import astrai_kernels as ak  # noqa: E402
+import astrai_kernels.ops.linear as linear_ops  # noqa: E402
+from astrai_kernels.integrations import trl as ak_trl  # noqa: E402
+from astrai_kernels.testing import compare_elementwise  # noqa: E402
 
 #: a smaller first step than the other trainers' tests: the second step's completions are
 #: sampled from the updated policy, and a larger step lets a last-bit difference of the first
