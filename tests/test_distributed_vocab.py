@@ -275,6 +275,33 @@ def case_linear_cross_entropy(group, start, stop, dtype):
     _check_head(group, start, stop, dtype, fused, logits_fn, _upstream(11))
 
 
+def case_linear_cross_entropy_reduced(group, start, stop, dtype):
+    """``mean`` and ``sum``: the gradient factor is known up front, so the gradient is written
+    in the forward's one walk (``head_shard_cross_entropy_walk``)."""
+    target = _target()
+    walk, walks = vocab_parallel.head_shard_cross_entropy_walk, []
+
+    def counted_walk(*args, **kwargs):
+        walks.append(1)
+        return walk(*args, **kwargs)
+
+    vocab_parallel.head_shard_cross_entropy_walk = counted_walk
+    try:
+        for options in (dict(reduction="mean", label_smoothing=0.1, z_loss=1e-3, softcap=4.0),
+                        dict(reduction="sum"), dict(reduction="mean", normalizer=7.0)):
+            def fused(h, w, b, options=options):
+                return ak.linear_cross_entropy(h, w, target, bias=b, chunk_size=5,
+                                               process_group=group, **options)
+
+            def logits_fn(logits, options=options):
+                return reference.cross_entropy(logits, target, **options)
+
+            _check_head(group, start, stop, dtype, fused, logits_fn, torch.tensor(0.7))
+    finally:
+        vocab_parallel.head_shard_cross_entropy_walk = walk
+    assert walks, "the one-walk path did not run"
+
+
 def case_linear_grpo(group, start, stop, dtype):
     _, target, mask, advantages, old, ref = _grpo_inputs(dtype)
     options = dict(GRPO_OPTIONS["token"], mask=mask, old_logprobs=old, ref_logprobs=ref)

@@ -564,6 +564,16 @@ def _vocab_parallel_cross_entropy(hidden, weight, target, process_group, bias, i
                                    label_smoothing=label_smoothing, z_loss=z_loss,
                                    softcap=softcap, normalizer=normalizer, backend="reference")
     target_flat = flat_target(target)
+    if reduction != "none" and needs_grad:  # the gradient factor is known: one walk
+        scale = loss_grad_scale(target_flat, params, normalizer_t)
+        with torch.no_grad():
+            rows_loss, grad_hidden, grad_weight, grad_bias = (
+                vocab_parallel.head_shard_cross_entropy_walk(
+                    hidden_rows, weight, bias, target_flat, params, layout, chunk_size, backend,
+                    scale, head_needs(hidden, weight, bias)))
+            value = reduce_loss(rows_loss, scale, params)
+        return AttachHeadGrads.apply(hidden_rows, weight, bias, value, grad_hidden, grad_weight,
+                                      grad_bias, "linear_cross_entropy", CE_EQUIVALENT)
     rows_loss = vocab_parallel.head_shard_cross_entropy_rows(
         hidden_rows, weight, bias, target_flat, params, layout, chunk_size, backend, needs_grad)
     if reduction == "none":

@@ -480,6 +480,39 @@ class ShardHeadCrossEntropy(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
+def head_shard_cross_entropy_walk(hidden_rows, weight, bias, target_flat, params, layout,
+                                  chunk_size, requested_backend, grad_scale, needs):
+    """``linear_cross_entropy`` whose gradient factor is known up front (``reduction`` sum or
+    mean): one walk over the chunks. Per chunk: the shard's statistics, their combination over
+    the group (two all-reduces of a few floats per row), then the gradient with the group's
+    ``lse`` written over the chunk's logits and folded. Returns ``(rows_loss, grad_hidden,
+    grad_weight, grad_bias)`` of ``sum(grad_scale * rows_loss)``, the hidden states' gradient
+    summed over the group."""
+    params = _shard_params(params, requested_backend, True)
+    targets = local_targets(target_flat, params.ignore_index, layout)
+    kernels = backend_module(params.backend)
+    n_rows = hidden_rows.shape[0]
+    rows_loss = row_floats(n_rows, hidden_rows.device)
+    row_scale = grad_scale.float().expand(n_rows)
+    head = ChunkedHead(hidden_rows, weight, bias, chunk_size, needs)
+    shard_args = ShardGradArgs(1.0, params.softcap, LOCAL_IGNORE)
+    for start, stop, logits in head.chunks():
+        rows = slice(start, stop)
+        chunk_targets = LocalTargets(*(t[rows] for t in targets))
+        stats = cross_entropy_stats(kernels, ((0, stop - start, logits),), chunk_targets, params,
+                                    stop - start, hidden_rows.device)
+        rows_loss[rows], lse = combine_cross_entropy(*stats, chunk_targets, layout, params)
+        coefficients = cross_entropy_coefficients(row_scale[rows], lse, params,
+                                                  layout.vocab_total)
+        kernels.vocab_shard_backward(logits, chunk_targets.backward, lse, *coefficients,
+                                     shard_args, logits)
+        head.fold(start, stop, logits)
+    grads = head.gradients()
+    if needs[0]:
+        _all_reduce(grads[0], dist.ReduceOp.SUM, layout.group)
+    return (rows_loss, *grads)
+
+
 def head_setup(hidden, weight, bias, chunk_size, process_group, target, ignore_index,
                check_consistency):
     """``(hidden rows, layout, needs_grad)`` of a vocabulary-parallel head call, checked."""
