@@ -1,6 +1,7 @@
 """Vocabulary-parallel forward+backward at 2 gloo CPU ranks against one process.
 
-    python bench/bench_vocab_parallel.py [--rows 512] [--vocab 32000] [--repeats 3]
+    python bench/bench_vocab_parallel.py [--rows 512] [--vocab 32000] [--hidden 256] [--repeats 3]
+    python bench/bench_vocab_parallel.py --rows 2048 --vocab 32768 --hidden 1024   # issue 23's shape
 
 Each op (``cross_entropy``, ``token_logprobs`` with entropy, the fused head
 ``linear_cross_entropy``) runs forward+backward on ``[rows, V]`` logits (``[rows, H]`` hidden
@@ -9,9 +10,10 @@ each hold half of the vocabulary, one torch thread per process. Reported per op:
 step of ``repeats`` (rank 0; ranks are in lock-step through the collectives), and the bytes
 each rank hands to ``all_reduce`` per row, counted by wrapping ``torch.distributed.all_reduce``
 (a ring all-reduce of ``b`` bytes sends about ``2 (W - 1) / W * b`` per rank: ``b`` at W = 2).
-The sharded forward needs two passes (statistics, then the gradient with the group's
-log-sum-exp) where the single-process fused op needs one, so on one machine the 2-rank step is
-not twice as fast; the point is that a row costs a few floats on the wire, not a logits row.
+On logits the sharded op needs two passes (statistics, then the gradient with the group's
+log-sum-exp) where the single-process fused op needs one; the fused head with ``reduction``
+mean or sum walks its chunks once, combining each chunk's statistics over the group before
+writing its gradient. A row costs a few floats on the wire, not a logits row.
 """
 
 import argparse
@@ -34,12 +36,12 @@ OPS = ("cross_entropy", "token_logprobs", "linear_cross_entropy")
 HIDDEN = 256
 
 
-def _inputs(rows, vocab, seed=0):
+def _inputs(rows, vocab, hidden_size=HIDDEN, seed=0):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=g) * 2
     target = torch.randint(0, vocab, (rows,), generator=g)
-    hidden = torch.randn(rows, HIDDEN, generator=g)
-    weight = torch.randn(vocab, HIDDEN, generator=g) * HIDDEN ** -0.5
+    hidden = torch.randn(rows, hidden_size, generator=g)
+    weight = torch.randn(vocab, hidden_size, generator=g) * hidden_size ** -0.5
     return logits, target, hidden, weight
 
 
@@ -69,8 +71,9 @@ def _time(op, tensors, group, backend, repeats):
     return best
 
 
-def _sharded_worker(rank, world_size, rows, vocab, repeats, backend):
-    logits, target, hidden, weight = _inputs(rows, vocab)
+def _sharded_worker(rank, world_size, rows, vocab, hidden_size, repeats, backend):
+    torch.set_num_threads(1)
+    logits, target, hidden, weight = _inputs(rows, vocab, hidden_size)
     bounds = [vocab * r // world_size for r in range(world_size + 1)]
     shard = slice(bounds[rank], bounds[rank + 1])
     tensors = (logits[:, shard].contiguous(), target, hidden, weight[shard].contiguous())
@@ -97,15 +100,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--hidden", type=int, default=HIDDEN)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backend", default="auto")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    tensors = _inputs(args.rows, args.vocab)
+    tensors = _inputs(args.rows, args.vocab, args.hidden)
     single = {op: _time(op, tensors, None, args.backend, args.repeats) for op in OPS}
-    sharded = spawn_ranks(_sharded_worker, 2, (args.rows, args.vocab, args.repeats,
+    sharded = spawn_ranks(_sharded_worker, 2, (args.rows, args.vocab, args.hidden, args.repeats,
                                                args.backend), timeout=900.0)[0]
-    print(f"rows={args.rows} V={args.vocab} H={HIDDEN} fp32, 1 thread per process, "
+    print(f"rows={args.rows} V={args.vocab} H={args.hidden} fp32, 1 thread per process, "
           f"backend={args.backend}")
     print(f"{'op':<22}{'1 process s':>13}{'2 ranks s':>11}{'all_reduce B/row/rank':>24}")
     for op in OPS:
