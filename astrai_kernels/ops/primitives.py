@@ -84,9 +84,9 @@ grad_loss, params, grad)``
     plus ``g * hard_weight * (softmax(student)_j - d_jy)``; ``g`` the row's ``grad_loss``.
     ``grad`` may be ``student`` itself (the fused head writes over its logits chunk).
 
-Optional primitive (vocabulary parallel, ``ops/vocab_parallel.py``; ``torch`` and ``cpp``
-implement it, ``triton`` not yet: ``auto`` then runs a vocab-parallel gradient on ``torch``, and
-asking for ``triton`` by name raises ``NotImplementedError``):
+Optional primitive (vocabulary parallel, ``ops/vocab_parallel.py``; every backend here
+implements it; for a backend without it ``auto`` runs a vocab-parallel gradient on ``torch``,
+and asking for that backend by name raises ``NotImplementedError``):
 
 ``vocab_shard_backward(logits, target, lse, alpha, beta, gamma, delta, params: ShardGradArgs,
 grad)``
