@@ -343,7 +343,7 @@ Tensor elementwise(const Tensor& x) {
 
 float exp_fn(float x) { return fast_exp(x); }
 float tanh_fn(float x) { return fast_tanh(x); }
-float log1p_fn(float x) { return log1p_unit(x); }
+float log_fn(float x) { return log_with_offset(x, 0); }
 
 Isa parse_isa(const std::string& name) {
   if (name == "avx512") return Isa::Avx512;
@@ -379,7 +379,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vocab_shard_backward", &vocab_shard_backward, py::arg("logits"), py::arg("target"),
         py::arg("lse"), py::arg("alpha"), py::arg("beta"), py::arg("gamma"), py::arg("delta"),
         py::arg("temperature"), py::arg("softcap"), py::arg("ignore_index"), py::arg("grad"));
-  m.def("_log1p_unit", &elementwise<log1p_fn>, "log1p_unit elementwise (for tests)");
+  m.def("_log", &elementwise<log_fn>, "log_with_offset(x, 0) elementwise (for tests)");
   m.def("_fast_exp", &elementwise<exp_fn>, "fast_exp elementwise (for tests)");
   m.def("_fast_tanh", &elementwise<tanh_fn>, "fast_tanh elementwise (for tests)");
   m.def("_set_keep_exps", [](bool on) { return keep_exps_enabled().exchange(on); },

@@ -219,15 +219,18 @@ ASTRAI_INLINE float fast_tanh(float x) {
   return select(a > 0.625f, big, small);
 }
 
-// log1p(e) for e in [0, 1] (the softplus tail of a logaddexp): the Cephes logf polynomial on
-// u = 1 + e (halved above sqrt 2), corrected by the rounding of u, -((u - 1) - e) / u, which is
-// exact; about 1 ulp. NaN gives NaN. Branch-free.
-ASTRAI_INLINE float log1p_unit(float e) {
-  const float u = 1.0f + e;
-  const bool big = u > 1.41421356f;
-  const float x = select(big, u * 0.5f, u) - 1.0f;
-  const float k = select(big, 1.0f, 0.0f);
-  const float z = x * x;
+// log(q) - offset * ln 2 for a positive normal float q: Cephes logf on the mantissa split at
+// sqrt(1/2) (musl's exponent split), the offset folded into the exponent before ln 2's two-part
+// product; about 1 ulp. Plain integer and float arithmetic, no select, so `omp simd` loops
+// vectorize it. q = 0 gives a finite value; NaN propagates through `q - q`.
+ASTRAI_INLINE float log_with_offset(float q, int offset) {
+  const uint32_t bits = float_to_bits(q);
+  const uint32_t ix = bits - 0x3F3504F3u;               // relative to sqrt(1/2)'s bits
+  const int32_t k = static_cast<int32_t>(ix) >> 23;     // q = 2^k * z
+  const float z = bits_to_float(bits - (ix & 0xFF800000u));  // in [sqrt(1/2), sqrt(2))
+  const float x = z - 1.0f;
+  const float e = static_cast<float>(k - offset);
+  const float x2 = x * x;
   float y = 7.0376836292e-2f;
   y = y * x - 1.1514610310e-1f;
   y = y * x + 1.1676998740e-1f;
@@ -237,8 +240,8 @@ ASTRAI_INLINE float log1p_unit(float e) {
   y = y * x + 2.0000714765e-1f;
   y = y * x - 2.4999993993e-1f;
   y = y * x + 3.3333331174e-1f;
-  y = y * x * z + k * -2.12194440e-4f - 0.5f * z;
-  return (x + y) + k * 0.693359375f - ((u - 1.0f) - e) / u;
+  y = y * x * x2 + e * -2.12194440e-4f - 0.5f * x2;
+  return ((x + y) + e * 0.693359375f) + (q - q);
 }
 
 // ---------------------------------------------------------------------------------------------

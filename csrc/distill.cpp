@@ -59,30 +59,10 @@ ASTRAI_INLINE RowLogProbs saved_stats(int64_t V, const RawLoad<T, C>& load, floa
 // exponent split needs; q <= 2^127 stays finite.
 constexpr int kWeightExp = 126;
 
-// log(q) - kWeightExp * ln 2 for q = ws_scaled * p_s + wt_scaled * p_t (Cephes logf on the
-// mantissa split at sqrt(1/2), musl's exponent split; about 1 ulp). Plain integer and float
-// arithmetic, no select, so `omp simd` loops vectorize it. q = 0 (both p zero: the callers
-// mask those terms) gives a finite value; NaN propagates through `q - q`.
+// log(q) - kWeightExp * ln 2 for q = ws_scaled * p_s + wt_scaled * p_t (common.h's
+// log_with_offset; q = 0, both p zero, gives a finite value the callers mask).
 ASTRAI_INLINE float mixture_log(float ps, float pt, float ws_scaled, float wt_scaled) {
-  const float q = ws_scaled * ps + wt_scaled * pt;
-  const uint32_t bits = float_to_bits(q);
-  const uint32_t ix = bits - 0x3F3504F3u;               // relative to sqrt(1/2)'s bits
-  const int32_t k = static_cast<int32_t>(ix) >> 23;     // q = 2^k * z
-  const float z = bits_to_float(bits - (ix & 0xFF800000u));  // in [sqrt(1/2), sqrt(2))
-  const float x = z - 1.0f;
-  const float e = static_cast<float>(k - kWeightExp);
-  const float x2 = x * x;
-  float y = 7.0376836292e-2f;
-  y = y * x - 1.1514610310e-1f;
-  y = y * x + 1.1676998740e-1f;
-  y = y * x - 1.2420140846e-1f;
-  y = y * x + 1.4249322787e-1f;
-  y = y * x - 1.6668057665e-1f;
-  y = y * x + 2.0000714765e-1f;
-  y = y * x - 2.4999993993e-1f;
-  y = y * x + 3.3333331174e-1f;
-  y = y * x * x2 + e * -2.12194440e-4f - 0.5f * x2;
-  return ((x + y) + e * 0.693359375f) + (q - q);
+  return log_with_offset(ws_scaled * ps + wt_scaled * pt, kWeightExp);
 }
 
 // What the elementwise loops need of the arguments, as locals: read through `args` inside a

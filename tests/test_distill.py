@@ -394,17 +394,21 @@ def test_linear_distill_bad_heads():
         ak.linear_distill_loss(sh, sw, th[:, :-1], tw, target)
 
 
-def test_cpp_log1p_unit_is_accurate():
-    """The C++ kernels' log1p on [0, 1] (a logaddexp's softplus tail): within 2 ulp."""
+def test_cpp_log_is_accurate():
+    """The C++ distill kernels' log (``log_with_offset`` in csrc/common.h: the mixture's
+    ``log m``) over positive normal floats, every binade and the sqrt(1/2) split: within 2 ulp."""
     from astrai_kernels.cpu import cpp_backend
 
     if cpp_backend.unavailable_reason("cpu") is not None:
         pytest.skip(cpp_backend.unavailable_reason("cpu"))
-    e = torch.cat([torch.rand(20000, generator=torch.Generator().manual_seed(14)),
-                   torch.logspace(-30, 0, 2000), torch.tensor([0.0, 1.0, 2.0 ** -24])])
-    got = cpp_backend.load_extension()._log1p_unit(e).double()
-    want = torch.log1p(e.double())
-    ulp = torch.finfo(torch.float32).eps * want.abs().clamp(min=torch.finfo(torch.float32).tiny)
+    g = torch.Generator().manual_seed(14)
+    q = torch.cat([torch.rand(20000, generator=g) + 0.5,
+                   torch.logspace(-37, 38, 4000).float(),
+                   torch.tensor([2.0 ** -126, 0.70710677, 0.70710683, 1.0, 1.41421354,
+                                 3.4e38])])
+    got = cpp_backend.load_extension()._log(q).double()
+    want = torch.log(q.double())
+    ulp = torch.finfo(torch.float32).eps * want.abs().clamp(min=0.5)
     assert float(((got - want).abs() / ulp).max()) <= 2.0
 
 
