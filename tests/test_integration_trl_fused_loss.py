@@ -253,6 +253,24 @@ def test_fused_loss_refusals(monkeypatch, tmp_path):
     monkeypatch.undo()
     trainer.top_entropy_quantile = 1.0
 
+    trainer.loss_type, trainer.use_vllm = "vespo", True
+    trainer.vllm_importance_sampling_correction = True
+    trainer.vllm_importance_sampling_clip_min = 2.0
+    with pytest.raises(ak_trl.TRLHeadError, match="exclude 1"):
+        ak_trl.install(trainer, fused_loss=True)
+    trainer.loss_type, trainer.use_vllm = "dapo", False
+    trainer.epsilon_low = 1.5  # a clip range ak.grpo_loss refuses (clip_eps_low in [0, 1])
+    with pytest.raises(ak_trl.TRLHeadError, match="clip_eps_low"):
+        ak_trl.install(trainer, fused_loss=True)
+    trainer.epsilon_low = 0.2
+    from transformers import ProcessorMixin
+
+    processing_class = trainer.processing_class
+    trainer.processing_class = object.__new__(type("Processor", (ProcessorMixin,), {}))
+    with pytest.raises(ak_trl.TRLHeadError, match="multimodal"):
+        ak_trl.install(trainer, fused_loss=True)
+    trainer.processing_class = processing_class
+
     class Overriding(type(trainer)):
         def _compute_loss(self, model, inputs):
             return super()._compute_loss(model, inputs)
