@@ -1,7 +1,7 @@
 """Vocabulary-parallel forward+backward at 2 gloo CPU ranks against one process.
 
     python bench/bench_vocab_parallel.py [--rows 512] [--vocab 32000] [--hidden 256] [--repeats 3]
-    python bench/bench_vocab_parallel.py --rows 2048 --vocab 32768 --hidden 1024  # issue 23's
+    python bench/bench_vocab_parallel.py --rows 2048 --vocab 32768 --hidden 1024  # issue 23
 
 Each op (``cross_entropy``, ``token_logprobs`` with entropy, the fused head
 ``linear_cross_entropy``) runs forward+backward on ``[rows, V]`` logits (``[rows, H]`` hidden
