@@ -76,6 +76,9 @@ from torch import Tensor
 
 import astrai_kernels as ak
 
+from ..ops.grpo import CLIPPED_LOSS_TYPES, GLOBAL_COUNT_LOSS_TYPES, LOSS_TYPES
+from ..ops.head import check_chunk_size
+
 #: The TRL versions whose fused-head contract this module reproduces.
 TESTED_TRL = ("1.16.",)
 #: The names TRL 1.16's ``_fused_forward`` closes over (its settings).
@@ -400,8 +403,6 @@ def _gkd_compute_loss(trainer, original, backend: str, chunk_size: Optional[int]
 _MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
                       "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
                       "mm_token_type_ids", "image_position_ids")
-#: TRL's GRPO loss types that normalise by the generation batch's token count
-_GLOBAL_COUNT_TYPES = ("cispo", "dapo", "vespo")
 
 
 def _grpo_trainer_class():
@@ -430,8 +431,7 @@ def _check_fused_loss(trainer) -> None:
     refusals = [
         (isinstance(trainer.processing_class, ProcessorMixin),
          "a multimodal processor: the image inputs of the loss are not served"),
-        (trainer.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo",
-                                   "vespo"),
+        (trainer.loss_type not in LOSS_TYPES,
          f"loss_type {trainer.loss_type!r} is not one of ak.grpo_loss's"),
         (trainer.importance_sampling_level not in ("token", "sequence"),
          f"importance_sampling_level {trainer.importance_sampling_level!r}"),
@@ -460,7 +460,7 @@ def _grpo_options(trainer, temperature: float) -> "ak.GRPOOptions":
     """TRL 1.16's GRPO settings as ``ak.GRPOOptions``, each set only where its loss type reads
     it (the op refuses the others); ``temperature``: the one TRL's head uses."""
     args, loss_type = trainer.args, trainer.loss_type
-    clipped = loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+    clipped = loss_type in CLIPPED_LOSS_TYPES
     keywords = dict(
         beta=float(trainer.beta), clip_eps_low=float(trainer.epsilon_low),
         loss_type=loss_type, importance_sampling=trainer.importance_sampling_level,
@@ -492,7 +492,7 @@ def _check_grpo_options(trainer, options: "ak.GRPOOptions") -> None:
     try:
         ak.grpo_loss(torch.zeros(1, 1, 2), torch.zeros(1, 1, dtype=torch.long), one[0],
                      ref_logprobs=one if options.beta > 0 else None,
-                     normalizer=1.0 if options.loss_type in _GLOBAL_COUNT_TYPES else None,
+                     normalizer=1.0 if options.loss_type in GLOBAL_COUNT_LOSS_TYPES else None,
                      options=options, backend="torch")
     except (TypeError, ValueError) as error:
         raise _refuse(trainer, f"fused_loss=True: its GRPO settings are outside "
@@ -532,7 +532,7 @@ def _grpo_compute_loss(trainer, policy: nn.Module, settings: Dict[str, Any], bac
         mode = "train" if trainer.model.training else "eval"
         accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
         normalizer = None
-        if trainer.loss_type in _GLOBAL_COUNT_TYPES:
+        if trainer.loss_type in GLOBAL_COUNT_LOSS_TYPES:
             normalizer = (inputs["num_items_in_batch"].clamp(min=1.0)
                           / trainer.accelerator.num_processes)
             if mode == "train":
@@ -555,7 +555,7 @@ def _grpo_compute_loss(trainer, policy: nn.Module, settings: Dict[str, Any], bac
                 normalizer=normalizer, importance_weights=importance_weights, options=options,
                 softcap=softcap, logit_scale=logit_scale, return_token_values=True,
                 chunk_size=chunk_size, backend=backend)
-        if trainer.loss_type not in _GLOBAL_COUNT_TYPES:
+        if trainer.loss_type not in GLOBAL_COUNT_LOSS_TYPES:
             loss = loss / accumulation
         _log_grpo_metrics(trainer, mode, values, inputs, mask.to(device), advantages.to(device))
         return loss
@@ -605,7 +605,7 @@ def _log_grpo_metrics(trainer, mode: str, values: Dict[str, Tensor], inputs,
             per_token_kl = per_token_kl * coef_1
         metrics["kl"].append(global_masked_mean(per_token_kl))
     metrics["entropy"].append(global_masked_mean(entropies))
-    if trainer.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+    if trainer.loss_type in CLIPPED_LOSS_TYPES:
         is_low = (coef_1 < 1 - trainer.epsilon_low) & (advantages < 0)
         is_high = (coef_1 > 1 + trainer.epsilon_high) & (advantages > 0)
         metrics["clip_ratio/low_mean"].append(global_masked_mean(is_low.float()))
@@ -675,9 +675,6 @@ def _distillation_check(trainer, backend: str, chunk_size: Optional[int]) -> Non
         raise _refuse(trainer, f"beta {beta!r} is not a number in [0, 1]")
     if not (isinstance(temperature, (int, float)) and temperature > 0):
         raise _refuse(trainer, f"temperature {temperature!r} is not a positive number")
-    if chunk_size is not None and (not isinstance(chunk_size, int)
-                                   or isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
     vocabularies = []
     for role, model in (("student", trainer.model), ("teacher", trainer.teacher_model)):
         head = model.get_output_embeddings()
@@ -776,6 +773,7 @@ def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None,
     ``ValueError``) saying why when it cannot serve the trainer exactly (module docstring)."""
     if not isinstance(fused_loss, bool):
         raise TypeError(f"fused_loss must be a bool, got {type(fused_loss).__name__}")
+    check_chunk_size(chunk_size)
     if is_installed(trainer):
         raise _refuse(trainer, "install was already called on it; uninstall first")
     _check_contract(trainer)
@@ -797,9 +795,6 @@ def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None,
         _check_model(trainer, model, settings)
         head = model.get_output_embeddings()
         _resolve_backend(backend, head.weight.device)  # an unknown backend fails here
-        if chunk_size is not None and (not isinstance(chunk_size, int)
-                                       or isinstance(chunk_size, bool) or chunk_size < 1):
-            raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
         plans.append((model, settings))
     # trl.experimental warns on import: only a trainer that may be a GKDTrainer imports it
     maybe_gkd = any(klass.__name__ == "GKDTrainer" for klass in type(trainer).__mro__)

@@ -261,10 +261,14 @@ def check_head(hidden, weight, bias, chunk_size):
             raise TypeError(f"bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}")
         if bias.device != hidden.device:
             raise ValueError(f"bias is on {bias.device} but hidden is on {hidden.device}")
+    check_chunk_size(chunk_size)
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
+def check_chunk_size(chunk_size):
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
                                    or chunk_size < 1):
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
-    return hidden.reshape(-1, hidden.shape[-1])
 
 
 def logits_like(hidden, weight):
