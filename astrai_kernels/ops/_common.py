@@ -136,6 +136,18 @@ def check_index(value, name):
     return value
 
 
+def check_bool(value, name):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_inplace(logits, inplace_backward):
+    """``inplace_backward`` is a bool, and with it the logits' elements do not overlap."""
+    if check_bool(inplace_backward, "inplace_backward"):
+        check_no_overlap(logits)
+
+
 def check_no_overlap(logits, name="logits"):
     """Raise unless no two elements of ``logits`` share memory (for ``inplace_backward``).
 

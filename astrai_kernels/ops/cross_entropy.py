@@ -29,8 +29,8 @@ from ._common import (
     check_choice,
     check_in_range,
     check_index,
+    check_inplace,
     check_logits,
-    check_no_overlap,
     check_positive,
     check_target,
     finish_inplace_grad,
@@ -125,10 +125,7 @@ def checked_params(logits, target, ignore_index, reduction, label_smoothing, z_l
     normalizer_t = checked_normalizer(normalizer, reduction, logits.device)
     if normalizer_t is not None:
         check_zero_normalizer(normalizer_t, target != ignore_index)
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
-    if inplace_backward:
-        check_no_overlap(logits)
+    check_inplace(logits, inplace_backward)
     params = CrossEntropyParams(
         ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
         softcap=softcap_value, logit_scale=logit_scale, reduction=reduction,
@@ -242,7 +239,7 @@ def _vocab_parallel_cross_entropy(logits, target, process_group, ignore_index, r
     params, normalizer_t = checked_params(
         vocab_parallel.global_stand_in(logits, logits.shape[:-1], layout), target, ignore_index,
         reduction, label_smoothing, z_loss, softcap, normalizer, False, backend)
-    vocab_parallel.check_inplace(logits, inplace_backward)
+    check_inplace(logits, inplace_backward)
     if params.backend == "reference":
         return cross_entropy(vocab_parallel.gathered_logits(logits, layout), target,
                              ignore_index=ignore_index, reduction=reduction,

@@ -27,6 +27,7 @@ from . import _library, vocab_parallel
 from ._backend import resolve_backend
 from ._common import (
     AttachGrad,
+    check_bool,
     check_choice,
     check_in_range,
     check_index,
@@ -153,10 +154,7 @@ def _checked_extras(options: GRPOOptions, ref: Optional[Tensor],
         if loss_type != family and checked[name] != getattr(DEFAULT_OPTIONS, name):
             raise ValueError(f"{name} applies to loss_type={family!r} only, got "
                              f"loss_type={loss_type!r}")
-    correction = options.kl_ratio_correction
-    if not isinstance(correction, bool):
-        raise TypeError(f"kl_ratio_correction must be a bool, got {type(correction).__name__}")
-    if correction and ref is None:
+    if check_bool(options.kl_ratio_correction, "kl_ratio_correction") and ref is None:
         raise ValueError("kl_ratio_correction=True needs ref_logprobs (it scales the k3 KL "
                          "term by the importance ratio)")
     threshold = options.off_policy_threshold
@@ -296,9 +294,7 @@ def plan(logits: Tensor, target: Tensor, advantages: Tensor,
     """Check a call's arguments and weigh its tokens. ``logits`` may be a zero-byte stand-in of
     the logits' shape, dtype and device (the fused LM head's checks). The options come as
     ``options`` or as ``GRPOOptions``' fields in ``keywords``."""
-    if not isinstance(return_token_values, bool):
-        raise TypeError(f"return_token_values must be a bool, got "
-                        f"{type(return_token_values).__name__}")
+    check_bool(return_token_values, "return_token_values")
     unknown = set(keywords) - set(OPTION_NAMES)
     if unknown:
         raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")

@@ -22,9 +22,10 @@ if TYPE_CHECKING:
 from . import _library, vocab_parallel
 from ._backend import backend_module, resolve_backend
 from ._common import (
+    check_bool,
     check_index,
+    check_inplace,
     check_logits,
-    check_no_overlap,
     check_positive,
     check_target,
     dense_grad,
@@ -55,11 +56,8 @@ def checked_params(logits, target, temperature, ignore_index, return_entropy,
     check_logits(logits)
     ignore_index = check_index(ignore_index, "ignore_index")
     check_target(target, logits, ignore_index)
-    for flag, name in ((return_entropy, "return_entropy"), (inplace_backward, "inplace_backward")):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if inplace_backward:
-        check_no_overlap(logits)
+    check_bool(return_entropy, "return_entropy")
+    check_inplace(logits, inplace_backward)
     return LogprobsParams(temperature=check_positive(temperature, "temperature"),
                           ignore_index=ignore_index, with_entropy=return_entropy,
                           inplace_backward=inplace_backward,
@@ -193,7 +191,7 @@ def _vocab_parallel_token_logprobs(logits, target, process_group, temperature, i
     stand_in = vocab_parallel.global_stand_in(logits, logits.shape[:-1], layout)
     params = checked_params(stand_in, target, temperature, ignore_index, return_entropy, False,
                             backend)
-    vocab_parallel.check_inplace(logits, inplace_backward)
+    check_inplace(logits, inplace_backward)
     if params.backend == "reference":
         return token_logprobs(vocab_parallel.gathered_logits(logits, layout), target,
                               temperature=temperature, ignore_index=ignore_index,
@@ -244,8 +242,7 @@ def checked_sequence_mask(logits: torch.Tensor, target: torch.Tensor, mask: torc
                          f"{getattr(mask, 'shape', type(mask).__name__)}")
     if mask.device != logits.device:
         raise ValueError(f"mask is on {mask.device} but logits are on {logits.device}")
-    if not isinstance(average, bool):
-        raise TypeError(f"average must be a bool, got {type(average).__name__}")
+    check_bool(average, "average")
     keep = mask.bool()
     check_target(target, logits, where=keep)
     return keep

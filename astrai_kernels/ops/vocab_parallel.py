@@ -55,8 +55,8 @@ from torch import Tensor
 
 from ._backend import backend_module
 from ._common import (
+    check_bool,
     check_index,
-    check_no_overlap,
     dense_grad,
     finish_inplace_grad,
     graph_is_retained,
@@ -88,10 +88,7 @@ def _not_a_member(process_group) -> bool:
 
 
 def check_consistency_flag(check_consistency) -> bool:
-    if not isinstance(check_consistency, bool):
-        raise TypeError(f"check_consistency must be a bool, got "
-                        f"{type(check_consistency).__name__}")
-    return check_consistency
+    return check_bool(check_consistency, "check_consistency")
 
 
 def shard_layout(process_group, vocab_local: int, device: torch.device,
@@ -399,13 +396,6 @@ class SumGradOverGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_reduce(grad.contiguous().clone(), dist.ReduceOp.SUM, ctx.group), None
-
-
-def check_inplace(logits, inplace_backward):
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
-    if inplace_backward:
-        check_no_overlap(logits)
 
 
 def _head_gradients(ctx, kernels, lse, coefficients, temperature, softcap):
