@@ -177,6 +177,20 @@ class _Recorder:
         self.grads, self.calls = [], {"ak": 0, "trl": 0, "ak_distill": 0}
 
 
+def counted_autograd_function(function, recorder, key):
+    """A stand-in for the autograd Function ``function`` whose ``apply`` counts its calls in
+    ``recorder.calls[key]``."""
+    recorder.calls.setdefault(key, 0)
+
+    class CountedFunction:
+        @staticmethod
+        def apply(*args):
+            recorder.calls[key] += 1
+            return function.apply(*args)
+
+    return CountedFunction
+
+
 def _count_calls(monkeypatch, recorder, op=None):
     """Count ``ak.linear_token_logprobs`` (``op`` replaces it, for the broken variants),
     ``ak.linear_distill_loss`` and TRL's ``_ChunkedLogProbFunction.apply``."""
@@ -184,7 +198,6 @@ def _count_calls(monkeypatch, recorder, op=None):
 
     original_op = op or ak.linear_token_logprobs
     original_distill = ak.linear_distill_loss
-    trl_function = trl_utils._ChunkedLogProbFunction
 
     def counted_op(*args, **kwargs):
         recorder.calls["ak"] += 1
@@ -196,14 +209,9 @@ def _count_calls(monkeypatch, recorder, op=None):
 
     monkeypatch.setattr(ak, "linear_distill_loss", counted_distill)
 
-    class CountedFunction:
-        @staticmethod
-        def apply(*args):
-            recorder.calls["trl"] += 1
-            return trl_function.apply(*args)
-
     monkeypatch.setattr(ak, "linear_token_logprobs", counted_op)
-    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", CountedFunction)
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", counted_autograd_function(
+        trl_utils._ChunkedLogProbFunction, recorder, "trl"))
 
 
 VARIANTS = {

@@ -33,6 +33,7 @@ from test_integration_trl import (  # noqa: E402
     _Recorder,
     _tokenizer,
     _yardstick,
+    counted_autograd_function,
 )
 
 import astrai_kernels as ak  # noqa: E402
@@ -76,16 +77,8 @@ def _trainer(case, dtype, tmp, callbacks=(), cls=None):
 def _count_trl_divergence(patches, recorder):
     from trl.trainer import distillation_trainer as trl_distillation
 
-    trl_function = trl_distillation.ChunkedDivergenceFunction
-    recorder.calls["trl_divergence"] = 0
-
-    class CountedFunction:
-        @staticmethod
-        def apply(*args):
-            recorder.calls["trl_divergence"] += 1
-            return trl_function.apply(*args)
-
-    patches.setattr(trl_distillation, "ChunkedDivergenceFunction", CountedFunction)
+    patches.setattr(trl_distillation, "ChunkedDivergenceFunction", counted_autograd_function(
+        trl_distillation.ChunkedDivergenceFunction, recorder, "trl_divergence"))
 
 
 def _train(case, dtype, installed, monkeypatch, tmp, distill_op=None):
