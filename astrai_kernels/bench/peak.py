@@ -8,7 +8,10 @@ most memory the call added. The process should run with ``MALLOC_MMAP_THRESHOLD_
 returned to the OS when freed, so RSS follows the live tensors (glibc would otherwise keep
 freed heap pages, and a reused page never raises RSS again). Where ``clear_refs`` is not
 writable the high-water mark cannot be reset: ``ru_maxrss`` is used instead, which is right for
-the first call only (:attr:`PeakRss.resettable` says which).
+the first call only (:attr:`PeakRss.resettable` says which). Blocks the gradient cache
+(:mod:`astrai_kernels.cpu.memory`) holds unused at ``start()`` are resident but would have been
+freed without the cache: they are taken off the baseline, so a gradient the cache serves counts
+in the peak as a fresh one does.
 """
 
 import ctypes
@@ -65,9 +68,9 @@ def _malloc_trim():
 class PeakRss:
     """``start()`` before a call, ``extra()`` after it: the peak resident bytes it added.
 
-    ``start()`` collects garbage, trims malloc, resets ``VmHWM`` and returns ``VmRSS`` as the
-    baseline; ``extra()`` is ``VmHWM`` (or, where it cannot be reset, ``ru_maxrss``) minus that
-    baseline. Several calls between ``start()`` and ``extra()`` give the peak over all of them.
+    ``start()`` collects garbage, trims malloc, resets ``VmHWM`` and returns ``VmRSS`` less the
+    gradient cache's unused blocks as the baseline; ``extra()`` is ``VmHWM`` (or, where it
+    cannot be reset, ``ru_maxrss``) minus that baseline. Several calls between ``start()`` and ``extra()`` give the peak over all of them.
     """
 
     def __init__(self):
@@ -81,7 +84,9 @@ class PeakRss:
         gc.collect()
         _malloc_trim()
         _reset_high_water()
-        self.baseline = status_bytes("VmRSS")
+        from astrai_kernels.cpu.memory import gradient_cache_free_bytes
+
+        self.baseline = status_bytes("VmRSS") - gradient_cache_free_bytes()
         return self.baseline
 
     def high_water(self):

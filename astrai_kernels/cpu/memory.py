@@ -1,21 +1,38 @@
-"""Gradient buffers on CPU backed by transparent huge pages.
+"""Gradient buffers on CPU: transparent huge pages, and a small cache that reuses them.
 
-A fresh ``[N, V]`` gradient is ``N * V`` bytes of untouched pages; with 4 KiB pages the first
+A fresh ``[N, V]`` gradient is ``N * V`` bytes of untouched pages. With 4 KiB pages the first
 write faults once per page, which at N = 4096, V = 32768 (fp32) costs about 4x a ``copy_`` of
 the logits. Where the kernel's THP mode is ``madvise``, asking for huge pages on the buffer
-before it is first written takes one fault per 2 MiB instead. Elsewhere (not Linux, THP off,
-no libc) the buffer is a plain ``torch.empty``.
+before it is first written takes one fault per 2 MiB instead; the kernel still zeroes every
+page it hands out, a memory pass as long as the copy. Elsewhere (not Linux, THP off, no libc)
+the buffer is a plain ``torch.empty``.
+
+The cache removes that pass from a training loop, as PyTorch's CUDA caching allocator does on
+GPUs: a gradient buffer of at least :data:`MIN_BYTES` is carved from a cached block, and once
+every tensor on that block is gone (autograd consumed the gradient, ``.grad`` was set to None)
+the next gradient of a fitting size reuses its pages. A block is free when its storage's use
+count is back to the cache's own reference (``torch._C._storage_Use_Count``, the count
+PyTorch's CUDA-graph trees read; the baseline is measured, not assumed). When no free block
+fits, every free block is released before a new one is allocated, so cached memory never sits
+beside a fresh allocation of ours: what the cache holds between steps is the gradient the
+previous step held at that point. The blocks it keeps total at most :func:`gradient_cache_limit`
+bytes (``ASTRAI_KERNELS_GRADIENT_CACHE_BYTES``; default an eighth of physical memory; ``0``
+turns the cache off); :func:`release_gradient_cache` gives every free block back at once.
 """
 
 import ctypes
 import ctypes.util
+import os
 import sys
+import threading
 
 import torch
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 MIN_BYTES = 4 * HUGE_PAGE
+CACHE_ENV = "ASTRAI_KERNELS_GRADIENT_CACHE_BYTES"
+MAX_SLACK = 2  # a cached block serves a request of at least 1 / MAX_SLACK of its size
 
 _madvise = None
 
@@ -35,16 +52,149 @@ def _load_madvise():
     return _madvise
 
 
-def empty_gradient(shape, dtype, device):
-    """``torch.empty(shape)`` whose pages (on CPU, when large) are asked to be huge pages."""
-    grad = torch.empty(shape, dtype=dtype, device=device)
-    nbytes = grad.numel() * grad.element_size()
-    if grad.device.type != "cpu" or nbytes < MIN_BYTES:
-        return grad
+def _advise_huge_pages(buffer, nbytes):
     madvise = _load_madvise()
     if madvise:
-        start = -(-grad.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-        end = (grad.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
+        start = -(-buffer.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+        end = (buffer.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
         if end > start:
             madvise(start, end - start, MADV_HUGEPAGE)  # advice only: a failure changes nothing
+
+
+def _default_limit():
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _limit_from_env():
+    value = os.environ.get(CACHE_ENV)
+    if value is None or value.strip() == "":
+        return _default_limit()
+    try:
+        limit = int(value)
+    except ValueError:
+        raise ValueError(f"{CACHE_ENV} must be a whole number of bytes (0 turns the gradient "
+                         f"cache off), got {value!r}") from None
+    if limit < 0:
+        raise ValueError(f"{CACHE_ENV} must be >= 0, got {limit}")
+    return limit
+
+
+class GradientCache:
+    """Blocks of uint8 storage handed out as gradient views; see the module doc."""
+
+    def __init__(self, limit):
+        self.limit = limit
+        self.blocks = []  # uint8 tensors, oldest first
+        self.lock = threading.Lock()
+        self._use_count = getattr(torch._C, "_storage_Use_Count", None)
+        self.idle_count = self._count(torch.empty(1, dtype=torch.uint8))
+
+    @property
+    def enabled(self):
+        return self.limit > 0 and self.idle_count is not None
+
+    def _count(self, block):
+        if self._use_count is None:
+            return None
+        return self._use_count(block.untyped_storage()._cdata)
+
+    def _is_free(self, block):
+        return self._count(block) == self.idle_count
+
+    def cached_bytes(self):
+        with self.lock:
+            return sum(block.numel() for block in self.blocks)
+
+    def free_bytes(self):
+        """Bytes of cached blocks no tensor uses now (resident memory a plain allocator would
+        have given back)."""
+        with self.lock:
+            return sum(block.numel() for block in self.blocks if self._is_free(block))
+
+    def release(self):
+        with self.lock:
+            self.blocks = [block for block in self.blocks if not self._is_free(block)]
+
+    def take(self, nbytes):
+        """A cached free block of at least ``nbytes`` bytes, or a new one (kept when it fits
+        under the limit)."""
+        with self.lock:
+            fitting = [block for block in self.blocks if self._is_free(block)
+                       and nbytes <= block.numel() <= MAX_SLACK * nbytes]
+            if fitting:
+                block = min(fitting, key=torch.Tensor.numel)
+                self.blocks.remove(block)
+                self.blocks.append(block)
+                return block
+            self.blocks = [block for block in self.blocks if not self._is_free(block)]
+            size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+            block = torch.empty(size, dtype=torch.uint8)
+            _advise_huge_pages(block, size)
+            if sum(b.numel() for b in self.blocks) + size <= self.limit:
+                self.blocks.append(block)
+            return block
+
+
+_cache = None
+_cache_lock = threading.Lock()
+
+
+def _gradient_cache():
+    global _cache
+    if _cache is None:
+        with _cache_lock:
+            if _cache is None:
+                _cache = GradientCache(_limit_from_env())
+    return _cache
+
+
+def gradient_cache_limit():
+    """The most bytes the gradient cache keeps (0: off)."""
+    return _gradient_cache().limit if _gradient_cache().enabled else 0
+
+
+def set_gradient_cache_limit(limit):
+    """Keep at most ``limit`` bytes of gradient blocks (0 turns the cache off); returns the
+    previous limit. Free blocks over the new limit are released now."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"limit must be a whole number of bytes >= 0, got {limit!r}")
+    cache = _gradient_cache()
+    with cache.lock:
+        previous, cache.limit = cache.limit, limit
+    if cache.cached_bytes() > limit:
+        cache.release()
+    return previous
+
+
+def release_gradient_cache():
+    """Give every cached block that no tensor uses back to the allocator."""
+    _gradient_cache().release()
+
+
+def gradient_cache_free_bytes():
+    """Resident bytes the cache holds that no tensor uses (0 when the cache is off)."""
+    return _gradient_cache().free_bytes() if _cache is not None else 0
+
+
+def empty_gradient(shape, dtype, device):
+    """``torch.empty(shape)``; on CPU, when large, on huge pages and from the gradient cache."""
+    device = torch.device(device)
+    element = torch.empty((), dtype=dtype).element_size()
+    numel = 1
+    for size in shape:
+        numel *= size
+    nbytes = numel * element
+    if device.type != "cpu" or nbytes < MIN_BYTES:
+        return torch.empty(shape, dtype=dtype, device=device)
+    cache = _gradient_cache()
+    if cache.enabled:
+        # A tensor on the block's storage, not a view of it: no ``_base`` for autograd or
+        # torch.library to see, and the storage's use count says when it is free again.
+        return torch.empty(0, dtype=dtype).set_(cache.take(nbytes).untyped_storage(), 0,
+                                                tuple(shape))
+    grad = torch.empty(shape, dtype=dtype, device=device)
+    _advise_huge_pages(grad, nbytes)
     return grad

@@ -1,0 +1,179 @@
+"""The CPU gradient cache (``astrai_kernels.cpu.memory``): reuse, limits, and that an op whose
+gradient lands on a reused (dirty) block gives the same result as on fresh memory."""
+
+import pytest
+import torch
+
+import astrai_kernels as ak
+from astrai_kernels.bench.peak import PeakRss
+from astrai_kernels.cpu import memory
+
+from cases import KERNEL_BACKENDS, subprocess_env
+
+VOCAB = 33001  # not a power of two; rows x VOCAB x 4 bytes > memory.MIN_BYTES at 64 rows
+ROWS = {torch.float32: 64, torch.bfloat16: 128}
+
+
+@pytest.fixture
+def cache_limit():
+    """Run with a 256 MiB cache, emptied before and after."""
+    previous = memory.set_gradient_cache_limit(256 << 20)
+    memory.release_gradient_cache()
+    yield
+    memory.release_gradient_cache()
+    memory.set_gradient_cache_limit(previous)
+
+
+def _shape(dtype, rows=None):
+    return (rows or ROWS[dtype], VOCAB)
+
+
+def test_the_use_count_is_readable_on_this_torch():
+    """Without ``torch._C._storage_Use_Count`` the cache turns itself off; on the torch this
+    package declares it is there, so the cache is on by default."""
+    assert memory._gradient_cache().enabled
+    assert memory.gradient_cache_limit() > 0
+
+
+def test_a_released_gradient_is_reused_and_a_live_one_is_not(cache_limit):
+    first = memory.empty_gradient(_shape(torch.float32), torch.float32, "cpu")
+    assert first._base is None and first.is_contiguous()
+    address = first.data_ptr()
+    second = memory.empty_gradient(_shape(torch.float32), torch.float32, "cpu")
+    assert second.data_ptr() != address  # first is still alive
+    del first
+    assert memory.gradient_cache_free_bytes() >= 64 * VOCAB * 4
+    third = memory.empty_gradient(_shape(torch.float32), torch.float32, "cpu")
+    assert third.data_ptr() == address
+    view = third[1:]
+    del third
+    fourth = memory.empty_gradient(_shape(torch.float32), torch.float32, "cpu")
+    assert fourth.data_ptr() != address  # a view keeps the block in use
+    del view, second, fourth
+
+
+def test_a_block_serves_only_fitting_sizes(cache_limit):
+    big = memory.empty_gradient((4 * 64, VOCAB), torch.float32, "cpu")
+    address = big.data_ptr()
+    del big
+    small = memory.empty_gradient((64, VOCAB), torch.float32, "cpu")
+    assert small.data_ptr() != address  # over memory.MAX_SLACK times the request
+    # the unfitting free block was released before the new one was allocated
+    assert memory._gradient_cache().cached_bytes() < 2 * 64 * VOCAB * 4 + (2 << 20)
+    del small
+    bigger = memory.empty_gradient((96, VOCAB), torch.float32, "cpu")
+    assert memory._gradient_cache().cached_bytes() < 2 * 96 * VOCAB * 4 + (2 << 20)
+    del bigger
+
+
+def test_small_and_non_cpu_buffers_bypass_the_cache(cache_limit):
+    small = memory.empty_gradient((4, 100), torch.float32, "cpu")
+    assert small.shape == (4, 100) and memory._gradient_cache().cached_bytes() == 0
+    if torch.cuda.is_available():
+        assert memory.empty_gradient(_shape(torch.float32), torch.float32, "cuda").is_cuda
+
+
+def test_the_limit_bounds_what_is_kept(cache_limit):
+    memory.set_gradient_cache_limit(12 << 20)
+    first = memory.empty_gradient(_shape(torch.float32), torch.float32, "cpu")  # ~8 MiB: kept
+    second = memory.empty_gradient(_shape(torch.float32), torch.float32, "cpu")  # over: not kept
+    assert memory._gradient_cache().cached_bytes() == 10 << 20
+    del first, second
+    memory.set_gradient_cache_limit(0)
+    assert memory.gradient_cache_limit() == 0
+    assert memory._gradient_cache().cached_bytes() == 0
+    plain = memory.empty_gradient(_shape(torch.float32), torch.float32, "cpu")
+    assert memory._gradient_cache().cached_bytes() == 0
+    del plain
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, True, "1"])
+def test_a_bad_limit_is_refused(limit):
+    with pytest.raises(ValueError, match="limit"):
+        memory.set_gradient_cache_limit(limit)
+
+
+@pytest.mark.parametrize("value", ["lots", "-5"])
+def test_a_bad_environment_limit_is_refused(value):
+    import subprocess
+    import sys
+
+    code = ("import torch; from astrai_kernels.cpu import memory; "
+            "memory.empty_gradient((64, 33001), torch.float32, 'cpu')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=subprocess_env(**{memory.CACHE_ENV: value}))
+    assert run.returncode != 0 and memory.CACHE_ENV in run.stderr
+
+
+def test_the_environment_sets_the_limit():
+    import subprocess
+    import sys
+
+    code = ("from astrai_kernels.cpu import memory; print(memory.gradient_cache_limit())")
+    for value, expected in (("0", "0"), ("123456789", "123456789")):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=subprocess_env(**{memory.CACHE_ENV: value}), check=True)
+        assert run.stdout.strip() == expected
+
+
+def test_peak_memory_counts_a_reused_gradient(cache_limit):
+    meter = PeakRss()
+    held = memory.empty_gradient((256, VOCAB), torch.float32, "cpu")
+    held.fill_(1.0)
+    del held
+    meter.start()
+    again = memory.empty_gradient((256, VOCAB), torch.float32, "cpu")
+    again.fill_(2.0)
+    if meter.resettable:
+        assert meter.extra() >= 0.9 * 256 * VOCAB * 4
+    del again
+
+
+def _run_ops(backend, dtype):
+    """Every op whose gradient comes from the cache, forward + backward; the gradients."""
+    gen = torch.Generator().manual_seed(0)
+    rows = ROWS[dtype]
+    logits = (torch.randn(rows, VOCAB, generator=gen) * 3).to(dtype)
+    teacher = (torch.randn(rows, VOCAB, generator=gen) * 3).to(dtype)
+    target = torch.randint(0, VOCAB, (rows,), generator=gen)
+    target[::3] = -100
+    ignored = torch.full((rows,), -100)
+    advantages = torch.randn(2, generator=gen)
+    grads = {}
+
+    def grad_of(name, fn):
+        x = logits.clone().requires_grad_()
+        fn(x).backward()
+        grads[name] = x.grad
+    grad_of("token_logprobs", lambda x: sum(t.sum() for t in ak.token_logprobs(
+        x, target, return_entropy=True, backend=backend)))
+    grad_of("cross_entropy", lambda x: ak.cross_entropy(x, target, label_smoothing=0.1,
+                                                        z_loss=1e-3, backend=backend))
+    grad_of("cross_entropy_all_ignored",
+            lambda x: ak.cross_entropy(x, ignored, reduction="sum", backend=backend))
+    kept = target != -100
+    grad_of("grpo", lambda x: ak.grpo_loss(x.view(2, rows // 2, VOCAB),
+                                           target.clamp(min=0).view(2, -1), advantages,
+                                           mask=kept.view(2, -1), backend=backend)[0])
+    grad_of("distill", lambda x: ak.distill_loss(x, teacher, target, backend=backend))
+    return grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# Triton's kernels take CUDA memory from PyTorch's own caching allocator; on CPU tensors they run
+# only under the interpreter, 2.5 minutes at these shapes.
+@pytest.mark.parametrize("backend", [b for b in KERNEL_BACKENDS if b != "triton"])
+def test_ops_on_a_dirty_reused_block_match_fresh_memory(cache_limit, backend, dtype):
+    """Poison the cache with NaN blocks, then every op's gradient must equal (bitwise) the one
+    it writes into fresh memory, ignored rows included."""
+    memory.set_gradient_cache_limit(0)
+    fresh = _run_ops(backend, dtype)
+    memory.set_gradient_cache_limit(256 << 20)
+    poisoned = [memory.empty_gradient(_shape(dtype), dtype, "cpu").fill_(float("nan"))
+                for _ in range(3)]
+    addresses = {p.data_ptr() for p in poisoned}
+    del poisoned
+    reused = _run_ops(backend, dtype)
+    assert any(g.data_ptr() in addresses for g in reused.values())
+    for name, grad in reused.items():
+        assert torch.equal(grad, fresh[name]), name
