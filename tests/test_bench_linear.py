@@ -119,7 +119,8 @@ def test_loss_functions_equal_pytorch():
                                    msg=lambda m, method=method: f"{method}: {m}")
 
 
-@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_token_logprobs"])
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_token_logprobs",
+                                "linear_token_logprobs_entropy"])
 def test_workload_gradients_equal_float64(op):
     """Each method's call is the op forward + backward: its gradients of hidden and weight are
     those of float64 PyTorch on the same inputs (drawn by the same seed)."""
@@ -127,11 +128,16 @@ def test_workload_gradients_equal_float64(op):
     h64 = hidden.double().requires_grad_(True)
     w64 = weight.double().requires_grad_(True)
     logits = h64 @ w64.T
+    logp_all = torch.log_softmax(logits, -1)
     if op == "linear_cross_entropy":
         F.cross_entropy(logits, target).backward()
+    elif op == "linear_token_logprobs":
+        logp_all.gather(-1, target[:, None]).sum().backward()
     else:
-        torch.log_softmax(logits, -1).gather(-1, target[:, None]).sum().backward()
-    for method in BASELINE_METHODS + BACKENDS:
+        (logp_all.gather(-1, target[:, None]).sum()
+         - (logp_all.exp() * logp_all).sum()).backward()
+    methods = BASELINE_METHODS if op != "linear_token_logprobs_entropy" else ["naive"]
+    for method in methods + BACKENDS:
         workload = build_workload(_case(op, method))
         torch.testing.assert_close(workload.leaves[0].detach(), hidden)
         torch.testing.assert_close(workload.leaves[1].detach(), weight)
@@ -139,6 +145,23 @@ def test_workload_gradients_equal_float64(op):
         for got, want in ((grad_hidden, h64.grad), (grad_weight, w64.grad)):
             torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6,
                                        msg=lambda m, method=method: f"{method}: {m}")
+
+
+def test_distill_workloads_agree_with_the_naive_step():
+    """Every backend's distillation step has the student gradients of TRL's generalized JSD on
+    materialized float logits (naive), and the floor adds the teacher's forward GEMM."""
+    want = _grads(build_workload(_case("linear_distill", "naive")))
+    assert all(g.abs().sum() > 0 for g in want)
+    for method in BACKENDS:
+        got = _grads(build_workload(_case("linear_distill", method)))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, method=method: f"{method}: {m}")
+    floor_workload = build_workload(_case("linear_distill", "gemm"))
+    assert len(floor_workload.run.forward_only) == 1
+    assert floor_workload.info["floor_flops"] == 4 * 2 * ROWS * HIDDEN * VOCAB
+    with pytest.raises(ValueError, match="not a method of linear_distill"):
+        build_workload(_case("linear_distill", "torch_lce"))
 
 
 def test_grpo_workloads_agree_with_the_seed_step():
@@ -232,7 +255,9 @@ def test_cli_runs_every_linear_op_and_method(tmp_path, capsys):
     results = payload["results"]
     assert {(r["op"], r["method"]) for r in results} == {
         (op, m) for op in bc.LINEAR_OPS for m in available + ["cpp", "torch"]
-        if op != "linear_grpo" or m not in bc.TORCH_LCE_BASELINES}
+        if bc.method_applies(op, m)}
+    assert {op for op, m in {(r["op"], r["method"]) for r in results}
+            if m in bc.TORCH_LCE_BASELINES} <= {"linear_cross_entropy", "linear_token_logprobs"}
     assert all(r["repeats"] == 1 for r in results)
     for r in results:
         assert "error" not in r, r.get("error")

@@ -36,53 +36,65 @@ def test_the_use_count_is_readable_on_this_torch():
 
 
 def test_a_released_gradient_is_reused_and_a_live_one_is_not(cache_limit):
-    first = memory.empty_gradient(_shape(torch.float32), torch.float32, "cpu")
+    first = memory.cached_empty(_shape(torch.float32), torch.float32, "cpu")
     assert first._base is None and first.is_contiguous()
     address = first.data_ptr()
-    second = memory.empty_gradient(_shape(torch.float32), torch.float32, "cpu")
+    second = memory.cached_empty(_shape(torch.float32), torch.float32, "cpu")
     assert second.data_ptr() != address  # first is still alive
     del first
     assert memory.gradient_cache_free_bytes() >= 64 * VOCAB * 4
-    third = memory.empty_gradient(_shape(torch.float32), torch.float32, "cpu")
+    third = memory.cached_empty(_shape(torch.float32), torch.float32, "cpu")
     assert third.data_ptr() == address
     view = third[1:]
     del third
-    fourth = memory.empty_gradient(_shape(torch.float32), torch.float32, "cpu")
+    fourth = memory.cached_empty(_shape(torch.float32), torch.float32, "cpu")
     assert fourth.data_ptr() != address  # a view keeps the block in use
     del view, second, fourth
 
 
+def test_several_blocks_each_serve_their_size(cache_limit):
+    sizes = [(64, VOCAB), (96, VOCAB), (160, VOCAB)]
+    held = [memory.cached_empty(size, torch.float32, "cpu") for size in sizes]
+    addresses = [t.data_ptr() for t in held]
+    del held
+    again = [memory.cached_empty(size, torch.float32, "cpu") for size in reversed(sizes)]
+    assert [t.data_ptr() for t in again] == addresses[::-1]
+    assert memory._gradient_cache().cached_bytes() == sum(
+        -(-(rows * VOCAB * 4) // memory.HUGE_PAGE) * memory.HUGE_PAGE for rows, _ in sizes)
+    del again
+
+
 def test_a_block_serves_only_fitting_sizes(cache_limit):
-    big = memory.empty_gradient((4 * 64, VOCAB), torch.float32, "cpu")
+    big = memory.cached_empty((4 * 64, VOCAB), torch.float32, "cpu")
     address = big.data_ptr()
     del big
-    small = memory.empty_gradient((64, VOCAB), torch.float32, "cpu")
+    small = memory.cached_empty((64, VOCAB), torch.float32, "cpu")
     assert small.data_ptr() != address  # over memory.MAX_SLACK times the request
     # the unfitting free block was released before the new one was allocated
     assert memory._gradient_cache().cached_bytes() < 2 * 64 * VOCAB * 4 + (2 << 20)
     del small
-    bigger = memory.empty_gradient((96, VOCAB), torch.float32, "cpu")
+    bigger = memory.cached_empty((96, VOCAB), torch.float32, "cpu")
     assert memory._gradient_cache().cached_bytes() < 2 * 96 * VOCAB * 4 + (2 << 20)
     del bigger
 
 
 def test_small_and_non_cpu_buffers_bypass_the_cache(cache_limit):
-    small = memory.empty_gradient((4, 100), torch.float32, "cpu")
+    small = memory.cached_empty((4, 100), torch.float32, "cpu")
     assert small.shape == (4, 100) and memory._gradient_cache().cached_bytes() == 0
     if torch.cuda.is_available():
-        assert memory.empty_gradient(_shape(torch.float32), torch.float32, "cuda").is_cuda
+        assert memory.cached_empty(_shape(torch.float32), torch.float32, "cuda").is_cuda
 
 
 def test_the_limit_bounds_what_is_kept(cache_limit):
     memory.set_gradient_cache_limit(12 << 20)
-    first = memory.empty_gradient(_shape(torch.float32), torch.float32, "cpu")  # ~8 MiB: kept
-    second = memory.empty_gradient(_shape(torch.float32), torch.float32, "cpu")  # over: not kept
+    first = memory.cached_empty(_shape(torch.float32), torch.float32, "cpu")  # ~8 MiB: kept
+    second = memory.cached_empty(_shape(torch.float32), torch.float32, "cpu")  # over: not kept
     assert memory._gradient_cache().cached_bytes() == 10 << 20
     del first, second
     memory.set_gradient_cache_limit(0)
     assert memory.gradient_cache_limit() == 0
     assert memory._gradient_cache().cached_bytes() == 0
-    plain = memory.empty_gradient(_shape(torch.float32), torch.float32, "cpu")
+    plain = memory.cached_empty(_shape(torch.float32), torch.float32, "cpu")
     assert memory._gradient_cache().cached_bytes() == 0
     del plain
 
@@ -99,7 +111,7 @@ def test_a_bad_environment_limit_is_refused(value):
     import sys
 
     code = ("import torch; from astrai_kernels.cpu import memory; "
-            "memory.empty_gradient((64, 33001), torch.float32, 'cpu')")
+            "memory.cached_empty((64, 33001), torch.float32, 'cpu')")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=subprocess_env(**{memory.CACHE_ENV: value}))
     assert run.returncode != 0 and memory.CACHE_ENV in run.stderr
@@ -118,11 +130,11 @@ def test_the_environment_sets_the_limit():
 
 def test_peak_memory_counts_a_reused_gradient(cache_limit):
     meter = PeakRss()
-    held = memory.empty_gradient((256, VOCAB), torch.float32, "cpu")
+    held = memory.cached_empty((256, VOCAB), torch.float32, "cpu")
     held.fill_(1.0)
     del held
     meter.start()
-    again = memory.empty_gradient((256, VOCAB), torch.float32, "cpu")
+    again = memory.cached_empty((256, VOCAB), torch.float32, "cpu")
     again.fill_(2.0)
     if meter.resettable:
         assert meter.extra() >= 0.9 * 256 * VOCAB * 4
@@ -169,7 +181,7 @@ def test_ops_on_a_dirty_reused_block_match_fresh_memory(cache_limit, backend, dt
     memory.set_gradient_cache_limit(0)
     fresh = _run_ops(backend, dtype)
     memory.set_gradient_cache_limit(256 << 20)
-    poisoned = [memory.empty_gradient(_shape(dtype), dtype, "cpu").fill_(float("nan"))
+    poisoned = [memory.cached_empty(_shape(dtype), dtype, "cpu").fill_(float("nan"))
                 for _ in range(3)]
     addresses = {p.data_ptr() for p in poisoned}
     del poisoned

@@ -3,8 +3,9 @@ point, and the default point sets of ``astrai-kernels bench``.
 
 A *case* is one (op, method, rows N, vocabulary V, hidden size H, dtype, device). The logits ops
 (``token_logprobs``, ``cross_entropy``, ``grpo``) take ``[N, V]`` logits; the fused-LM-head ops
-(``linear_cross_entropy``, ``linear_token_logprobs``, ``linear_grpo``) take hidden states
-``[N, H]`` and an LM head ``[V, H]`` and never hold the logits. ``method`` is a kernel backend of
+(``linear_cross_entropy``, ``linear_token_logprobs``, ``linear_token_logprobs_entropy``,
+``linear_grpo``, ``linear_distill``) take hidden states ``[N, H]`` and an LM head ``[V, H]``
+(distillation: the teacher's too) and never hold the logits. ``method`` is a kernel backend of
 this package (``NAME:inplace`` for ``inplace_backward=True``) or a baseline (:data:`BASELINES`).
 """
 
@@ -12,7 +13,8 @@ import json
 from dataclasses import asdict, dataclass
 
 LOGITS_OPS = ("token_logprobs", "cross_entropy", "grpo", "distill")
-LINEAR_OPS = ("linear_cross_entropy", "linear_token_logprobs", "linear_grpo")
+LINEAR_OPS = ("linear_cross_entropy", "linear_token_logprobs", "linear_token_logprobs_entropy",
+              "linear_grpo", "linear_distill")
 TENSOR_OPS = LOGITS_OPS + LINEAR_OPS  # the ops measured case by case (strategies are not)
 OPS = TENSOR_OPS + ("strategies",)
 INPLACE_OPS = ("token_logprobs", "cross_entropy")
@@ -25,17 +27,20 @@ KERNEL_BACKENDS = ("triton", "cpp", "torch", "reference")
 BASELINES = ("naive", "compile", "gemm", "torch_lce", "torch_lce_chunked")
 LOGITS_BASELINES = ("naive", "compile")
 LINEAR_BASELINES = ("naive", "gemm", "torch_lce", "torch_lce_chunked")
-TORCH_LCE_BASELINES = ("torch_lce", "torch_lce_chunked")  # not for linear_grpo
+# torch's op gives a loss or per-token log-probs: no entropy, no GRPO step, no distillation
+TORCH_LCE_BASELINES = ("torch_lce", "torch_lce_chunked")
 METHOD_NOTES = {
     "naive": "the seed's path: log_softmax(logits.float()).gather (token log-probs), "
              "F.cross_entropy(logits.float(), y), the seed's GRPO loss on three "
              "log_softmax-gathers, TRL's generalized_jsd_loss on the student's and the "
              "teacher's float logits (distill); for the linear ops F.linear(hidden, weight) "
-             "first",
+             "first (token log-probs with entropy: -(p * log p).sum(-1) of the same fp32 "
+             "log-softmax)",
     "compile": "torch.compile of the naive function (compiled in the warm-up)",
     "gemm": "the linear ops' floor: hidden @ weight.T, dlogits @ weight, dlogits.T @ hidden at "
             "the case's shapes and dtype into preallocated outputs (linear_grpo: also one "
-            "forward matmul each for the old and the reference model)",
+            "forward matmul each for the old and the reference model; linear_distill: also "
+            "the teacher's)",
     "torch_lce": "torch.nn.functional.linear_cross_entropy(options=None), its reference path "
                  "(token log-probs: minus its reduction='none' result)",
     "torch_lce_chunked": "torch.nn.functional.linear_cross_entropy(options="
@@ -48,7 +53,9 @@ DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf
                  "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16"}
 # x S bytes (logits ops); distill reads the student's and the teacher's logits, writes one grad
 FLOOR_FACTOR = {"token_logprobs": 2, "cross_entropy": 2, "grpo": 4, "distill": 3}
-GEMM_COUNT = {"linear_cross_entropy": 3, "linear_token_logprobs": 3, "linear_grpo": 5}
+# linear_grpo: + the old and the reference model's forward; linear_distill: + the teacher's
+GEMM_COUNT = {"linear_cross_entropy": 3, "linear_token_logprobs": 3,
+              "linear_token_logprobs_entropy": 3, "linear_grpo": 5, "linear_distill": 4}
 GRPO_OPS = ("grpo", "linear_grpo")
 GRPO_BATCH = 8  # the GRPO step's B; T = rows / B (B=8, T=512 at N=4096)
 GRPO_CLIP_EPS = 0.2
@@ -61,8 +68,9 @@ LINEAR_WORKSPACE_BOUND = 96 * 2**20
 # run ends within 10 minutes on a 2-core machine: the logits ops at N = 4096, token_logprobs
 # with more vocabulary sizes for the plot; linear_cross_entropy at issue 13's headline
 # N = 2048, H = 1024, V = 32768 and at V = 8192 for the curve; linear_token_logprobs and
-# linear_grpo (B = 8, T = 256) at N = 2048, H = 1024, V = 8192 (the headline GEMMs take ~10 s a
-# call here, and the GRPO step does five of them). The linear ops run in fp32 only by default
+# linear_token_logprobs_entropy, linear_grpo (B = 8, T = 256) and linear_distill at N = 2048,
+# H = 1024, V = 8192 (the headline GEMMs take ~10 s a call here, and the GRPO step does five of
+# them). The linear ops run in fp32 only by default
 # on CPU: on a CPU without native bf16 matmul (AVX2) a bf16 GEMM runs 6-70x slower than fp32
 # (0.4-5 GFLOP/s here), so the bf16 GEMM floor alone at the headline shape takes minutes; pass
 # --dtype bf16 to run it. A linear case times one call after its warm-up by default (each
@@ -72,16 +80,20 @@ LINEAR_WORKSPACE_BOUND = 96 * 2**20
 CPU_DEFAULT_ROWS = {"token_logprobs": (4096,), "cross_entropy": (4096,), "grpo": (4096,),
                     "distill": (2048,),
                     "linear_cross_entropy": (2048,), "linear_token_logprobs": (2048,),
-                    "linear_grpo": (2048,)}
+                    "linear_token_logprobs_entropy": (2048,), "linear_grpo": (2048,),
+                    "linear_distill": (2048,)}
 CPU_DEFAULT_VOCABS = {"token_logprobs": (4096, 8192, 16384, 32768),
                       "cross_entropy": (8192, 32768), "grpo": (32768,), "distill": (32768,),
                       "linear_cross_entropy": (8192, 32768), "linear_token_logprobs": (8192,),
-                      "linear_grpo": (8192,), "strategies": (32768,)}
+                      "linear_token_logprobs_entropy": (8192,), "linear_grpo": (8192,),
+                      "linear_distill": (8192,), "strategies": (32768,)}
 DEFAULT_MIN_REPEATS = {op: 1 if op in LINEAR_OPS else 2 for op in TENSOR_OPS}
 CPU_DEFAULT_DTYPES = {"token_logprobs": ("fp32", "bf16"), "cross_entropy": ("fp32", "bf16"),
                       "grpo": ("fp32", "bf16"), "distill": ("fp32",),
                       "linear_cross_entropy": ("fp32",),
-                      "linear_token_logprobs": ("fp32",), "linear_grpo": ("fp32",)}
+                      "linear_token_logprobs": ("fp32",),
+                      "linear_token_logprobs_entropy": ("fp32",), "linear_grpo": ("fp32",),
+                      "linear_distill": ("fp32",)}
 DEFAULT_HIDDEN = 1024
 CPU_DEFAULT_DEADLINE_S = 510.0  # no case starts later: `make bench` ends within 10 minutes
 STRATEGY_RESERVE_S = 150.0  # the strategies' block starts only with this much time left
@@ -108,7 +120,7 @@ def method_applies(op, method):
     name, inplace = split_method(method)
     if inplace:
         return op in INPLACE_OPS
-    if name in TORCH_LCE_BASELINES:  # torch's op gives a loss or per-token log-probs, no step
+    if name in TORCH_LCE_BASELINES:
         return op in ("linear_cross_entropy", "linear_token_logprobs")
     if name in BASELINES:
         return name in (LINEAR_BASELINES if op in LINEAR_OPS else LOGITS_BASELINES)

@@ -3,17 +3,22 @@ head ``weight [V, H]``, both requiring grad, one forward + backward per call.
 
 * ``linear_cross_entropy``: the mean cross-entropy, ``backward()``.
 * ``linear_token_logprobs``: the token log-probs, ``.sum().backward()``.
+* ``linear_token_logprobs_entropy``: the token log-probs and entropies
+  (``return_entropy=True``, what a GRPO step logs), ``(logp + entropy).sum().backward()``.
 * ``linear_grpo``: one GRPO step: the old and the reference model's log-probs forward-only
   (their own hidden states and heads, no gradient), then the policy's loss forward + backward.
+* ``linear_distill``: ``linear_distill_loss`` (beta 0.5, batchmean) of a student (hidden and
+  head requiring grad) against a frozen teacher of the same shapes, ``backward()``.
 
 Methods: a backend (``ak.linear_*`` with ``backend=``), ``naive`` (``F.linear`` then the seed's
 fp32 math on the materialized logits), ``torch_lce`` / ``torch_lce_chunked``
 (``torch.nn.functional.linear_cross_entropy`` without / with ``LinearCrossEntropyOptions()``;
-token log-probs are minus its ``reduction="none"`` result; not for the GRPO step), and
+token log-probs are minus its ``reduction="none"`` result; only for those two ops), and
 ``gemm``, the floor: the three matmuls any fused forward + backward must do,
 ``hidden @ weight.T`` (logits), ``dlogits @ weight`` (hidden's gradient) and
 ``dlogits.T @ hidden`` (weight's gradient), at the case's shapes and dtype into preallocated
-outputs (``linear_grpo``: plus one forward matmul each for the old and the reference model).
+outputs (``linear_grpo``: plus one forward matmul each for the old and the reference model;
+``linear_distill``: plus the teacher's).
 Its median is the linear ops' ``floor_s``.
 
 Memory: the weight is scaled by ``H**-0.5`` so the logits are O(1) as in a trained model.
@@ -33,7 +38,14 @@ from .cases import (
     split_method,
     torch_dtype,
 )
-from .workloads import Workload, check_method, grpo_batch, seed_grpo_loss
+from .workloads import (
+    DISTILL_BETA,
+    Workload,
+    check_method,
+    grpo_batch,
+    naive_distill,
+    seed_grpo_loss,
+)
 
 
 def _torch_lce_options(method):
@@ -59,6 +71,34 @@ def logprobs_fn(method):
     import astrai_kernels as ak
 
     return lambda h, w, y: ak.linear_token_logprobs(h, w, y, backend=method)
+
+
+def logprobs_entropy_fn(method):
+    """``fn(hidden, weight, target) -> (log-probs, entropies)``, float32, of a non-gemm method."""
+    import torch.nn.functional as F
+
+    if method == "naive":
+        def naive_logprobs_entropy(h, w, y):
+            logp_all = F.linear(h, w).float().log_softmax(-1)
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            return logp_all.gather(-1, y.unsqueeze(-1)).squeeze(-1), entropy
+        return naive_logprobs_entropy
+    import astrai_kernels as ak
+
+    return lambda h, w, y: ak.linear_token_logprobs(h, w, y, return_entropy=True,
+                                                    backend=method)
+
+
+def distill_fn(method):
+    """``fn(student_hidden, student_weight, teacher_hidden, teacher_weight, target) -> loss``."""
+    import torch.nn.functional as F
+
+    if method == "naive":
+        return lambda hs, ws, ht, wt, y: naive_distill(F.linear(hs, ws), F.linear(ht, wt), y)
+    import astrai_kernels as ak
+
+    return lambda hs, ws, ht, wt, y: ak.linear_distill_loss(hs, ws, ht, wt, y,
+                                                            beta=DISTILL_BETA, backend=method)
 
 
 def cross_entropy_fn(method):
@@ -136,7 +176,8 @@ def build_linear_workload(case):
     method = split_method(case.method)[0]
     hidden, weight = hidden_states(method != "gemm"), head(method != "gemm")
     target = torch.randint(0, vocab, shape, device=device, generator=gen)
-    frozen = [(hidden_states(False), head(False)) for _ in range(2)] if grpo else []
+    frozen = ([(hidden_states(False), head(False)) for _ in range(2)] if grpo else
+              [(hidden_states(False), head(False))] if case.op == "linear_distill" else [])
 
     if method == "gemm":
         dlogits = torch.randn(rows, vocab, dtype=dtype, device=device, generator=gen)
@@ -152,6 +193,18 @@ def build_linear_workload(case):
 
         def run():
             logp_fn(hidden, weight, target).sum().backward()
+    elif case.op == "linear_token_logprobs_entropy":
+        logp_entropy_fn = logprobs_entropy_fn(method)
+
+        def run():
+            logp, entropy = logp_entropy_fn(hidden, weight, target)
+            (logp.sum() + entropy.sum()).backward()
+    elif case.op == "linear_distill":
+        loss_fn = distill_fn(method)
+        (teacher_h, teacher_w), = frozen
+
+        def run():
+            loss_fn(hidden, weight, teacher_h, teacher_w, target).backward()
     else:
         (old_h, old_w), (ref_h, ref_w) = frozen
         advantages, mask = grpo_batch(shape, device, gen)

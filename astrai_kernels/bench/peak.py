@@ -70,7 +70,8 @@ class PeakRss:
 
     ``start()`` collects garbage, trims malloc, resets ``VmHWM`` and returns ``VmRSS`` less the
     gradient cache's unused blocks as the baseline; ``extra()`` is ``VmHWM`` (or, where it
-    cannot be reset, ``ru_maxrss``) minus that baseline. Several calls between ``start()`` and ``extra()`` give the peak over all of them.
+    cannot be reset, ``ru_maxrss``) minus that baseline. Several calls between ``start()`` and
+    ``extra()`` give the peak over all of them.
     """
 
     def __init__(self):

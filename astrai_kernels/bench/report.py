@@ -228,7 +228,7 @@ def format_table(results, cuda=False):
 def format_linear_table(results):
     """The linear ops' results as a text table (ratios: < 1 means faster than the baseline)."""
     mib = 1 << 20
-    head = (f"{'op':<21} {'method':<17} {'dtype':<5} {'N':>5} {'H':>5} {'V':>6} "
+    head = (f"{'op':<29} {'method':<17} {'dtype':<5} {'N':>5} {'H':>5} {'V':>6} "
             f"{'median ms':>10} {'n':>2} {'gemm ms':>9} {'x gemm':>7} {'x naive':>8} "
             f"{'x lce-chk':>9} {'peak MiB':>9} {'peak/S':>7} {'/bound':>6}")
     lines = [head, "-" * len(head)]
@@ -237,7 +237,7 @@ def format_linear_table(results):
                                  r.get("hidden", 0), r.get("vocab", 0),
                                  method_rank(r.get("method"))))
     for r in rows:
-        prefix = (f"{r['op']:<21} {r['method']:<17} {r['dtype']:<5} {r['rows']:>5} "
+        prefix = (f"{r['op']:<29} {r['method']:<17} {r['dtype']:<5} {r['rows']:>5} "
                   f"{r.get('hidden', 0):>5} {r['vocab']:>6} ")
         if "error" in r:
             lines.append(prefix + "FAILED: " + r["error"].splitlines()[-1][:100])
@@ -263,7 +263,8 @@ LEGEND = ("median ms: forward+backward (GRPO: one step); n: timed calls; floor m
 LINEAR_LEGEND = (
     "Linear ops (hidden [N, H] and LM head [V, H] in, logits never held): gemm ms: the same-run "
     "GEMM floor, hidden @ weight.T + dlogits @ weight + dlogits.T @ hidden at the same shapes "
-    "and dtype (linear_grpo: + one forward matmul each for old and ref); x gemm / x naive / "
+    "and dtype (linear_grpo: + one forward matmul each for old and ref; linear_distill: + the "
+    "teacher's); x gemm / x naive / "
     "x lce-chk: time over that floor / over F.linear + the seed's fp32 math / over "
     "torch.nn.functional.linear_cross_entropy with LinearCrossEntropyOptions(); peak MiB: "
     "resident memory the call adds above its inputs (gradients of hidden and weight included); "

@@ -126,8 +126,7 @@ class GradientCache:
                        and nbytes <= block.numel() <= MAX_SLACK * nbytes]
             if fitting:
                 block = min(fitting, key=torch.Tensor.numel)
-                self.blocks.remove(block)
-                self.blocks.append(block)
+                self.blocks = [b for b in self.blocks if b is not block] + [block]
                 return block
             self.blocks = [block for block in self.blocks if not self._is_free(block)]
             size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
@@ -179,7 +178,7 @@ def gradient_cache_free_bytes():
     return _gradient_cache().free_bytes() if _cache is not None else 0
 
 
-def empty_gradient(shape, dtype, device):
+def cached_empty(shape, dtype, device):
     """``torch.empty(shape)``; on CPU, when large, on huge pages and from the gradient cache."""
     device = torch.device(device)
     element = torch.empty((), dtype=dtype).element_size()

@@ -39,7 +39,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ..cpu.memory import empty_gradient
+from ..cpu.memory import cached_empty
 from ._backend import backend_module
 from .primitives import ALWAYS, NONE, OPTIONAL, PRIMITIVES, args_of
 
@@ -167,7 +167,7 @@ def primitive_target_index(primitive):
 
 
 def _grad_like(logits):
-    return empty_gradient(logits.shape, logits.dtype, logits.device)
+    return cached_empty(logits.shape, logits.dtype, logits.device)
 
 
 class _Generated:

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from .. import reference
+from ..cpu.memory import cached_empty
 from ._common import (
     FLOAT_DTYPES,
     check_in_range,
@@ -88,21 +89,25 @@ class ChunkedHead:
         n_rows, vocab = hidden.shape[0], weight.shape[0]
         self.chunk = chunk_rows(n_rows, vocab, hidden.device, chunk_size,
                                 weight_copy=self.work_dtype != weight.dtype)
-        self.buffer = hidden.new_empty((min(self.chunk, n_rows), vocab), dtype=self.work_dtype)
+        # The large buffers come from the CPU gradient cache (cpu/memory.py): in a training loop
+        # each call reuses the last call's pages instead of faulting fresh ones.
+        device = hidden.device
+        self.buffer = cached_empty((min(self.chunk, n_rows), vocab), self.work_dtype, device)
         needs_hidden, needs_weight, needs_bias = needs_grad
-        self.grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-        self.grad_weight_acc = (torch.zeros(weight.shape, dtype=torch.float32,
-                                            device=weight.device) if needs_weight else None)
+        self.grad_hidden = (cached_empty(hidden.shape, hidden.dtype, device) if needs_hidden
+                            else None)
+        self.grad_weight_acc = (cached_empty(weight.shape, torch.float32, device).zero_()
+                                if needs_weight else None)
         # A low-precision product of one chunk lands here before its float32 accumulation.
-        self.product = (torch.empty_like(weight) if needs_weight
+        self.product = (cached_empty(weight.shape, weight.dtype, device) if needs_weight
                         and self.work_dtype != torch.float32 else None)
         self.grad_bias_acc = (torch.zeros(weight.shape[0], dtype=torch.float32,
                                           device=weight.device) if needs_bias else None)
         self.logit_scale, self.softcap = float(logit_scale), float(softcap or 0.0)
         transformed = self.logit_scale != 1.0 or bool(self.softcap)
-        self.transformed = (self.buffer.new_empty(self.buffer.shape, dtype=torch.float32)
+        self.transformed = (cached_empty(self.buffer.shape, torch.float32, device)
                             if transformed and self.work_dtype != torch.float32 else None)
-        self.tanh = (self.buffer.new_empty(self.buffer.shape, dtype=torch.float32)
+        self.tanh = (cached_empty(self.buffer.shape, torch.float32, device)
                      if self.softcap and any(needs_grad) else None)
 
     def _transform(self, logits):
@@ -167,7 +172,9 @@ class ChunkedHead:
         grad_weight = absent_grad(self.hidden)
         if self.grad_weight_acc is not None:
             grad_weight = (self.grad_weight_acc if self.dtype == torch.float32
-                           else self.grad_weight_acc.to(self.dtype))
+                           else cached_empty(self.grad_weight_acc.shape, self.dtype,
+                                             self.grad_weight_acc.device).copy_(
+                                                 self.grad_weight_acc))
         grad_bias = (absent_grad(self.hidden) if self.grad_bias_acc is None
                      else self.grad_bias_acc.to(self.dtype))
         grad_hidden = absent_grad(self.hidden) if self.grad_hidden is None else self.grad_hidden
