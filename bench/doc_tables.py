@@ -37,8 +37,10 @@ def _commit():
 def tables(data, commit=None):
     """The markdown of the machine line and the tables, as one string."""
     machine = data["machine"]
-    lines = [f"Measured {machine.get('cpu')} ({machine.get('cores')} cores), torch "
-             f"{machine.get('torch')}, load average at start "
+    flags = " ".join(machine.get("cpu_flags") or []) or "not recorded"
+    cap = f", kernels capped at {machine['cpu_isa_cap']}" if machine.get("cpu_isa_cap") else ""
+    lines = [f"Measured {machine.get('cpu')} ({machine.get('cores')} cores; SIMD flags: "
+             f"{flags}{cap}), torch {machine.get('torch')}, load average at start "
              f"{', '.join(f'{x:.1f}' for x in machine.get('loadavg_at_start', []))}"
              + (f"; written at commit {commit}" if commit else "") + "."]
     if data.get("skipped"):

@@ -80,6 +80,10 @@ def _linear_figures(r, gemm):
     r["peak_over_bound"] = r["peak_extra_bytes"] / r["peak_bound_bytes"]
 
 
+# The /proc/cpuinfo flags that decide which of the C++ kernels' ISA paths runs, and the GEMMs'
+SIMD_FLAG_PREFIXES = ("avx", "fma", "amx", "f16c")
+
+
 def machine_info(device="cpu"):
     info = {"platform": platform.platform(), "python": platform.python_version(),
             "cores": os.cpu_count(), "cpu": platform.processor() or platform.machine()}
@@ -88,9 +92,14 @@ def machine_info(device="cpu"):
             for line in cpuinfo:
                 if line.startswith("model name"):
                     info["cpu"] = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = line.split(":", 1)[1].split()
+                    info["cpu_flags"] = [f for f in flags if f.startswith(SIMD_FLAG_PREFIXES)]
                     break
     except OSError:
         pass
+    if os.environ.get("ASTRAI_KERNELS_CPU_ISA"):
+        info["cpu_isa_cap"] = os.environ["ASTRAI_KERNELS_CPU_ISA"]
     try:
         info["loadavg_at_start"] = list(os.getloadavg())
     except OSError:
