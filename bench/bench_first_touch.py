@@ -7,10 +7,13 @@ torch thread, best of ``--repeats``), as a ratio to the same-run ``copy_`` of th
 an existing buffer (the copy floor):
 
 * ``clone``: ``logits.clone()``, a copy into a fresh buffer (the floor plus first touch);
-* ``op``: ``ak.cross_entropy`` forward + backward (its gradient in a fresh buffer);
+* ``op``: ``ak.cross_entropy`` forward + backward, as a training loop calls it: its gradient
+  comes from the CPU gradient cache (``astrai_kernels.cpu.memory``), so after the warm-up each
+  call reuses the pages of the last call's (released) gradient;
+* ``op_uncached``: the same with the cache off (each gradient a fresh huge-page buffer);
 * ``op_inplace``: the same with ``inplace_backward=True`` (the gradient overwrites the logits:
   no fresh buffer);
-* ``op`` and ``clone`` again with ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator then
+* everything again with ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU allocator then
   ``madvise``s large buffers for transparent huge pages: one fault per 2 MiB), which only
   helps where ``/sys/kernel/mm/transparent_hugepage/enabled`` allows ``madvise``.
 
@@ -26,7 +29,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("copy", "clone", "op", "op_inplace")
+VARIANTS = ("copy", "clone", "op", "op_uncached", "op_inplace")
 
 
 def _best(fn, repeats):
@@ -46,7 +49,10 @@ def run_variant(variant, rows, vocab, repeats, backend):
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     import astrai_kernels as ak
+    from astrai_kernels.cpu import memory
 
+    if variant == "op_uncached":
+        memory.set_gradient_cache_limit(0)
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(rows, vocab, generator=g)

@@ -99,6 +99,22 @@ def test_the_limit_bounds_what_is_kept(cache_limit):
     del plain
 
 
+def test_fake_tensors_and_inference_mode(cache_limit):
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode():
+        fake = memory.cached_empty(_shape(torch.float32), torch.float32, "cpu")
+    assert isinstance(fake, FakeTensor) and memory._gradient_cache().cached_bytes() == 0
+    with torch.inference_mode():
+        inside = memory.cached_empty(_shape(torch.float32), torch.float32, "cpu").fill_(1.0)
+        address = inside.data_ptr()
+        del inside
+    outside = memory.cached_empty(_shape(torch.float32), torch.float32, "cpu")
+    assert outside.data_ptr() == address and not outside.is_inference()
+    outside.fill_(2.0).requires_grad_()
+    del outside
+
+
 @pytest.mark.parametrize("limit", [-1, 1.5, True, "1"])
 def test_a_bad_limit_is_refused(limit):
     with pytest.raises(ValueError, match="limit"):

@@ -1,4 +1,5 @@
-"""Gradient buffers on CPU: transparent huge pages, and a small cache that reuses them.
+"""The ops' large CPU buffers (gradients, the fused head's chunk buffer and accumulators):
+transparent huge pages, and a small cache that reuses them.
 
 A fresh ``[N, V]`` gradient is ``N * V`` bytes of untouched pages. With 4 KiB pages the first
 write faults once per page, which at N = 4096, V = 32768 (fp32) costs about 4x a ``copy_`` of
@@ -8,14 +9,15 @@ page it hands out, a memory pass as long as the copy. Elsewhere (not Linux, THP 
 the buffer is a plain ``torch.empty``.
 
 The cache removes that pass from a training loop, as PyTorch's CUDA caching allocator does on
-GPUs: a gradient buffer of at least :data:`MIN_BYTES` is carved from a cached block, and once
+GPUs: a buffer of at least :data:`MIN_BYTES` is carved from a cached block, and once
 every tensor on that block is gone (autograd consumed the gradient, ``.grad`` was set to None)
-the next gradient of a fitting size reuses its pages. A block is free when its storage's use
+the next buffer of a fitting size (at least half the block's) reuses its pages. A block is free when its storage's use
 count is back to the cache's own reference (``torch._C._storage_Use_Count``, the count
 PyTorch's CUDA-graph trees read; the baseline is measured, not assumed). When no free block
 fits, every free block is released before a new one is allocated, so cached memory never sits
-beside a fresh allocation of ours: what the cache holds between steps is the gradient the
-previous step held at that point. The blocks it keeps total at most :func:`gradient_cache_limit`
+beside a fresh allocation of ours: what the cache holds between steps is what the previous
+step's buffers held at that point. Fake tensors and traced code (a dispatch mode,
+torch.compile) bypass the cache. The blocks it keeps total at most :func:`gradient_cache_limit`
 bytes (``ASTRAI_KERNELS_GRADIENT_CACHE_BYTES``; default an eighth of physical memory; ``0``
 turns the cache off); :func:`release_gradient_cache` gives every free block back at once.
 """
@@ -178,6 +180,13 @@ def gradient_cache_free_bytes():
     return _gradient_cache().free_bytes() if _cache is not None else 0
 
 
+def _tracing():
+    """Under a dispatch mode (fake tensors, tracing) or torch.compile a "buffer" is not memory:
+    it must not enter, or come from, the cache."""
+    stack_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    return torch.compiler.is_compiling() or bool(stack_depth and stack_depth())
+
+
 def cached_empty(shape, dtype, device):
     """``torch.empty(shape)``; on CPU, when large, on huge pages and from the gradient cache."""
     device = torch.device(device)
@@ -186,7 +195,7 @@ def cached_empty(shape, dtype, device):
     for size in shape:
         numel *= size
     nbytes = numel * element
-    if device.type != "cpu" or nbytes < MIN_BYTES:
+    if device.type != "cpu" or nbytes < MIN_BYTES or _tracing():
         return torch.empty(shape, dtype=dtype, device=device)
     cache = _gradient_cache()
     if cache.enabled:

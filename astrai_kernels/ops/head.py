@@ -96,8 +96,10 @@ class ChunkedHead:
         needs_hidden, needs_weight, needs_bias = needs_grad
         self.grad_hidden = (cached_empty(hidden.shape, hidden.dtype, device) if needs_hidden
                             else None)
-        self.grad_weight_acc = (cached_empty(weight.shape, torch.float32, device).zero_()
+        # Written by the first chunk's product, accumulated into by the others (no zero pass).
+        self.grad_weight_acc = (cached_empty(weight.shape, torch.float32, device)
                                 if needs_weight else None)
+        self.weight_grad_written = False
         # A low-precision product of one chunk lands here before its float32 accumulation.
         self.product = (cached_empty(weight.shape, weight.dtype, device) if needs_weight
                         and self.work_dtype != torch.float32 else None)
@@ -157,11 +159,17 @@ class ChunkedHead:
                 self.grad_hidden[start:stop] = grad_logits @ self.weight
         if self.grad_weight_acc is not None:
             rows = self.hidden[start:stop].to(self.work_dtype)
-            if self.product is None:
+            if self.product is None and not self.weight_grad_written:
+                torch.mm(grad_logits.t(), rows, out=self.grad_weight_acc)
+            elif self.product is None:
                 self.grad_weight_acc.addmm_(grad_logits.t(), rows)
             else:
                 torch.mm(grad_logits.t(), rows, out=self.product)
-                self.grad_weight_acc.add_(self.product)
+                if self.weight_grad_written:
+                    self.grad_weight_acc.add_(self.product)
+                else:
+                    self.grad_weight_acc.copy_(self.product)
+            self.weight_grad_written = True
         if self.grad_bias_acc is not None:
             self.grad_bias_acc.add_(grad_logits.sum(0, dtype=torch.float32))
 
@@ -170,6 +178,8 @@ class ChunkedHead:
         # free the workspace before rounding
         self.buffer = self.weight = self.product = self.tanh = self.transformed = None
         grad_weight = absent_grad(self.hidden)
+        if self.grad_weight_acc is not None and not self.weight_grad_written:
+            self.grad_weight_acc.zero_()  # no rows
         if self.grad_weight_acc is not None:
             grad_weight = (self.grad_weight_acc if self.dtype == torch.float32
                            else cached_empty(self.grad_weight_acc.shape, self.dtype,
