@@ -74,4 +74,11 @@ def test_doc_tables_rewrite_only_the_marked_section(tmp_path):
     assert written.startswith(head + doc_tables.BEGIN) and written.endswith(doc_tables.END + tail)
     row = "| cross_entropy | N=4096, V=32768 | fp32 | cpp | 87.0 | 2.79x | 0.15x | 0.29x | 1.00 |"
     assert row in written
-    assert "Measured Test CPU (2 cores)" in written
+    assert "Measured Test CPU (2 cores; SIMD flags: not recorded)" in written
+    bench_json.write_text(json.dumps({"machine": {"cpu": "Test CPU", "cores": 2, "torch": "2.x",
+                                                  "cpu_flags": ["avx2", "fma"],
+                                                  "cpu_isa_cap": "avx2"},
+                                      "results": [result], "skipped": []}))
+    doc_tables.main([str(bench_json), "--write", str(doc)])
+    assert ("Measured Test CPU (2 cores; SIMD flags: avx2 fma, kernels capped at avx2)"
+            in doc.read_text())

@@ -9,17 +9,18 @@ page it hands out, a memory pass as long as the copy. Elsewhere (not Linux, THP 
 the buffer is a plain ``torch.empty``.
 
 The cache removes that pass from a training loop, as PyTorch's CUDA caching allocator does on
-GPUs: a buffer of at least :data:`MIN_BYTES` is carved from a cached block, and once
-every tensor on that block is gone (autograd consumed the gradient, ``.grad`` was set to None)
-the next buffer of a fitting size (at least half the block's) reuses its pages. A block is free when its storage's use
-count is back to the cache's own reference (``torch._C._storage_Use_Count``, the count
-PyTorch's CUDA-graph trees read; the baseline is measured, not assumed). When no free block
-fits, every free block is released before a new one is allocated, so cached memory never sits
-beside a fresh allocation of ours: what the cache holds between steps is what the previous
-step's buffers held at that point. Fake tensors and traced code (a dispatch mode,
-torch.compile) bypass the cache. The blocks it keeps total at most :func:`gradient_cache_limit`
-bytes (``ASTRAI_KERNELS_GRADIENT_CACHE_BYTES``; default an eighth of physical memory; ``0``
-turns the cache off); :func:`release_gradient_cache` gives every free block back at once.
+GPUs: a buffer of at least :data:`MIN_BYTES` is carved from a cached block, and once every
+tensor on that block is gone (autograd consumed the gradient, ``.grad`` was set to None) the
+next buffer of a fitting size (at least half the block's) reuses its pages. A block is free
+when its storage's use count is back to the cache's own reference
+(``torch._C._storage_Use_Count``, the count PyTorch's CUDA-graph trees read; the baseline is
+measured, not assumed). When no free block fits, every free block is released before a new
+one is allocated, so cached memory never sits beside a fresh allocation of ours: what the
+cache holds between steps is what the previous step's buffers held at that point. Fake
+tensors and traced code (a dispatch mode, torch.compile) bypass the cache. The blocks it keeps
+total at most :func:`gradient_cache_limit` bytes (``ASTRAI_KERNELS_GRADIENT_CACHE_BYTES``;
+default an eighth of physical memory; ``0`` turns the cache off); :func:`release_gradient_cache`
+gives every free block back at once.
 """
 
 import ctypes
