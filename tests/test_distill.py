@@ -217,16 +217,16 @@ def test_several_tiles(backend, beta, monkeypatch):
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cpp_every_isa(dtype, beta):
-    """Each compiled copy of the cpp kernels (generic, avx2, avx512): V = 2100, two blocks of
-    the statistics pass."""
+    """Each compiled copy of the cpp kernels (generic, avx2, avx512), the mixture's forward with
+    its kept exps and recomputing them: V = 2100, two blocks of the statistics pass."""
     from astrai_kernels.cpu import cpp_backend
 
     if cpp_backend.unavailable_reason("cpu") is not None:
         pytest.skip(cpp_backend.unavailable_reason("cpu"))
-    from test_cpp_backend import each_isa
+    from test_cpp_backend import each_isa_and_path
 
     student, teacher, target = make_pair((3, 2100), dtype, seed=15)
-    for _ in each_isa():
+    for _ in each_isa_and_path():
         check("cpp", student, teacher, target, beta=beta, temperature=0.8)
         check("cpp", student, teacher, target, beta=beta, hard_weight=0.2)
 
