@@ -98,8 +98,10 @@ def machine_info(device="cpu"):
                     break
     except OSError:
         pass
-    if os.environ.get("ASTRAI_KERNELS_CPU_ISA"):
-        info["cpu_isa_cap"] = os.environ["ASTRAI_KERNELS_CPU_ISA"]
+    from ..cpu.cpp_backend import ISA_ENV
+
+    if os.environ.get(ISA_ENV):
+        info["cpu_isa_cap"] = os.environ[ISA_ENV]
     try:
         info["loadavg_at_start"] = list(os.getloadavg())
     except OSError:

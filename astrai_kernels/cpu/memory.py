@@ -25,6 +25,7 @@ gives every free block back at once.
 
 import ctypes
 import ctypes.util
+import math
 import os
 import sys
 import threading
@@ -86,7 +87,8 @@ def _limit_from_env():
 
 
 class GradientCache:
-    """Blocks of uint8 storage handed out as gradient views; see the module doc."""
+    """Blocks of uint8 storage whose storage the handed-out buffers share; see the module
+    doc."""
 
     def __init__(self, limit):
         self.limit = limit
@@ -155,7 +157,8 @@ def _gradient_cache():
 
 def gradient_cache_limit():
     """The most bytes the gradient cache keeps (0: off)."""
-    return _gradient_cache().limit if _gradient_cache().enabled else 0
+    cache = _gradient_cache()
+    return cache.limit if cache.enabled else 0
 
 
 def set_gradient_cache_limit(limit):
@@ -191,11 +194,7 @@ def _tracing():
 def cached_empty(shape, dtype, device):
     """``torch.empty(shape)``; on CPU, when large, on huge pages and from the gradient cache."""
     device = torch.device(device)
-    element = torch.empty((), dtype=dtype).element_size()
-    numel = 1
-    for size in shape:
-        numel *= size
-    nbytes = numel * element
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < MIN_BYTES or _tracing():
         return torch.empty(shape, dtype=dtype, device=device)
     cache = _gradient_cache()
