@@ -85,6 +85,14 @@ ASTRAI_INLINE float log_prob(float x, const RowLogProbs& r, float inv_t) {
 
 // The loss terms at one element: term_t = p_t (b - m) (m = a for Fkl), term_s = p_s (a - m)
 // (m = b for Rkl).
+// The mixture's terms at one element from its log-probs and probabilities.
+ASTRAI_INLINE void mixture_terms(float la, float lb, float ps, float pt, const RowConsts& c,
+                                 float& term_t, float& term_s) {
+  const float m = mixture_log(ps, pt, c.ws_scaled, c.wt_scaled);
+  term_t = select(pt != 0.0f, pt * (lb - m), 0.0f);
+  term_s = select(ps != 0.0f, ps * (la - m), 0.0f);
+}
+
 template <Kind K>
 ASTRAI_INLINE void loss_terms(float xs, float xt, const RowConsts& c, float& term_t,
                               float& term_s) {
@@ -99,11 +107,28 @@ ASTRAI_INLINE void loss_terms(float xs, float xt, const RowConsts& c, float& ter
     term_t = 0.0f;
     term_s = select(ps != 0.0f, ps * (la - lb), 0.0f);
   } else {
-    const float ps = log_prob_exp(la);
-    const float pt = log_prob_exp(lb);
-    const float m = mixture_log(ps, pt, c.ws_scaled, c.wt_scaled);
-    term_t = select(pt != 0.0f, pt * (lb - m), 0.0f);
-    term_s = select(ps != 0.0f, ps * (la - m), 0.0f);
+    mixture_terms(la, lb, log_prob_exp(la), log_prob_exp(lb), c, term_t, term_s);
+  }
+}
+
+// Adds terms(j, term_t, term_s) over a row into kLanes partial sums each (vectorized lane by
+// lane, as the reductions of common.h).
+template <class F>
+ASTRAI_INLINE void sum_terms(int64_t V, float* vt, float* vs, const F& terms) {
+  int64_t j = 0;
+  for (; j + kLanes <= V; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      float term_t, term_s;
+      terms(j + l, term_t, term_s);
+      vt[l] += term_t;
+      vs[l] += term_s;
+    }
+  }
+  for (int l = 0; j < V; ++j, ++l) {
+    float term_t, term_s;
+    terms(j, term_t, term_s);
+    vt[l] += term_t;
+    vs[l] += term_s;
   }
 }
 
@@ -136,28 +161,6 @@ ASTRAI_INLINE RowLogProbs kept_stats(int64_t V, const Load& load, float scale, f
 ASTRAI_INLINE float kept_prob(float e, float inv_sum) {
   const float p = e * inv_sum;
   return select(p < std::numeric_limits<float>::min(), 0.0f, p);
-}
-
-// loss_terms with p_s, p_t from the kept exps (no exp per element).
-template <Kind K>
-ASTRAI_INLINE void kept_loss_terms(float xs, float xt, float es, float et, float inv_zs,
-                                   float inv_zt, const RowConsts& c, float& term_t,
-                                   float& term_s) {
-  const float la = log_prob(xs, c.s, c.inv_t);
-  const float lb = log_prob(xt, c.t, c.inv_t);
-  const float ps = K == Kind::Fkl ? 0.0f : kept_prob(es, inv_zs);
-  const float pt = K == Kind::Rkl ? 0.0f : kept_prob(et, inv_zt);
-  if (K == Kind::Fkl) {
-    term_t = select(pt != 0.0f, pt * (lb - la), 0.0f);
-    term_s = 0.0f;
-  } else if (K == Kind::Rkl) {
-    term_t = 0.0f;
-    term_s = select(ps != 0.0f, ps * (la - lb), 0.0f);
-  } else {
-    const float m = mixture_log(ps, pt, c.ws_scaled, c.wt_scaled);
-    term_t = select(pt != 0.0f, pt * (lb - m), 0.0f);
-    term_s = select(ps != 0.0f, ps * (la - m), 0.0f);
-  }
 }
 
 template <class Stats, class TS, class TT, bool C, Kind K>
@@ -202,46 +205,23 @@ ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
       c.t = kept_stats(V, load_t, c.inv_t, keep.exps + padded, &inv_zt, &lse_t);
       kept = std::fabs(c.s.ref) < kInf && std::fabs(c.t.ref) < kInf;
     }
-    if (kept) {
+    if (kept) {  // the mixture's terms with p_s, p_t from the kept exps (no exp per element)
       const RowConsts rc = c;
       const float* es = keep.exps;
       const float* et = keep.exps + padded;
-      int64_t j = 0;
-      for (; j + kLanes <= V; j += kLanes) {
-        for (int l = 0; l < kLanes; ++l) {
-          float term_t, term_s;
-          kept_loss_terms<K>(load_s(j + l), load_t(j + l), es[j + l], et[j + l], inv_zs, inv_zt,
-                             rc, term_t, term_s);
-          vt[l] += term_t;
-          vs[l] += term_s;
-        }
-      }
-      for (int l = 0; j < V; ++j, ++l) {
-        float term_t, term_s;
-        kept_loss_terms<K>(load_s(j), load_t(j), es[j], et[j], inv_zs, inv_zt, rc, term_t,
-                           term_s);
-        vt[l] += term_t;
-        vs[l] += term_s;
-      }
+      sum_terms(V, vt, vs, [=](int64_t j, float& term_t, float& term_s)
+                               __attribute__((always_inline)) {
+        mixture_terms(log_prob(load_s(j), rc.s, rc.inv_t), log_prob(load_t(j), rc.t, rc.inv_t),
+                      kept_prob(es[j], inv_zs), kept_prob(et[j], inv_zt), rc, term_t, term_s);
+      });
     } else {
       c.s = Stats::template run<TS, C>(V, load_s, x_y, c.inv_t, &lse_s);
       c.t = Stats::template run<TT, C>(V, load_t, load_t(y), c.inv_t, &lse_t);
       const RowConsts rc = c;
-      int64_t j = 0;
-      for (; j + kLanes <= V; j += kLanes) {
-        for (int l = 0; l < kLanes; ++l) {
-          float term_t, term_s;
-          loss_terms<K>(load_s(j + l), load_t(j + l), rc, term_t, term_s);
-          vt[l] += term_t;
-          vs[l] += term_s;
-        }
-      }
-      for (int l = 0; j < V; ++j, ++l) {
-        float term_t, term_s;
+      sum_terms(V, vt, vs, [=](int64_t j, float& term_t, float& term_s)
+                               __attribute__((always_inline)) {
         loss_terms<K>(load_s(j), load_t(j), rc, term_t, term_s);
-        vt[l] += term_t;
-        vs[l] += term_s;
-      }
+      });
     }
     float sum_t = 0.0f, sum_s = 0.0f;
     for (int l = 0; l < kLanes; ++l) {
