@@ -286,10 +286,20 @@ DistillArgs distill_args(const Tensor& student, const Tensor& teacher, const Ten
 
 py::tuple distill_forward(const Tensor& student, const Tensor& teacher, const Tensor& target,
                           int64_t ignore_index, double beta, double temperature,
-                          double hard_weight) {
+                          double hard_weight, const std::optional<Tensor>& grad_scale,
+                          const std::optional<Tensor>& grad) {
   DistillArgs a = distill_args(student, teacher, target, ignore_index, beta, temperature,
                                hard_weight);
   const int64_t n = a.x.rows();
+  if (grad.has_value()) {
+    TORCH_CHECK(grad_scale.has_value(), "grad_scale is required with grad");
+    const Tensor& gs = *grad_scale;
+    TORCH_CHECK(gs.numel() == 1 || gs.numel() == n, "grad_scale must have 1 or ", n,
+                " elements, got ", gs.numel());
+    a.grad_loss = rows_f32(gs, gs.numel(), "grad_scale");
+    a.grad_loss_numel = gs.numel();
+    a.grad = grad_of(*grad, student);
+  }
   Tensor loss = new_rows(n), lse_s = new_rows(n), lse_t = new_rows(n), kl_s = new_rows(n);
   Tensor hard_lse = new_rows(hard_weight > 0 ? n : 0);
   a.loss = loss.data_ptr<float>();
@@ -319,6 +329,7 @@ void distill_backward(const Tensor& student, const Tensor& teacher, const Tensor
   a.saved_kl_s = rows_f32(kl_s, n, "student_kl");
   if (hard_weight > 0) a.saved_hard_lse = rows_f32(hard_lse, n, "hard_lse");
   a.grad_loss = rows_f32(grad_loss, n, "grad_loss");
+  a.grad_loss_numel = n;
   a.grad = grad_of(grad, student);
   BadRow bad;
   a.bad = &bad;
@@ -371,7 +382,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kl_ratio_correction"), py::arg("with_entropy"), py::arg("grad"));
   m.def("distill_forward", &distill_forward, py::arg("student"), py::arg("teacher"),
         py::arg("target"), py::arg("ignore_index"), py::arg("beta"), py::arg("temperature"),
-        py::arg("hard_weight"));
+        py::arg("hard_weight"), py::arg("grad_scale"), py::arg("grad"));
   m.def("distill_backward", &distill_backward, py::arg("student"), py::arg("teacher"),
         py::arg("target"), py::arg("ignore_index"), py::arg("beta"), py::arg("temperature"),
         py::arg("hard_weight"), py::arg("student_lse"), py::arg("teacher_lse"),

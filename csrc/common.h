@@ -718,9 +718,16 @@ struct DistillArgs {
   const float* saved_lse_t;
   const float* saved_kl_s;
   const float* saved_hard_lse;
+  // d loss / d row loss, 1 or N elements (row n reads element n or the single one); with
+  // `grad` in the forward too, which then writes the gradient as well
   const float* grad_loss;
+  int64_t grad_loss_numel;
   GradView grad;
   BadRow* bad;
+  // a forward with `grad`: what serves a row that gets no scratch (its forward without the
+  // gradient, then the backward from the outputs just written)
+  void (*plain_forward)(const DistillArgs&, int64_t, int64_t);
+  void (*backward)(const DistillArgs&, int64_t, int64_t);
 };
 
 struct VocabShardArgs {

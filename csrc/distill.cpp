@@ -19,7 +19,12 @@
 // (loss 1.5e-7 vs 5e-8 relative at logit scale 1; gradient 2.3e-4 vs 1.4e-4 of its max at
 // scale 4), which a float32 trainer's tolerance did not take; bf16 gradients are unchanged.
 // The backward is one pass over both rows: 2 exps and 1 log (Mix), 2 exps (Fkl), 1 exp (Rkl),
-// writing the student's gradient. m is the log of the mixture's probability itself, not a
+// writing the student's gradient. A forward given the gradient's scale (grad_loss: the scalar
+// reductions' d loss / d row loss is known up front) writes the gradient too: its loss pass
+// stores p_s and q = p_s (a - m) (p_t for Fkl) of each element in the row scratch (two floats
+// per element, cache-resident), and once K is known a last pass writes
+// grad_j = g / T * w_s * (q_j - p_j K) (g / T * (p_j - q_j) for Fkl) from them: no exp or log
+// per element, where the backward takes 2 exps and a log and reads both rows again. m is the log of the mixture's probability itself, not a
 // logaddexp of the log-probs (which takes an exp and a log1p on top of p_s and p_t).
 // Log-probs are (x - ref) * scale - log_sum with ref the row max (or 0 with log_sum = lse),
 // exps of them clamped at <= 0 (log_prob_exp), so a contracted FMA cannot push p above 1.
@@ -93,21 +98,23 @@ ASTRAI_INLINE void mixture_terms(float la, float lb, float ps, float pt, const R
   term_s = select(ps != 0.0f, ps * (la - m), 0.0f);
 }
 
+// Also hands out p_s and p_t (inlined, a caller that ignores one does not compute it: Fkl's
+// terms need only p_t, Rkl's only p_s).
 template <Kind K>
 ASTRAI_INLINE void loss_terms(float xs, float xt, const RowConsts& c, float& term_t,
-                              float& term_s) {
+                              float& term_s, float& ps, float& pt) {
   const float la = log_prob(xs, c.s, c.inv_t);
   const float lb = log_prob(xt, c.t, c.inv_t);
+  ps = log_prob_exp(la);
+  pt = log_prob_exp(lb);
   if (K == Kind::Fkl) {
-    const float pt = log_prob_exp(lb);
     term_t = select(pt != 0.0f, pt * (lb - la), 0.0f);
     term_s = 0.0f;
   } else if (K == Kind::Rkl) {
-    const float ps = log_prob_exp(la);
     term_t = 0.0f;
     term_s = select(ps != 0.0f, ps * (la - lb), 0.0f);
   } else {
-    mixture_terms(la, lb, log_prob_exp(la), log_prob_exp(lb), c, term_t, term_s);
+    mixture_terms(la, lb, ps, pt, c, term_t, term_s);
   }
 }
 
@@ -163,11 +170,65 @@ ASTRAI_INLINE float kept_prob(float e, float inv_sum) {
   return select(p < std::numeric_limits<float>::min(), 0.0f, p);
 }
 
-template <class Stats, class TS, class TT, bool C, Kind K>
+// What a row's gradient needs besides its elements.
+struct GradCoefs {
+  float coef;       // g / T (Fkl), g / T * w_s (Rkl, Mix)
+  float kl;         // the row's student_kl K (0 for Fkl)
+  float hard_coef;  // g * hard_weight
+  RowLogProbs h;    // the student's statistics at temperature 1 (the hard term)
+};
+
+template <Kind K>
+ASTRAI_INLINE GradCoefs grad_coefs(const DistillArgs& a, int64_t n, float kl, RowLogProbs h) {
+  const float upstream = a.grad_loss[a.grad_loss_numel == 1 ? 0 : n];
+  return {upstream * a.inv_t * (K == Kind::Fkl ? 1.0f : a.w_s), K == Kind::Fkl ? 0.0f : kl,
+          upstream * a.hard_weight, h};
+}
+
+// The student's gradient at one element, without the hard term's -d_jy.
+template <Kind K, bool HARD>
+ASTRAI_INLINE float grad_element(float xs, float xt, const RowConsts& c, const GradCoefs& gc) {
+  const float la = log_prob(xs, c.s, c.inv_t);
+  const float lb = log_prob(xt, c.t, c.inv_t);
+  const float ps = log_prob_exp(la);
+  float v;
+  if (K == Kind::Fkl) {
+    v = (ps - log_prob_exp(lb)) * gc.coef;
+  } else {
+    const float m = K == Kind::Rkl ? lb
+                                   : mixture_log(ps, log_prob_exp(lb), c.ws_scaled, c.wt_scaled);
+    v = select(ps != 0.0f, ps * ((la - m) - gc.kl), 0.0f) * gc.coef;
+  }
+  if (HARD) v += log_prob_exp((xs - gc.h.ref) - gc.h.log_sum) * gc.hard_coef;
+  return v;
+}
+
+// The same from the loss pass's stored p = p_s and q = p_s (a - m) (Rkl, Mix) or q = p_t
+// (Fkl): no exp or log but the hard term's.
+template <Kind K, bool HARD>
+ASTRAI_INLINE float stored_grad_element(float p, float q, float xs, const GradCoefs& gc) {
+  float v = K == Kind::Fkl ? (p - q) * gc.coef : select(p != 0.0f, q - p * gc.kl, 0.0f) * gc.coef;
+  if (HARD) v += log_prob_exp((xs - gc.h.ref) - gc.h.log_sum) * gc.hard_coef;
+  return v;
+}
+
+// Writes one row's gradient: grad_of(j, x_j) is element j's without the hard term's -d_jy,
+// which is folded in float32 at the target afterwards (x_y read before the row may be
+// overwritten: grad may be the student itself).
+template <class TS, bool C, bool HARD, class Load, class F>
+ASTRAI_INLINE void write_grad_row(int64_t V, const Load& load_s, float x_y, int64_t y,
+                                  float hard_coef, typename TS::storage* g, int64_t sg,
+                                  const F& grad_of) {
+#pragma omp simd
+  for (int64_t j = 0; j < V; ++j) g[C ? j : j * sg] = TS::store(grad_of(j, load_s(j)));
+  if (HARD) g[C ? y : y * sg] = TS::store(grad_of(y, x_y) - hard_coef);
+}
+
+template <class Stats, class TS, class TT, bool C, Kind K, bool GRAD>
 ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
   using SS = typename TS::storage;
   using ST = typename TT::storage;
-  const int64_t V = a.x.V;
+  const int64_t V = a.x.V, sg = a.grad.sV;
   RowConsts c;
   c.inv_t = a.inv_t;
   c.ws_scaled = std::ldexp(a.w_s, kWeightExp);
@@ -179,6 +240,7 @@ ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
       if (!ignored) a.bad->set(n, y);
       a.loss[n] = a.lse_s[n] = a.lse_t[n] = a.kl_s[n] = 0.0f;
       if (a.hard_lse) a.hard_lse[n] = 0.0f;
+      if (GRAD) zero_row<TS, C>(a.grad.row<SS>(n), sg, V);
       continue;
     }
     const RawLoad<TS, C> load_s{a.x.row<SS>(n), a.x.sV};
@@ -195,32 +257,56 @@ ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
     // own rounding dwarfs it. Not for Fkl and Rkl (1 exp per element): the extra max pass and
     // the scratch traffic cost more than the exp saved (measured slower).
     constexpr bool kKeep = K == Kind::Mix && !std::is_same<TS, F32T>::value;
+    // With the gradient (GRAD), the loss pass stores p_s and q (p_s (a - m), or p_t for Fkl)
+    // of each element in the same scratch (over the kept exps it has just read), and the
+    // gradient pass takes no exp or log from them.
     const int64_t padded = (V + 15) / 16 * 16;
-    const RowScratch keep = kKeep && V > 1 ? row_scratch(2 * padded)
-                                           : RowScratch{nullptr, nullptr};
+    const RowScratch scratch = (kKeep || GRAD) && V > 1 ? row_scratch(2 * padded)
+                                                        : RowScratch{nullptr, nullptr};
+    float* const sp = scratch.exps;
+    float* const sq = scratch.exps == nullptr ? nullptr : scratch.exps + padded;
+    if (GRAD && sp == nullptr) {  // no scratch (or keeping is off): two passes for this row
+      a.plain_forward(a, n, n + 1);
+      DistillArgs saved = a;
+      saved.saved_lse_s = a.lse_s;
+      saved.saved_lse_t = a.lse_t;
+      saved.saved_kl_s = a.kl_s;
+      saved.saved_hard_lse = a.hard_lse;
+      a.backward(saved, n, n + 1);
+      continue;
+    }
     float inv_zs = 0.0f, inv_zt = 0.0f;
-    bool kept = keep.exps != nullptr;
+    bool kept = kKeep && sp != nullptr;
     if (kept) {
-      c.s = kept_stats(V, load_s, c.inv_t, keep.exps, &inv_zs, &lse_s);
-      c.t = kept_stats(V, load_t, c.inv_t, keep.exps + padded, &inv_zt, &lse_t);
+      c.s = kept_stats(V, load_s, c.inv_t, sp, &inv_zs, &lse_s);
+      c.t = kept_stats(V, load_t, c.inv_t, sq, &inv_zt, &lse_t);
       kept = std::fabs(c.s.ref) < kInf && std::fabs(c.t.ref) < kInf;
     }
     if (kept) {  // the mixture's terms with p_s, p_t from the kept exps (no exp per element)
       const RowConsts rc = c;
-      const float* es = keep.exps;
-      const float* et = keep.exps + padded;
-      sum_terms(V, vt, vs, [=](int64_t j, float& term_t, float& term_s)
-                               __attribute__((always_inline)) {
+      const auto terms = [=](int64_t j, float& term_t, float& term_s)
+                             __attribute__((always_inline)) {
+        const float ps = kept_prob(sp[j], inv_zs);
         mixture_terms(log_prob(load_s(j), rc.s, rc.inv_t), log_prob(load_t(j), rc.t, rc.inv_t),
-                      kept_prob(es[j], inv_zs), kept_prob(et[j], inv_zt), rc, term_t, term_s);
-      });
+                      ps, kept_prob(sq[j], inv_zt), rc, term_t, term_s);
+        if (GRAD) {
+          sp[j] = ps;
+          sq[j] = term_s;
+        }
+      };
+      sum_terms(V, vt, vs, terms);
     } else {
       c.s = Stats::template run<TS, C>(V, load_s, x_y, c.inv_t, &lse_s);
       c.t = Stats::template run<TT, C>(V, load_t, load_t(y), c.inv_t, &lse_t);
       const RowConsts rc = c;
       sum_terms(V, vt, vs, [=](int64_t j, float& term_t, float& term_s)
                                __attribute__((always_inline)) {
-        loss_terms<K>(load_s(j), load_t(j), rc, term_t, term_s);
+        float ps, pt;
+        loss_terms<K>(load_s(j), load_t(j), rc, term_t, term_s, ps, pt);
+        if (GRAD) {
+          sp[j] = ps;
+          sq[j] = K == Kind::Fkl ? pt : term_s;
+        }
       });
     }
     float sum_t = 0.0f, sum_s = 0.0f;
@@ -229,9 +315,9 @@ ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
       sum_s += vs[l];
     }
     float loss = K == Kind::Fkl ? sum_t : K == Kind::Rkl ? sum_s : a.w_t * sum_t + a.w_s * sum_s;
+    RowLogProbs h = c.s;
     if (a.hard_lse) {  // hard_weight * (lse - x_y) at temperature 1, relative to the row max
       float hard_lse = lse_s;
-      RowLogProbs h = c.s;
       if (a.inv_t != 1.0f) h = Stats::template run<TS, C>(V, load_s, x_y, 1.0f, &hard_lse);
       loss += a.hard_weight * ((h.ref - x_y) + h.log_sum);
       a.hard_lse[n] = hard_lse;
@@ -240,26 +326,17 @@ ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
     a.lse_s[n] = lse_s;
     a.lse_t[n] = lse_t;
     a.kl_s[n] = K == Kind::Fkl ? 0.0f : sum_s;
+    if (!GRAD) continue;
+    const GradCoefs gc = grad_coefs<K>(a, n, sum_s, h);
+    SS* g = a.grad.row<SS>(n);
+    with_bool(a.hard_lse != nullptr, [&](auto hard) {
+      constexpr bool kHard = decltype(hard)::value;
+      write_grad_row<TS, C, kHard>(V, load_s, x_y, y, gc.hard_coef, g, sg,
+                                   [=](int64_t j, float xs) __attribute__((always_inline)) {
+                                     return stored_grad_element<K, kHard>(sp[j], sq[j], xs, gc);
+                                   });
+    });
   }
-}
-
-// The student's gradient at one element, without the hard term's -d_jy.
-template <Kind K, bool HARD>
-ASTRAI_INLINE float grad_element(float xs, float xt, const RowConsts& c, const RowLogProbs& h,
-                                 float coef, float kl, float hard_coef) {
-  const float la = log_prob(xs, c.s, c.inv_t);
-  const float lb = log_prob(xt, c.t, c.inv_t);
-  const float ps = log_prob_exp(la);
-  float v;
-  if (K == Kind::Fkl) {
-    v = (ps - log_prob_exp(lb)) * coef;
-  } else {
-    const float m = K == Kind::Rkl ? lb
-                                   : mixture_log(ps, log_prob_exp(lb), c.ws_scaled, c.wt_scaled);
-    v = select(ps != 0.0f, ps * ((la - m) - kl), 0.0f) * coef;
-  }
-  if (HARD) v += log_prob_exp((xs - h.ref) - h.log_sum) * hard_coef;
-  return v;
 }
 
 template <class Stats, class TS, class TT, bool C, Kind K, bool HARD>
@@ -287,20 +364,12 @@ ASTRAI_INLINE void backward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
     c.t = saved_stats<Stats>(V, load_t, load_t(y), c.inv_t, a.saved_lse_t[n]);
     RowLogProbs h{0.0f, 0.0f};
     if (HARD) h = saved_stats<Stats>(V, load_s, x_y, 1.0f, a.saved_hard_lse[n]);
-    const float upstream = a.grad_loss[n];
-    const float coef = upstream * c.inv_t * (K == Kind::Fkl ? 1.0f : a.w_s);
-    const float kl = K == Kind::Fkl ? 0.0f : a.saved_kl_s[n];
-    const float hard_coef = HARD ? upstream * a.hard_weight : 0.0f;
+    const GradCoefs gc = grad_coefs<K>(a, n, a.saved_kl_s[n], h);
     const RowConsts rc = c;
-#pragma omp simd
-    for (int64_t j = 0; j < V; ++j) {
-      g[C ? j : j * sg] =
-          TS::store(grad_element<K, HARD>(load_s(j), load_t(j), rc, h, coef, kl, hard_coef));
-    }
-    if (HARD) {  // the target's -hard_coef folded in float32 before the one rounding
-      const float v = grad_element<K, HARD>(x_y, load_t(y), rc, h, coef, kl, hard_coef);
-      g[C ? y : y * sg] = TS::store(v - hard_coef);
-    }
+    write_grad_row<TS, C, HARD>(V, load_s, x_y, y, gc.hard_coef, g, sg,
+                                [=](int64_t j, float xs) __attribute__((always_inline)) {
+                                  return grad_element<K, HARD>(xs, load_t(j), rc, gc);
+                                });
   }
 }
 
@@ -317,9 +386,9 @@ ASTRAI_INLINE void backward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
       return stats_##SUFFIX<T, C>(V, load, hint, scale, lse);                                \
     }                                                                                        \
   };                                                                                         \
-  template <class TS, class TT, bool C, Kind K>                                              \
+  template <class TS, class TT, bool C, Kind K, bool GRAD>                                   \
   ATTR ASTRAI_NOINLINE void forward_##SUFFIX(const DistillArgs& a, int64_t n0, int64_t n1) { \
-    forward_rows<Stats_##SUFFIX, TS, TT, C, K>(a, n0, n1);                                   \
+    forward_rows<Stats_##SUFFIX, TS, TT, C, K, GRAD>(a, n0, n1);                             \
   }                                                                                          \
   template <class TS, class TT, bool C, Kind K, bool HARD>                                   \
   ATTR ASTRAI_NOINLINE void backward_##SUFFIX(const DistillArgs& a, int64_t n0,              \
@@ -329,14 +398,14 @@ ASTRAI_INLINE void backward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
 ASTRAI_FOR_EACH_ISA(ASTRAI_DISTILL_VARIANTS)
 #undef ASTRAI_DISTILL_VARIANTS
 
-template <class TS, class TT, bool C, Kind K>
+template <class TS, class TT, bool C, Kind K, bool GRAD>
 RowsFn<DistillArgs> pick_forward(Isa isa) {
 #if ASTRAI_X86
-  if (isa == Isa::Avx512) return &forward_avx512<TS, TT, C, K>;
-  if (isa == Isa::Avx2) return &forward_avx2<TS, TT, C, K>;
+  if (isa == Isa::Avx512) return &forward_avx512<TS, TT, C, K, GRAD>;
+  if (isa == Isa::Avx2) return &forward_avx2<TS, TT, C, K, GRAD>;
 #endif
   (void)isa;
-  return &forward_generic<TS, TT, C, K>;
+  return &forward_generic<TS, TT, C, K, GRAD>;
 }
 
 template <class TS, class TT, bool C, Kind K, bool HARD>
@@ -361,30 +430,29 @@ ASTRAI_INLINE auto with_kind(const DistillArgs& args, F&& f) {
   return f(std::integral_constant<Kind, Kind::Mix>{});
 }
 
-}  // namespace
-
-void distill_forward_kernel(const DistillArgs& args, int nthreads) {
-  const Isa isa = active_isa();
-  RowsFn<DistillArgs> fn = with_dtype(args.dtype, [&](auto ts) {
+// The forward's row function (with the gradient: unit strides only) and the backward's.
+template <bool GRAD>
+RowsFn<DistillArgs> forward_fn(const DistillArgs& args, Isa isa) {
+  return with_dtype(args.dtype, [&](auto ts) {
     return with_dtype(args.teacher_dtype, [&](auto tt) {
-      return with_bool(unit_stride(args, false), [&](auto c) {
+      return with_bool(!GRAD && unit_stride(args, false), [&](auto c) {
         return with_kind(args, [&](auto kind) {
-          return pick_forward<decltype(ts), decltype(tt), decltype(c)::value,
-                              decltype(kind)::value>(isa);
+          constexpr bool kUnit = decltype(c)::value || GRAD;
+          return pick_forward<decltype(ts), decltype(tt), kUnit, decltype(kind)::value, GRAD>(
+              isa);
         });
       });
     });
   });
-  run_rows(fn, args, args.x.rows(), args.x.V, nthreads);
 }
 
-void distill_backward_kernel(const DistillArgs& args, int nthreads) {
-  const Isa isa = active_isa();
-  RowsFn<DistillArgs> fn = with_dtype(args.dtype, [&](auto ts) {
+RowsFn<DistillArgs> backward_fn(const DistillArgs& args, Isa isa) {
+  return with_dtype(args.dtype, [&](auto ts) {
     return with_dtype(args.teacher_dtype, [&](auto tt) {
       return with_bool(unit_stride(args, true), [&](auto c) {
         return with_kind(args, [&](auto kind) {
-          return with_bool(args.saved_hard_lse != nullptr, [&](auto hard) {
+          return with_bool(args.saved_hard_lse != nullptr || args.hard_lse != nullptr,
+                           [&](auto hard) {
             return pick_backward<decltype(ts), decltype(tt), decltype(c)::value,
                                  decltype(kind)::value, decltype(hard)::value>(isa);
           });
@@ -392,7 +460,35 @@ void distill_backward_kernel(const DistillArgs& args, int nthreads) {
       });
     });
   });
-  run_rows(fn, args, args.x.rows(), args.x.V, nthreads);
+}
+
+}  // namespace
+
+// With a gradient on unit strides: the fused rows (forward_rows<GRAD>); on other strides the
+// forward, then the backward from its outputs (not compiled fused: rare layouts, half the code).
+void distill_forward_kernel(const DistillArgs& args, int nthreads) {
+  const Isa isa = active_isa();
+  if (args.grad.data == nullptr) {
+    run_rows(forward_fn<false>(args, isa), args, args.x.rows(), args.x.V, nthreads);
+    return;
+  }
+  DistillArgs a = args;
+  a.plain_forward = forward_fn<false>(args, isa);
+  a.backward = backward_fn(args, isa);
+  if (unit_stride(args, true)) {
+    run_rows(forward_fn<true>(args, isa), a, a.x.rows(), a.x.V, nthreads);
+    return;
+  }
+  run_rows(a.plain_forward, a, a.x.rows(), a.x.V, nthreads);
+  a.saved_lse_s = a.lse_s;
+  a.saved_lse_t = a.lse_t;
+  a.saved_kl_s = a.kl_s;
+  a.saved_hard_lse = a.hard_lse;
+  run_rows(a.backward, a, a.x.rows(), a.x.V, nthreads);
+}
+
+void distill_backward_kernel(const DistillArgs& args, int nthreads) {
+  run_rows(backward_fn(args, active_isa()), args, args.x.rows(), args.x.V, nthreads);
 }
 
 }  // namespace astrai

@@ -227,8 +227,11 @@ def test_cpp_every_isa(dtype, beta):
 
     student, teacher, target = make_pair((3, 2100), dtype, seed=15)
     for _ in each_isa_and_path():
+        # a scalar reduction: the forward writes the gradient (from its stored values, or
+        # recomputed without scratch); "none": the backward kernel writes it
         check("cpp", student, teacher, target, beta=beta, temperature=0.8)
         check("cpp", student, teacher, target, beta=beta, hard_weight=0.2)
+        check("cpp", student, teacher, target, beta=beta, hard_weight=0.2, reduction="none")
 
 
 @pytest.mark.parametrize("beta", [0.01, 0.5, 0.99])
@@ -246,8 +249,11 @@ def test_large_logits_recompute_the_row_stats(backend):
     student, teacher, target = make_pair((4, 64), torch.float32, seed=7, scale=300.0)
     student = student + 500.0
     teacher = teacher - 400.0
-    check(backend, student, teacher, target, beta=0.5, temperature=2.0, hard_weight=0.1)
-    check(backend, student, teacher, target, beta=0.0, temperature=2.0)
+    for reduction in ("batchmean", "none"):  # the forward's gradient, the backward's
+        check(backend, student, teacher, target, beta=0.5, temperature=2.0, hard_weight=0.1,
+              reduction=reduction)
+        check(backend, student, teacher, target, beta=0.0, temperature=2.0,
+              reduction=reduction)
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)

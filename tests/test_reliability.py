@@ -161,33 +161,37 @@ def _grpo_inputs():
     return base[:, :-1].contiguous(), target, advantages, old
 
 
-def _losses(backend, inplace):
+def _losses(backend, loss_name):
     base, target = _batch()
     x = base.clone().requires_grad_()
-    if inplace is None:
+    if loss_name == "grpo":
         logits, target, advantages, old = _grpo_inputs()
         x = logits.clone().requires_grad_()
         loss, _ = ak.grpo_loss(x, target, advantages, old_logprobs=old, backend=backend)
         return x, loss
-    return x, ak.cross_entropy(x[:, :-1], target, inplace_backward=inplace, backend=backend)
+    if loss_name == "distill":  # the gradient written by the forward, rescaled by the backward
+        teacher = base[:, :-1].flip(-1) * 0.5
+        return x, ak.distill_loss(x[:, :-1], teacher, target, beta=0.5, backend=backend)
+    return x, ak.cross_entropy(x[:, :-1], target, inplace_backward=loss_name.endswith("inplace"),
+                               backend=backend)
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-@pytest.mark.parametrize("loss_name", ["cross_entropy", "cross_entropy_inplace", "grpo"])
+@pytest.mark.parametrize("loss_name",
+                         ["cross_entropy", "cross_entropy_inplace", "grpo", "distill"])
 def test_second_backward(backend, loss_name):
-    inplace = {"cross_entropy": False, "cross_entropy_inplace": True, "grpo": None}[loss_name]
-    x, loss = _losses("reference", inplace)
+    x, loss = _losses("reference", loss_name)
     loss.backward()
     expected = x.grad.clone()
 
-    x, loss = _losses(backend, inplace)
+    x, loss = _losses(backend, loss_name)
     (loss / 2).backward(retain_graph=True)
     (loss / 2).backward(retain_graph=True)
     torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-6)
     loss.backward()
     torch.testing.assert_close(x.grad, 2 * expected, rtol=1e-5, atol=1e-6)
 
-    x, loss = _losses(backend, inplace)
+    x, loss = _losses(backend, loss_name)
     first = torch.autograd.grad(3 * loss, x, retain_graph=True)[0]
     second = torch.autograd.grad(3 * loss, x, retain_graph=True)[0]
     torch.testing.assert_close(first, 3 * expected, rtol=1e-5, atol=1e-6)

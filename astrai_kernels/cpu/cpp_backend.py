@@ -383,11 +383,12 @@ def grpo_forward(logits, target, advantages, old_logprobs, ref_logprobs, token_w
     return logp, loss, entropy
 
 
-def distill_forward(student, teacher, target, params):
+def distill_forward(student, teacher, target, grad_scale, params, grad):
     ext = load_extension()
     return tuple(ext.distill_forward(student, teacher, _target(target), int(params.ignore_index),
                                      float(params.beta), float(params.temperature),
-                                     float(params.hard_weight)))
+                                     float(params.hard_weight),
+                                     _rows_f32(grad_scale) if grad is not None else None, grad))
 
 
 def distill_backward(student, teacher, target, student_lse, teacher_lse, student_kl, hard_lse,

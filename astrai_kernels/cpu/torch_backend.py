@@ -463,7 +463,30 @@ def _kl_rows(log_p, log_m, buf):
     return terms.sum(-1)
 
 
-def distill_forward(student, teacher, target, params):
+def _distill_grad_block(block, y, a, b, m, row_kl, row_upstream, params, exp_buf, hard_buf):
+    """The student's float32 gradient of one block (before ``_store_grad``) from its
+    log-probs ``a``, ``b``, the mixture ``m`` (unused for beta = 0), each row's student_kl and
+    upstream gradient; ``exp_buf`` and ``hard_buf`` are free float32 blocks (``b``'s may be
+    the first)."""
+    coef = (row_upstream / params.temperature).unsqueeze(1)
+    if params.beta == 0:
+        g = torch.exp(a).sub_(torch.exp(b, out=exp_buf)).mul_(coef)
+    else:
+        w_s = distill_weights(params.beta)[1]
+        p = torch.exp(a)
+        diff = (a - m).sub_(row_kl.unsqueeze(1))
+        g = torch.where(p == 0, 0.0, p * diff).mul_(coef * w_s)
+    if params.hard_weight:
+        hard_coef = (row_upstream * params.hard_weight).unsqueeze(1)
+        p1 = torch.softmax(_scaled(block, 1.0, hard_buf), -1)
+        g.add_(p1 * hard_coef)
+        g.scatter_add_(1, y, -hard_coef)
+    return g
+
+
+def distill_forward(student, teacher, target, grad_scale, params, grad):
+    """With ``grad``, each block's gradient is written from the log-probs and mixture the loss
+    just used (not recomputed as in ``distill_backward``)."""
     ignore_index, beta, temperature, hard_weight = (
         params.ignore_index, params.beta, params.temperature, params.hard_weight)
     n_rows = target.numel()
@@ -474,6 +497,8 @@ def distill_forward(student, teacher, target, params):
         return loss, lse_s, lse_t, kl_s, hard_lse
     valid = target != ignore_index
     safe_y = _safe_target(target, valid)
+    if grad is not None:
+        upstream = torch.where(valid, grad_scale.reshape(-1).float().expand(n_rows), 0.0)
     w_t, w_s, log_w_s, log_w_t = distill_weights(beta) if beta else (1.0, 0.0, 0.0, 0.0)
     inner = student.shape[1]
     for n0, n1, block, bufs in _row_blocks(student, 4):
@@ -482,6 +507,7 @@ def distill_forward(student, teacher, target, params):
         teacher_block = teacher[a_idx, b0:b0 + n1 - n0]
         a, lse_s[n0:n1] = _log_softmax_block(block, temperature, y, bufs[0])
         b, lse_t[n0:n1] = _log_softmax_block(teacher_block, temperature, y, bufs[1])
+        m = None
         if beta == 0:
             row_loss = _kl_rows(b, a, bufs[2])
         else:
@@ -500,6 +526,10 @@ def distill_forward(student, teacher, target, params):
             x_y = block.gather(1, y).squeeze(1).float()
             row_loss = row_loss + hard_weight * (row_hard_lse - x_y)
         loss[n0:n1] = row_loss
+        if grad is not None:
+            g = _distill_grad_block(block, y, a, b, m, kl_s[n0:n1], upstream[n0:n1], params,
+                                    bufs[1], bufs[3])
+            _store_grad(_grad_block(grad, n0, n1), g, y, None, valid[n0:n1])
     outputs = [loss, lse_s, lse_t, kl_s] + ([hard_lse] if hard_weight else [])
     outputs = [torch.where(valid, out, 0.0) for out in outputs]
     if not hard_weight:
@@ -509,14 +539,13 @@ def distill_forward(student, teacher, target, params):
 
 def distill_backward(student, teacher, target, student_lse, teacher_lse, student_kl, hard_lse,
                      grad_loss, params, grad):
-    ignore_index, beta, temperature, hard_weight = (
-        params.ignore_index, params.beta, params.temperature, params.hard_weight)
+    ignore_index, beta, temperature = params.ignore_index, params.beta, params.temperature
     if target.numel() == 0:
         return
     valid = target != ignore_index
     safe_y = _safe_target(target, valid)
-    coef = torch.where(valid, grad_loss, 0.0)
-    w_t, w_s, log_w_s, log_w_t = distill_weights(beta) if beta else (1.0, 0.0, 0.0, 0.0)
+    upstream = torch.where(valid, grad_loss, 0.0)
+    _, _, log_w_s, log_w_t = distill_weights(beta) if beta else (1.0, 0.0, 0.0, 0.0)
     inner = student.shape[1]
     for n0, n1, block, bufs in _row_blocks(student, 3):
         y = safe_y[n0:n1]
@@ -526,17 +555,7 @@ def distill_backward(student, teacher, target, student_lse, teacher_lse, student
         a = torch.log_softmax(_tempered(block, temperature, bufs[0])[0], -1, out=bufs[0])
         b = torch.log_softmax(_tempered(teacher_block, temperature, bufs[1])[0], -1,
                               out=bufs[1])
-        row_coef = (coef[n0:n1] / temperature).unsqueeze(1)
-        if beta == 0:
-            g = torch.exp(a).sub_(torch.exp(b, out=bufs[1])).mul_(row_coef)
-        else:
-            m = _distill_mixture(a, b, log_w_s, log_w_t, bufs[2])
-            p = torch.exp(a)
-            diff = (a - m).sub_(student_kl[n0:n1].unsqueeze(1))
-            g = torch.where(p == 0, 0.0, p * diff).mul_(row_coef * w_s)
-        if hard_weight:
-            hard_coef = (coef[n0:n1] * hard_weight).unsqueeze(1)
-            p1 = torch.softmax(_scaled(block, 1.0, bufs[2]), -1)
-            g.add_(p1 * hard_coef)
-            g.scatter_add_(1, y, -hard_coef)
+        m = _distill_mixture(a, b, log_w_s, log_w_t, bufs[2]) if beta else None
+        g = _distill_grad_block(block, y, a, b, m, student_kl[n0:n1], upstream[n0:n1], params,
+                                bufs[1], bufs[2])
         _store_grad(_grad_block(grad, n0, n1), g, y, None, valid[n0:n1])

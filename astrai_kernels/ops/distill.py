@@ -5,8 +5,11 @@ Semantics: ``GKDTrainer.generalized_jsd_loss`` (``trl/experimental/gkd/gkd_train
 ``reference.distill_loss``. Passes: the forward reads both rows once for their log-sum-exps (the
 online reduction) and once more for the row loss (the mixture ``log((1 - beta) p_s + beta p_t)``
 of JSD needs both lses before its first term); it keeps four floats per row (both lses, the
-student's KL to the mixture, the hard term's lse). The backward reads both rows once and
-writes the student's gradient: the only ``[N, V]`` tensor. The teacher gets no gradient.
+student's KL to the mixture, the hard term's lse). The student's gradient is the only
+``[N, V]`` tensor; the teacher gets none. With a scalar reduction the gradient's factor is known
+up front, so the forward writes the gradient as well (the cpp kernel from per-element values its
+loss pass keeps: no exp or log more) and the backward only rescales it, as ``cross_entropy``'s;
+with ``reduction="none"`` the backward reads both rows once more and writes it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from .. import reference
 from . import _library
 from ._backend import backend_module, resolve_backend
 from ._common import (
+    AttachGrad,
     check_choice,
     check_in_range,
     check_index,
@@ -113,8 +117,8 @@ class _DistillRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student, teacher, target_flat, params):
         student_rows, teacher_rows = matching_rows(student, teacher)
-        loss, *stats = _library.distill_forward(student_rows, teacher_rows, target_flat,
-                                                params, params.backend)
+        loss, *stats, _ = _library.distill_forward(student_rows, teacher_rows, target_flat,
+                                                   None, params, False, params.backend)
         ctx.save_for_backward(student, teacher, target_flat, *stats)
         ctx.params = params
         return loss
@@ -216,15 +220,26 @@ def distill_loss(
             params.temperature, params.ignore_index, reduction,
             normalizer_t, params.hard_weight)
     lead_shape = student_logits.shape[:-1]
+    vocab = student_logits.shape[-1]
     target_flat = row_targets(target, lead_shape.numel(), student_logits.device)
-    if torch.is_grad_enabled() and student_logits.requires_grad:
+    needs_grad = torch.is_grad_enabled() and student_logits.requires_grad
+    if needs_grad and reduction == "none":
         rows_loss = _DistillRows.apply(student_logits, teacher_logits, target_flat, params)
-    else:
-        student_rows, teacher_rows = matching_rows(student_logits, teacher_logits)
-        rows_loss = _library.distill_forward(student_rows, teacher_rows, target_flat, params,
-                                             params.backend)[0]
-    return reduce_rows(rows_loss, target_flat, params, normalizer_t, student_logits.shape[-1],
-                       lead_shape)
+        return reduce_rows(rows_loss, target_flat, params, normalizer_t, vocab, lead_shape)
+    student_rows, teacher_rows = matching_rows(student_logits, teacher_logits)
+    if not needs_grad:
+        rows_loss = _library.distill_forward(student_rows, teacher_rows, target_flat, None,
+                                             params, False, params.backend)[0]
+        return reduce_rows(rows_loss, target_flat, params, normalizer_t, vocab, lead_shape)
+    # a scalar reduction: d loss / d row loss is known, so the forward writes the gradient too
+    # (the backward only rescales it, as cross_entropy's)
+    scale = row_grad_scale(target_flat, params, normalizer_t, vocab, lead_shape)
+    with torch.no_grad():
+        rows_loss, *_, grad = _library.distill_forward(student_rows, teacher_rows, target_flat,
+                                                       scale, params, True, params.backend)
+        value = reduce_rows(rows_loss, target_flat, params, normalizer_t, vocab, lead_shape)
+    return AttachGrad.apply(student_logits, value, grad.view(student_logits.shape),
+                            "distill_loss", None)
 
 
 def _linear_distill_walk(student_head, teacher_head, target_flat, params, grad_rows):
@@ -238,12 +253,13 @@ def _linear_distill_walk(student_head, teacher_head, target_flat, params, grad_r
     for (start, stop, student), (_, _, teacher) in zip(student_head.chunks(),
                                                        teacher_head.chunks()):
         rows = target_flat[start:stop]
-        loss[start:stop], *stats = kernels.distill_forward(student, teacher, rows, args)
         if grad_rows is None:
+            loss[start:stop] = kernels.distill_forward(student, teacher, rows, None, args,
+                                                       None)[0]
             continue
-        upstream = (grad_rows.expand(stop - start) if grad_rows.numel() == 1
-                    else grad_rows[start:stop]).contiguous()
-        kernels.distill_backward(student, teacher, rows, *stats, upstream, args, student)
+        upstream = grad_rows if grad_rows.numel() == 1 else grad_rows[start:stop]
+        loss[start:stop] = kernels.distill_forward(student, teacher, rows, upstream, args,
+                                                   student)[0]
         student_head.fold(start, stop, student)
     return (loss, *student_head.gradients())
 

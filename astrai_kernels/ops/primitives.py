@@ -65,7 +65,7 @@ params: SurrogateArgs, grad)`` -> ``(logp, loss, entropy)``
     the formula above, taking clamp's gradient as zero outside its range and, where the two
     branches of the min are equal, the unclipped branch (the entropy gets no gradient here).
 
-``distill_forward(student, teacher, target, params: DistillArgs)``
+``distill_forward(student, teacher, target, grad_scale, params: DistillArgs, grad)``
     -> ``(loss, student_lse, teacher_lse, student_kl, hard_lse)``. ``teacher`` is an
     ``[A, B, V]`` view of the same ``A, B, V`` as ``student`` (its own strides and dtype).
     With ``a = log softmax(student / T)``, ``b = log softmax(teacher / T)`` (TRL's generalized
@@ -75,7 +75,10 @@ params: SurrogateArgs, grad)`` -> ``(logp, loss, entropy)``
     ``beta = 1``); terms with ``p = 0`` are 0. ``hard_weight > 0`` adds
     ``hard_weight * (hard_lse - x_y)``, ``hard_lse = logsumexp(student)`` at temperature 1
     (an empty tensor when ``hard_weight == 0``). The lses are those of ``z / T``. Ignored rows:
-    every output 0. ``student_kl`` is 0 when ``beta = 0``.
+    every output 0. ``student_kl`` is 0 when ``beta = 0``. When ``grad`` is not None,
+    ``grad_scale`` is a float32 tensor of 1 or N elements and the primitive also writes
+    ``distill_backward``'s gradient with it as ``grad_loss`` (row ``n`` uses element ``n`` or
+    the single one).
 
 ``distill_backward(student, teacher, target, student_lse, teacher_lse, student_kl, hard_lse,
 grad_loss, params, grad)``
@@ -204,8 +207,9 @@ PRIMITIVES = {p.name: p for p in (
               (("logits", _T), ("target", _T), ("advantages", _T), ("old_logprobs", _OT),
                ("ref_logprobs", _OT), ("token_weight", _T)), SurrogateArgs,
               lambda p, n: (n, n, n if p.with_entropy else 0), OPTIONAL),
-    Primitive("distill_forward", (("student", _T), ("teacher", _T), ("target", _T)),
-              DistillArgs, lambda p, n: (n, n, n, n, n if p.hard_weight else 0)),
+    Primitive("distill_forward",
+              (("student", _T), ("teacher", _T), ("target", _T), ("grad_scale", _OT)),
+              DistillArgs, lambda p, n: (n, n, n, n, n if p.hard_weight else 0), OPTIONAL),
     Primitive("distill_backward",
               (("student", _T), ("teacher", _T), ("target", _T), ("student_lse", _T),
                ("teacher_lse", _T), ("student_kl", _T), ("hard_lse", _T), ("grad_loss", _T)),
@@ -242,7 +246,8 @@ class Backend(Protocol):
                      grad: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]: ...
 
     def distill_forward(self, student: Tensor, teacher: Tensor, target: Tensor,
-                        params: DistillArgs) -> Tuple[Tensor, ...]: ...
+                        grad_scale: Optional[Tensor], params: DistillArgs,
+                        grad: Optional[Tensor]) -> Tuple[Tensor, ...]: ...
 
     def distill_backward(self, student: Tensor, teacher: Tensor, target: Tensor,
                          student_lse: Tensor, teacher_lse: Tensor, student_kl: Tensor,

@@ -258,7 +258,17 @@ def _distill_weights(beta):
     return beta, 1.0 - beta, math.log1p(-beta) / math.log(2.0), math.log2(beta)
 
 
-def distill_forward(student, teacher, target, params):
+def distill_forward(student, teacher, target, grad_scale, params, grad):
+    """The forward kernel; with ``grad``, then the backward kernel with ``grad_scale`` as every
+    row's upstream gradient (not fused into the forward here, unlike the cpp kernel)."""
+    outputs = _distill_forward(student, teacher, target, params)
+    if grad is not None:
+        grad_loss = _rows_f32(grad_scale).expand(target.numel())
+        distill_backward(student, teacher, target, *outputs[1:], grad_loss, params, grad)
+    return outputs
+
+
+def _distill_forward(student, teacher, target, params):
     ignore_index, beta, temperature, hard_weight = (
         params.ignore_index, params.beta, params.temperature, params.hard_weight)
     outer, inner, vocab = student.shape
@@ -442,7 +452,7 @@ def _representative_calls(logits, grad):
         for hard_weight in (0.0, 0.5):
             for temperature in (1.0, 0.7) if hard_weight else (1.0,):
                 args = DistillArgs(beta, temperature, -100, hard_weight)
-                distill_forward(logits, logits, target, args)
+                distill_forward(logits, logits, target, None, args, None)
                 distill_backward(logits, logits, target, rows, rows, rows,
                                  rows if hard_weight else rows[:0], rows, args, grad)
     for has_beta in (False, True):
