@@ -15,10 +15,12 @@ from cases import ROOT, subprocess_env
 pytest.importorskip("triton")
 
 FIELDS = {"kernel", "config", "arch", "registers", "spills", "shared", "ok", "error"}
-# Triton 3.3.1 to 3.6.0 spill 8 bytes in a few of these builds (ptxas's register choice), 3.8.0
-# and later in none: an older Triton's spill is a speed note (README), not a failure.
+# Triton 3.3.1 to 3.6.0 spill 8 bytes in a few of these builds (ptxas's register choice; 16 in
+# grpo_fwd with entropy and gradient, bf16, strided vocabulary, sm_90, since grpo's entropy
+# output), 3.8.0 and later in none: an older Triton's spill is a speed note (docs/install.md),
+# not a failure.
 SPILL_FREE_TRITON = (3, 8)
-OLDER_TRITON_SPILL_BYTES = 8
+OLDER_TRITON_SPILL_BYTES = 16
 
 
 def _triton_version():
