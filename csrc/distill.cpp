@@ -24,8 +24,9 @@
 // stores p_s and q = p_s (a - m) (p_t for Fkl) of each element in the row scratch (two floats
 // per element, cache-resident), and once K is known a last pass writes
 // grad_j = g / T * w_s * (q_j - p_j K) (g / T * (p_j - q_j) for Fkl) from them: no exp or log
-// per element, where the backward takes 2 exps and a log and reads both rows again. m is the log of the mixture's probability itself, not a
-// logaddexp of the log-probs (which takes an exp and a log1p on top of p_s and p_t).
+// per element, where the backward takes 2 exps and a log and reads both rows again.
+// m is the log of the mixture's probability itself, not a logaddexp of the log-probs (which
+// takes an exp and a log1p on top of p_s and p_t).
 // Log-probs are (x - ref) * scale - log_sum with ref the row max (or 0 with log_sum = lse),
 // exps of them clamped at <= 0 (log_prob_exp), so a contracted FMA cannot push p above 1.
 #include <type_traits>
