@@ -146,6 +146,17 @@ void logprobs_backward(const Tensor& logits, const Tensor& target, const Tensor&
   raise_if_bad(bad, a.x.V, "logprobs_backward");
 }
 
+// The gradient scale of a forward that writes the gradient: 1 or n float32 elements (its
+// count in *numel).
+const float* grad_scale_of(const std::optional<Tensor>& grad_scale, int64_t n, int64_t* numel) {
+  TORCH_CHECK(grad_scale.has_value(), "grad_scale is required with grad");
+  const Tensor& gs = *grad_scale;
+  TORCH_CHECK(gs.numel() == 1 || gs.numel() == n, "grad_scale must have 1 or ", n,
+              " elements, got ", gs.numel());
+  *numel = gs.numel();
+  return rows_f32(gs, gs.numel(), "grad_scale");
+}
+
 py::tuple cross_entropy_forward(const Tensor& logits, const Tensor& target, int64_t ignore_index,
                                 double label_smoothing, double z_loss, double softcap,
                                 double logit_scale, const std::optional<Tensor>& grad_scale,
@@ -165,12 +176,7 @@ py::tuple cross_entropy_forward(const Tensor& logits, const Tensor& target, int6
   a.softcap = static_cast<float>(softcap);
   a.logit_scale = static_cast<float>(logit_scale);
   if (grad.has_value()) {
-    TORCH_CHECK(grad_scale.has_value(), "grad_scale is required with grad");
-    const Tensor& gs = *grad_scale;
-    TORCH_CHECK(gs.numel() == 1 || gs.numel() == n, "grad_scale must have 1 or ", n,
-                " elements, got ", gs.numel());
-    a.grad_scale = rows_f32(gs, gs.numel(), "grad_scale");
-    a.grad_scale_numel = gs.numel();
+    a.grad_scale = grad_scale_of(grad_scale, n, &a.grad_scale_numel);
     a.grad = grad_of(*grad, logits);
   }
   Tensor loss = new_rows(n), lse = new_rows(n);
@@ -292,12 +298,7 @@ py::tuple distill_forward(const Tensor& student, const Tensor& teacher, const Te
                                hard_weight);
   const int64_t n = a.x.rows();
   if (grad.has_value()) {
-    TORCH_CHECK(grad_scale.has_value(), "grad_scale is required with grad");
-    const Tensor& gs = *grad_scale;
-    TORCH_CHECK(gs.numel() == 1 || gs.numel() == n, "grad_scale must have 1 or ", n,
-                " elements, got ", gs.numel());
-    a.grad_loss = rows_f32(gs, gs.numel(), "grad_scale");
-    a.grad_loss_numel = gs.numel();
+    a.grad_loss = grad_scale_of(grad_scale, n, &a.grad_loss_numel);
     a.grad = grad_of(*grad, student);
   }
   Tensor loss = new_rows(n), lse_s = new_rows(n), lse_t = new_rows(n), kl_s = new_rows(n);

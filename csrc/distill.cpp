@@ -225,6 +225,16 @@ ASTRAI_INLINE void write_grad_row(int64_t V, const Load& load_s, float x_y, int6
   if (HARD) g[C ? y : y * sg] = TS::store(grad_of(y, x_y) - hard_coef);
 }
 
+// The forward's arguments as the backward's: its per-row outputs as the saved inputs.
+DistillArgs with_saved_outputs(const DistillArgs& a) {
+  DistillArgs saved = a;
+  saved.saved_lse_s = a.lse_s;
+  saved.saved_lse_t = a.lse_t;
+  saved.saved_kl_s = a.kl_s;
+  saved.saved_hard_lse = a.hard_lse;
+  return saved;
+}
+
 template <class Stats, class TS, class TT, bool C, Kind K, bool GRAD>
 ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
   using SS = typename TS::storage;
@@ -268,12 +278,7 @@ ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
     float* const sq = scratch.exps == nullptr ? nullptr : scratch.exps + padded;
     if (GRAD && sp == nullptr) {  // no scratch (or keeping is off): two passes for this row
       a.plain_forward(a, n, n + 1);
-      DistillArgs saved = a;
-      saved.saved_lse_s = a.lse_s;
-      saved.saved_lse_t = a.lse_t;
-      saved.saved_kl_s = a.kl_s;
-      saved.saved_hard_lse = a.hard_lse;
-      a.backward(saved, n, n + 1);
+      a.backward(with_saved_outputs(a), n, n + 1);
       continue;
     }
     float inv_zs = 0.0f, inv_zt = 0.0f;
@@ -481,11 +486,7 @@ void distill_forward_kernel(const DistillArgs& args, int nthreads) {
     return;
   }
   run_rows(a.plain_forward, a, a.x.rows(), a.x.V, nthreads);
-  a.saved_lse_s = a.lse_s;
-  a.saved_lse_t = a.lse_t;
-  a.saved_kl_s = a.kl_s;
-  a.saved_hard_lse = a.hard_lse;
-  run_rows(a.backward, a, a.x.rows(), a.x.V, nthreads);
+  run_rows(a.backward, with_saved_outputs(a), a.x.rows(), a.x.V, nthreads);
 }
 
 void distill_backward_kernel(const DistillArgs& args, int nthreads) {
