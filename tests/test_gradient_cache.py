@@ -28,9 +28,7 @@ def _shape(dtype, rows=None):
     return (rows or ROWS[dtype], VOCAB)
 
 
-def test_the_use_count_is_readable_on_this_torch():
-    """Without ``torch._C._storage_Use_Count`` the cache turns itself off; on the torch this
-    package declares it is there, so the cache is on by default."""
+def test_the_cache_is_on_by_default():
     assert memory._gradient_cache().enabled
     assert memory.gradient_cache_limit() > 0
 
@@ -205,3 +203,142 @@ def test_ops_on_a_dirty_reused_block_match_fresh_memory(cache_limit, backend, dt
     assert any(g.data_ptr() in addresses for g in reused.values())
     for name, grad in reused.items():
         assert torch.equal(grad, fresh[name]), name
+
+
+# Each reproduction below overwrote or over-kept memory under the use-count cache (issue 36).
+
+def test_a_gradient_kept_through_its_storage_is_not_handed_out_again(cache_limit):
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randint(0, 8192, (272,), generator=gen)
+    x = torch.randn(272, 8192, generator=gen).requires_grad_()
+    ak.cross_entropy(x, target).backward()
+    storage, before = x.grad.untyped_storage(), x.grad.clone()
+    x.grad = None
+    x2 = (5 * torch.randn(272, 8192, generator=gen)).requires_grad_()
+    ak.cross_entropy(x2, target).backward()
+    assert x2.grad.data_ptr() != storage.data_ptr()
+    assert torch.equal(torch.empty(0).set_(storage, 0, (272, 8192)), before)
+
+
+def test_two_threads_never_share_a_block(cache_limit, monkeypatch):
+    """A pause right after a block is taken forces the interleaving in which both threads saw
+    the same free block; each thread's buffer must keep what that thread wrote."""
+    import threading
+    import time
+
+    shape = _shape(torch.float32)
+    memory.cached_empty(shape, torch.float32, "cpu")  # dropped: a free block both want
+    take = memory.GradientCache.take
+
+    def take_then_pause(self, *args, **kwargs):
+        block = take(self, *args, **kwargs)
+        time.sleep(0.05)
+        return block
+
+    monkeypatch.setattr(memory.GradientCache, "take", take_then_pause)
+    written = threading.Barrier(2)
+    kept = {}
+
+    def fill(value):
+        buffer = memory.cached_empty(shape, torch.float32, "cpu").fill_(value)
+        written.wait()
+        time.sleep(0.05)
+        kept[value] = bool((buffer == value).all())
+
+    threads = [threading.Thread(target=fill, args=(float(v),)) for v in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert kept == {1.0: True, 2.0: True}
+
+
+def test_many_threads_under_fast_switching_keep_their_buffers(cache_limit):
+    """Blocks come back from finalizers on whichever thread drops the last reference; under
+    thread switches every microsecond no live buffer is handed out again."""
+    import sys
+    import threading
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    overwritten = []
+
+    def loop(value):
+        held = None
+        for _ in range(40):
+            buffer = memory.cached_empty((9 << 20,), torch.uint8, "cpu").fill_(value)
+            if held is not None and not bool((held == value).all()):
+                overwritten.append(value)
+            held = buffer  # alive while the next buffer is taken; then dropped for reuse
+
+    try:
+        threads = [threading.Thread(target=loop, args=(v,)) for v in range(1, 7)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert overwritten == []
+
+
+def _hold_received_gradient(queue, done, result):
+    grad = queue.get()
+    copy = grad.clone()
+    result.put("received")
+    done.wait(60)
+    result.put(float((grad - copy).abs().max()))
+
+
+def test_a_gradient_sent_to_another_process_does_not_change_there(cache_limit):
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    queue, result, done = context.Queue(), context.Queue(), context.Event()
+    child = context.Process(target=_hold_received_gradient, args=(queue, done, result))
+    child.start()
+    try:
+        gen = torch.Generator().manual_seed(0)
+        target = torch.randint(0, VOCAB, (64,), generator=gen)
+        x = torch.randn(64, VOCAB, generator=gen).requires_grad_()
+        ak.cross_entropy(x, target).backward()
+        queue.put(x.grad)
+        assert result.get(timeout=120) == "received"
+        x.grad = None
+        for _ in range(3):
+            y = (3 * torch.randn(64, VOCAB, generator=gen)).requires_grad_()
+            ak.cross_entropy(y, target).backward()
+            del y
+        done.set()
+        assert result.get(timeout=120) == 0.0
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+
+
+def test_the_cache_holds_what_the_last_step_held(cache_limit):
+    """After 12 gradients were alive at once, ordinary one-gradient steps bring what the cache
+    keeps back to one block."""
+    shape = _shape(torch.float32)
+    block = -(-(64 * VOCAB * 4) // memory.HUGE_PAGE) * memory.HUGE_PAGE
+    burst = [memory.cached_empty(shape, torch.float32, "cpu") for _ in range(12)]
+    del burst
+    assert memory._gradient_cache().cached_bytes() == 12 * block  # what that step held
+    for _ in range(2):
+        step = memory.cached_empty(shape, torch.float32, "cpu").fill_(1.0)
+        del step
+    assert memory._gradient_cache().cached_bytes() == block
+    assert memory.gradient_cache_free_bytes() == block
+
+
+def test_a_buffer_from_a_larger_block_carries_only_its_own_bytes(cache_limit):
+    import io
+
+    memory.cached_empty((16 << 20,), torch.uint8, "cpu")  # dropped: a free 16 MiB block
+    request = (17 << 20) // 2  # 8.5 MiB: served by the freed 16 MiB block
+    grad = memory.cached_empty((request // 4,), torch.float32, "cpu")
+    assert grad.untyped_storage().nbytes() == request
+    saved = io.BytesIO()
+    torch.save(grad, saved)
+    assert len(saved.getvalue()) < request + (64 << 10)

@@ -1,5 +1,5 @@
 """The ops' large CPU buffers (gradients, the fused head's chunk buffer and accumulators):
-transparent huge pages, and a small cache that reuses them.
+transparent huge pages, and a caching allocator that reuses them.
 
 A fresh ``[N, V]`` gradient is ``N * V`` bytes of untouched pages. With 4 KiB pages the first
 write faults once per page, which at N = 4096, V = 32768 (fp32) costs about 4x a ``copy_`` of
@@ -9,26 +9,37 @@ page it hands out, a memory pass as long as the copy. Elsewhere (not Linux, THP 
 the buffer is a plain ``torch.empty``.
 
 The cache removes that pass from a training loop, as PyTorch's CUDA caching allocator does on
-GPUs: a buffer of at least :data:`MIN_BYTES` is carved from a cached block, and once every
-tensor on that block is gone (autograd consumed the gradient, ``.grad`` was set to None) the
-next buffer of a fitting size (at least half the block's) reuses its pages. A block is free
-when its storage's use count is back to the cache's own reference
-(``torch._C._storage_Use_Count``, the count PyTorch's CUDA-graph trees read; the baseline is
-measured, not assumed). When no free block fits, every free block is released before a new
-one is allocated, so cached memory never sits beside a fresh allocation of ours: what the
-cache holds between steps is what the previous step's buffers held at that point. Fake
-tensors and traced code (a dispatch mode, torch.compile) bypass the cache. The blocks it keeps
-total at most :func:`gradient_cache_limit` bytes (``ASTRAI_KERNELS_GRADIENT_CACHE_BYTES``;
-default an eighth of physical memory; ``0`` turns the cache off); :func:`release_gradient_cache`
-gives every free block back at once.
+GPUs. It owns blocks of memory; a buffer of at least :data:`MIN_BYTES` gets a storage of its
+own, sized to the request, whose data lies in a block and whose deleter gives the block back.
+So a block returns only when the last user of that storage is gone: tensors, views, a
+``UntypedStorage`` the user kept, a NumPy array on it; a storage moved to shared memory for
+another process (``share_memory_``) leaves the block at once, with its data copied out. The
+free list sits under a lock held through the claim, so two threads never get one block.
+
+Release rules, which keep what the cache holds between steps to what the previous step held:
+
+- a request takes the smallest free block of at least its size and at most :data:`MAX_SLACK`
+  times it; when none fits, every free block is released before a new one is allocated, so a
+  free block never sits beside a fresh allocation of ours;
+- a step ends when none of the cache's buffers is in use (autograd consumed the gradients,
+  ``.grad`` was set to None); then the free blocks that step did not use are released;
+- the blocks total at most :func:`gradient_cache_limit` bytes
+  (``ASTRAI_KERNELS_GRADIENT_CACHE_BYTES``; default an eighth of physical memory; ``0`` turns
+  the cache off); a block over it is a plain allocation, freed with its storage.
+
+A buffer kept past its step (a ``.grad`` kept across steps) keeps that step from ending; the
+first and third rules still bound what is held. Fake tensors and traced code (a dispatch mode,
+torch.compile) bypass the cache. :func:`release_gradient_cache` gives every free block back now.
 """
 
+import collections
 import ctypes
 import ctypes.util
 import math
 import os
 import sys
 import threading
+import weakref
 
 import torch
 
@@ -86,60 +97,123 @@ def _limit_from_env():
     return limit
 
 
+class Block:
+    """Memory the cache owns: ``memory`` (a uint8 tensor) and a NumPy view of it that leases
+    borrow; ``step`` is the step that last took it, ``kept`` whether it returns to the cache."""
+
+    __slots__ = ("memory", "array", "nbytes", "step", "kept")
+
+    def __init__(self, nbytes):
+        self.memory = torch.empty(nbytes, dtype=torch.uint8)
+        _advise_huge_pages(self.memory, nbytes)
+        self.array = self.memory.numpy()
+        self.nbytes = nbytes
+        self.step = 0
+        self.kept = False
+
+
 class GradientCache:
-    """Blocks of uint8 storage whose storage the handed-out buffers share; see the module
-    doc."""
+    """A caching allocator for large CPU buffers; see the module doc for its rules."""
 
     def __init__(self, limit):
         self.limit = limit
-        self.blocks = []  # uint8 tensors, oldest first
+        self.free = []  # blocks no storage uses, oldest first
+        self.kept_bytes = 0  # the free blocks and the leased ones that will come back
+        self.leased = 0  # blocks some storage uses now
+        self.step = 0
+        # Blocks given back by storage deleters, which may run while this thread holds the lock
+        # (a garbage collection inside take): appended without it, collected under it.
+        self.returned = collections.deque()
         self.lock = threading.Lock()
-        self._use_count = getattr(torch._C, "_storage_Use_Count", None)
-        self.idle_count = self._count(torch.empty(1, dtype=torch.uint8))
 
     @property
     def enabled(self):
-        return self.limit > 0 and self.idle_count is not None
+        return self.limit > 0
 
-    def _count(self, block):
-        if self._use_count is None:
-            return None
-        return self._use_count(block.untyped_storage()._cdata)
+    def _collect(self):
+        """Move given-back blocks to the free list; end the step when none is leased."""
+        while self.returned:
+            block = self.returned.popleft()
+            self.leased -= 1
+            if block.kept and self.kept_bytes <= self.limit:
+                self.free.append(block)
+            elif block.kept:
+                self._drop(block)
+            if self.leased == 0:
+                for unused in [b for b in self.free if b.step != self.step]:
+                    self._drop(unused)
+                    self.free.remove(unused)
+                self.step += 1
 
-    def _is_free(self, block):
-        return self._count(block) == self.idle_count
+    def _drop(self, block):
+        block.kept = False
+        self.kept_bytes -= block.nbytes
+
+    def _give_back(self, block):
+        """The deleter of a lease's storage (through its NumPy view's finalizer)."""
+        self.returned.append(block)
+        if self.lock.acquire(blocking=False):
+            try:
+                self._collect()
+            finally:
+                self.lock.release()
 
     def cached_bytes(self):
+        """Bytes of the blocks the cache keeps, free or in use."""
         with self.lock:
-            return sum(block.numel() for block in self.blocks)
+            self._collect()
+            return self.kept_bytes
 
     def free_bytes(self):
         """Bytes of cached blocks no tensor uses now (resident memory a plain allocator would
         have given back)."""
         with self.lock:
-            return sum(block.numel() for block in self.blocks if self._is_free(block))
+            self._collect()
+            return sum(block.nbytes for block in self.free)
 
     def release(self):
         with self.lock:
-            self.blocks = [block for block in self.blocks if not self._is_free(block)]
+            self._collect()
+            for block in self.free:
+                self._drop(block)
+            self.free = []
 
     def take(self, nbytes):
-        """A cached free block of at least ``nbytes`` bytes, or a new one (kept when it fits
-        under the limit)."""
+        """Claim a block of at least ``nbytes`` bytes: a fitting free one, or a new one (kept
+        when it fits under the limit). The caller must :meth:`lease` it."""
         with self.lock:
-            fitting = [block for block in self.blocks if self._is_free(block)
-                       and nbytes <= block.numel() <= MAX_SLACK * nbytes]
+            self._collect()
+            fitting = [block for block in self.free
+                       if nbytes <= block.nbytes <= MAX_SLACK * nbytes]
             if fitting:
-                block = min(fitting, key=torch.Tensor.numel)
-                self.blocks = [b for b in self.blocks if b is not block] + [block]
-                return block
-            self.blocks = [block for block in self.blocks if not self._is_free(block)]
-            size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-            block = torch.empty(size, dtype=torch.uint8)
-            _advise_huge_pages(block, size)
-            if sum(b.numel() for b in self.blocks) + size <= self.limit:
-                self.blocks.append(block)
+                block = min(fitting, key=lambda b: b.nbytes)
+                self.free.remove(block)
+            else:
+                for unused in self.free:
+                    self._drop(unused)
+                self.free = []
+                block = Block(-(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+                block.kept = self.kept_bytes + block.nbytes <= self.limit
+                if block.kept:
+                    self.kept_bytes += block.nbytes
+            block.step = self.step
+            self.leased += 1
             return block
+
+    def lease(self, block, nbytes, shape, dtype):
+        """A tensor on a storage of its own, ``nbytes`` long, on ``block``'s memory; the block
+        comes back when that storage is destroyed."""
+        try:
+            view = block.array[:nbytes]
+            weakref.finalize(view, self._give_back, block).atexit = False
+        except BaseException:
+            self._give_back(block)
+            raise
+        # The storage holds ``view`` (torch.from_numpy keeps its array) and only that.
+        storage = torch.from_numpy(view).untyped_storage()
+        # A tensor on that storage, not a view of a uint8 tensor: no ``_base`` for autograd or
+        # torch.library to see.
+        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
 
 
 _cache = None
@@ -170,7 +244,7 @@ def set_gradient_cache_limit(limit):
     with cache.lock:
         previous, cache.limit = cache.limit, limit
     if cache.cached_bytes() > limit:
-        cache.release()
+        cache.release()  # leased blocks over the new limit are freed when they come back
     return previous
 
 
@@ -199,10 +273,7 @@ def cached_empty(shape, dtype, device):
         return torch.empty(shape, dtype=dtype, device=device)
     cache = _gradient_cache()
     if cache.enabled:
-        # A tensor on the block's storage, not a view of it: no ``_base`` for autograd or
-        # torch.library to see, and the storage's use count says when it is free again.
-        return torch.empty(0, dtype=dtype).set_(cache.take(nbytes).untyped_storage(), 0,
-                                                tuple(shape))
+        return cache.lease(cache.take(nbytes), nbytes, shape, dtype)
     grad = torch.empty(shape, dtype=dtype, device=device)
     _advise_huge_pages(grad, nbytes)
     return grad
