@@ -17,9 +17,20 @@ H=1024, V=32768 fp32 on 2 CPU cores, 128-row chunks ran at 1.4-1.7x the floor, 5
 Compute dtype (:func:`compute_dtype`): matmuls run in the inputs' dtype, except bfloat16/float16
 on a CPU without native low-precision GEMMs (no AVX512-BF16/AMX), where they run in float32 on
 a float32 copy of the weight: there a bf16 GEMM is 10-100x slower than the fp32 one.
+``ASTRAI_KERNELS_HEAD_MATMUL`` (``native`` or ``float32``) forces either path on any CPU.
+
+Weight gradient precision: every chunk's product ``grad_logits.T @ rows`` lands in the float32
+accumulator unrounded, so the weight's gradient is rounded to a 16-bit dtype once, as the naive
+path's single GEMM rounds it. With native low-precision matmuls the product is a GEMM of the
+16-bit operands with a float32 output where torch has one on the device (``torch.mm(...,
+out_dtype=torch.float32)``, CUDA), else the chunk's (already rounded) logit gradient and rows
+are upcast to float32 first (CPU: torch has no such GEMM there): the same products, summed in
+float32. The hidden states' gradient is one GEMM over the whole vocabulary per chunk of rows,
+rounded once; the bias's is summed in float32.
 """
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -54,10 +65,25 @@ def chunk_rows(n_rows: int, vocab: int, device: torch.device,
     return max(1, min(rows, n_rows))
 
 
+HEAD_MATMUL_ENV = "ASTRAI_KERNELS_HEAD_MATMUL"
+HEAD_MATMUL_MODES = ("auto", "native", "float32")
+
+
+def head_matmul_mode() -> str:
+    """``ASTRAI_KERNELS_HEAD_MATMUL``: ``auto`` (unset), ``native`` or ``float32``."""
+    mode = os.environ.get(HEAD_MATMUL_ENV, "").strip() or "auto"
+    if mode not in HEAD_MATMUL_MODES:
+        raise ValueError(f"{HEAD_MATMUL_ENV} must be one of {HEAD_MATMUL_MODES}, got {mode!r}")
+    return mode
+
+
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype the head's matmuls run in (see the module docstring)."""
-    if dtype == torch.float32 or torch.device(device).type != "cpu":
+    mode = head_matmul_mode()
+    if dtype == torch.float32 or torch.device(device).type != "cpu" or mode == "native":
         return dtype
+    if mode == "float32":
+        return torch.float32
     mkldnn = getattr(torch.ops, "mkldnn", None)
     probe = {torch.bfloat16: "_is_mkldnn_bf16_supported",
              torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
@@ -66,6 +92,23 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     except (AttributeError, RuntimeError):
         native = False
     return dtype if native else torch.float32
+
+
+_FLOAT32_PRODUCT = {}  # (device type, dtype) -> whether torch.mm takes out_dtype=float32
+
+
+def has_float32_product(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for ``dtype`` operands on
+    ``device`` (CUDA on torch >= 2.8; not the CPU). Probed once per device type and dtype."""
+    key = (device.type, dtype)
+    if key not in _FLOAT32_PRODUCT:
+        probe = torch.ones(1, 1, dtype=dtype, device=device)
+        try:
+            supported = torch.mm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError):
+            supported = False
+        _FLOAT32_PRODUCT[key] = supported
+    return _FLOAT32_PRODUCT[key]
 
 
 class ChunkedHead:
@@ -100,17 +143,22 @@ class ChunkedHead:
         self.grad_weight_acc = (cached_empty(weight.shape, torch.float32, device)
                                 if needs_weight else None)
         self.weight_grad_written = False
-        # A low-precision product of one chunk lands here before its float32 accumulation.
-        self.product = (cached_empty(weight.shape, weight.dtype, device) if needs_weight
-                        and self.work_dtype != torch.float32 else None)
         self.grad_bias_acc = (torch.zeros(weight.shape[0], dtype=torch.float32,
                                           device=weight.device) if needs_bias else None)
         self.logit_scale, self.softcap = float(logit_scale), float(softcap or 0.0)
         transformed = self.logit_scale != 1.0 or bool(self.softcap)
+        low_precision = self.work_dtype != torch.float32
         self.transformed = (cached_empty(self.buffer.shape, torch.float32, device)
-                            if transformed and self.work_dtype != torch.float32 else None)
+                            if transformed and low_precision else None)
         self.tanh = (cached_empty(self.buffer.shape, torch.float32, device)
                      if self.softcap and any(needs_grad) else None)
+        # Low-precision matmuls without a float32-output GEMM: the chunk's logit gradient is
+        # upcast here for the weight's product (see the module docstring); a transformed head
+        # already has it in float32.
+        self.float32_product = low_precision and has_float32_product(device, self.work_dtype)
+        self.upcast = (cached_empty(self.buffer.shape, torch.float32, device)
+                       if needs_weight and low_precision and self.transformed is None
+                       and not self.float32_product else None)
 
     def _transform(self, logits):
         """``logits`` (one chunk, in place) become ``softcap * tanh(logit_scale * x / softcap)``."""
@@ -150,33 +198,51 @@ class ChunkedHead:
             grad_logits.mul_(tanh.mul_(tanh).neg_().add_(1.0))
         if self.logit_scale != 1.0:
             grad_logits.mul_(self.logit_scale)
+        unrounded = grad_logits  # float32 where the transform ran in a float32 buffer
         if self.transformed is not None:
             grad_logits = self.buffer[:stop - start].copy_(grad_logits)
         if self.grad_hidden is not None:
-            if self.work_dtype == self.dtype:
-                torch.mm(grad_logits, self.weight, out=self.grad_hidden[start:stop])
-            else:
-                self.grad_hidden[start:stop] = grad_logits @ self.weight
+            self._write_hidden_grad(start, stop, grad_logits)
         if self.grad_weight_acc is not None:
-            rows = self.hidden[start:stop].to(self.work_dtype)
-            if self.product is None and not self.weight_grad_written:
-                torch.mm(grad_logits.t(), rows, out=self.grad_weight_acc)
-            elif self.product is None:
-                self.grad_weight_acc.addmm_(grad_logits.t(), rows)
-            else:
-                torch.mm(grad_logits.t(), rows, out=self.product)
-                if self.weight_grad_written:
-                    self.grad_weight_acc.add_(self.product)
-                else:
-                    self.grad_weight_acc.copy_(self.product)
-            self.weight_grad_written = True
+            self._accumulate_weight_grad(start, stop, grad_logits, unrounded)
         if self.grad_bias_acc is not None:
             self.grad_bias_acc.add_(grad_logits.sum(0, dtype=torch.float32))
+
+    def _write_hidden_grad(self, start, stop, grad_logits):
+        """The chunk's rows of ``grad_hidden``: one GEMM over the vocabulary, rounded once."""
+        if self.work_dtype == self.dtype:
+            torch.mm(grad_logits, self.weight, out=self.grad_hidden[start:stop])
+        else:
+            self.grad_hidden[start:stop] = grad_logits @ self.weight
+
+    def _accumulate_weight_grad(self, start, stop, grad_logits, unrounded):
+        """``grad_weight_acc (+)= grad_logits.T @ rows`` with a float32 product: written by the
+        first chunk, accumulated into by the others (no zero pass)."""
+        acc, written = self.grad_weight_acc, self.weight_grad_written
+        self.weight_grad_written = True
+        rows = self.hidden[start:stop]
+        if self.work_dtype == torch.float32:
+            rows = rows.to(torch.float32)
+        elif self.float32_product:
+            product = torch.mm(grad_logits.t(), rows, out_dtype=torch.float32)
+            if written:
+                acc.add_(product)
+            else:
+                acc.copy_(product)
+            return
+        else:
+            if unrounded.dtype != torch.float32:
+                unrounded = self.upcast[:stop - start].copy_(grad_logits)
+            grad_logits, rows = unrounded, rows.to(torch.float32)
+        if written:
+            acc.addmm_(grad_logits.t(), rows)
+        else:
+            torch.mm(grad_logits.t(), rows, out=acc)
 
     def gradients(self):
         """``(grad_hidden, grad_weight, grad_bias)`` in the inputs' dtype; empty where unneeded."""
         # free the workspace before rounding
-        self.buffer = self.weight = self.product = self.tanh = self.transformed = None
+        self.buffer = self.weight = self.upcast = self.tanh = self.transformed = None
         grad_weight = absent_grad(self.hidden)
         if self.grad_weight_acc is not None and not self.weight_grad_written:
             self.grad_weight_acc.zero_()  # no rows

@@ -6,10 +6,12 @@ from .tolerances import (
     Comparison,
     assert_close,
     assert_close_elementwise,
+    assert_head_gradient_close,
     compare,
     compare_elementwise,
     softmax_grad_scale,
 )
 
 __all__ = ["TOLERANCES", "Comparison", "TinyCausalLM", "ToyRolloutRunner", "assert_close",
-           "assert_close_elementwise", "compare", "compare_elementwise", "softmax_grad_scale"]
+           "assert_close_elementwise", "assert_head_gradient_close", "compare",
+           "compare_elementwise", "softmax_grad_scale"]
