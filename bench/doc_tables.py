@@ -4,12 +4,18 @@
     python bench/doc_tables.py bench/results/bench.json --write docs/benchmarks.md
 
 ``--write`` replaces what lies between the BEGIN and END markers of that file and nothing else
-(``make bench`` runs it after the benchmark), so every figure there comes from one run.
+(``make bench`` runs it after the benchmark), so every figure there comes from one run. From a
+run that did not run every case (cut by its deadline, or stopped before its end) it writes only
+with ``--partial``, and the tables then say so; otherwise it leaves the file alone with a note on
+stderr and exits 0, so that ``make bench`` on a busy machine keeps the tracked tables.
 """
 
 import argparse
 import json
 import subprocess
+import sys
+
+from astrai_kernels.bench.report import deadline_note
 
 BEGIN = "<!-- BEGIN tables written by bench/doc_tables.py from one `make bench` run -->"
 END = "<!-- END tables written by bench/doc_tables.py -->"
@@ -43,8 +49,9 @@ def tables(data, commit=None):
              f"{flags}{cap}), torch {machine.get('torch')}, load average at start "
              f"{', '.join(f'{x:.1f}' for x in machine.get('loadavg_at_start', []))}"
              + (f"; written at commit {commit}" if commit else "") + "."]
-    if data.get("skipped"):
-        lines.append(f"{len(data['skipped'])} cases were skipped (the run's deadline).")
+    why_partial = partial_run(data)
+    if why_partial:
+        lines.append(f"**Partial run: {why_partial}; these tables miss those cases.**")
     lines += ["", "| op | shape | dtype | method | median ms | vs copy_ | vs naive | vs compile "
               "| peak extra / S |", "|---|---|---|---|---|---|---|---|---|"]
     rows = sorted((r for r in data["results"] if r["op"] != "strategies"
@@ -86,6 +93,13 @@ def tables(data, commit=None):
     return "\n".join(lines) + "\n"
 
 
+def partial_run(data):
+    """Why the run of ``data`` did not run every case (a short phrase), or None."""
+    if not data.get("complete", True):
+        return "stopped before its end"
+    return deadline_note(data)
+
+
 def write_into(doc_path, text):
     """Replace the text between the markers of ``doc_path`` by ``text``."""
     with open(doc_path) as f:
@@ -102,10 +116,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", nargs="?", default="bench/results/bench.json")
     parser.add_argument("--write", metavar="DOC", help="replace the marked tables of DOC")
+    parser.add_argument("--partial", action="store_true",
+                        help="--write even from a run that did not run every case")
     args = parser.parse_args(argv)
     with open(args.json) as f:
-        text = tables(json.load(f), commit=_commit())
-    if args.write:
+        data = json.load(f)
+    text = tables(data, commit=_commit())
+    why = partial_run(data)
+    if args.write and why and not args.partial:
+        print(f"{args.write} left as it was: {args.json} is a partial run ({why}); rerun "
+              "without a deadline (astrai-kernels bench --deadline inf) or pass --partial",
+              file=sys.stderr)
+    elif args.write:
         write_into(args.write, text)
     else:
         print(text, end="")

@@ -283,6 +283,16 @@ LINEAR_LEGEND = (
     "the gradients + an fp32 [V, H] accumulator + 96 MiB (issue 13's bound; <= 1 meets it).")
 
 
+def deadline_note(payload):
+    """``"cut by deadline: K of N cases skipped"`` for a bench payload whose deadline left cases
+    unrun (``of N`` where it records ``planned_cases``), else None."""
+    skipped = len(payload.get("skipped") or ())
+    if not skipped:
+        return None
+    planned = payload.get("planned_cases")
+    return f"cut by deadline: {skipped}{f' of {planned}' if planned else ''} cases skipped"
+
+
 class OutputError(OSError):
     """A result file could not be written (the CLI prints it as one line)."""
 

@@ -27,7 +27,7 @@ from .cases import (
     unavailable_baselines,
 )
 from .plot import plot
-from .report import Progress, add_ratios, machine_info, write_json
+from .report import Progress, add_ratios, deadline_note, machine_info, write_json
 from .runner import CaseRunner
 
 
@@ -103,8 +103,9 @@ def run_benchmarks(ops, rows, vocabs, dtypes, methods, device="cpu", repeats=5,
     ``hidden`` are the linear ops' H. Baselines this torch lacks are dropped with a note. The
     JSON is rewritten after every case (``"complete": false`` until the end), so a run killed
     from outside still leaves its figures. With ``deadline_s`` no case starts after that many
-    seconds; the ones left are listed under ``"skipped"`` and the table, JSON and plot are still
-    written. Returns the payload dict.
+    seconds; the ones left are listed under ``"skipped"`` (out of ``"planned_cases"``,
+    ``"cut_by_deadline"`` true) and the table, JSON and plot are still written. Returns the
+    payload dict.
     """
     started = time.perf_counter()
     notes = []
@@ -146,6 +147,8 @@ def run_benchmarks(ops, rows, vocabs, dtypes, methods, device="cpu", repeats=5,
         "notes": notes,
         "results": [],
         "skipped": [],
+        "planned_cases": total,  # tensor cases + strategy blocks, run or skipped
+        "cut_by_deadline": False,
         "complete": False,
     }
     bar = Progress(total) if progress else None
@@ -199,16 +202,14 @@ def run_benchmarks(ops, rows, vocabs, dtypes, methods, device="cpu", repeats=5,
     if bar:
         bar.close()
     if payload["skipped"]:
-        payload["notes"].append(f"{len(payload['skipped'])} case(s) not run: the deadline of "
-                                f"{deadline_s} s had passed")
+        payload["cut_by_deadline"] = True
+        payload["notes"].append(f"{deadline_note(payload)}: the deadline of {deadline_s:.0f} s "
+                                "had passed")
     add_ratios(payload["results"])
     payload["complete"] = True
     save()
     if plot_path:
-        machine = payload["machine"]
-        title = (f"{machine.get('gpu') or machine.get('cpu')}, {machine.get('cores')} cores, "
-                 f"torch {machine.get('torch')}")
-        if plot(payload["results"], plot_path, title) is None:
+        if plot(payload, plot_path) is None:
             payload["notes"].append("no plot written (matplotlib missing or no results)")
             save()
     return payload
