@@ -214,3 +214,64 @@ def test_a_regression_in_every_round_is_over(bounds_file, capsys):
 def test_rounds_must_be_a_positive_int(bounds_file):
     with pytest.raises(check.BoundsError, match="rounds must be an int >= 1"):
         check.run_check(bounds_file, FakeClock(dict(WITHIN)), rounds=0)
+
+
+WITHOUT_MACHINE = BOUNDS.replace('[machine]\nclass = "test machine"\n', "", 1)
+# (bounds file, the key its one-line error must name): wrong types and values of every key
+MALFORMED = {
+    "rows string": (BOUNDS.replace("rows = 4096", 'rows = "abc"', 1), "rows"),
+    "rows array": (BOUNDS.replace("rows = 4096", "rows = [8]", 1), "rows"),
+    "rows negative": (BOUNDS.replace("rows = 4096", "rows = -8", 1), "rows"),
+    "rows float": (BOUNDS.replace("rows = 4096", "rows = 8.5", 1), "rows"),
+    "vocab bool": (BOUNDS.replace("vocab = 32768", "vocab = true", 1), "vocab"),
+    "hidden zero": (BOUNDS.replace("hidden = 1024", "hidden = 0", 1), "hidden"),
+    "method number": (BOUNDS.replace('method = "cpp"', "method = 5", 1), "method"),
+    "dtype array": (BOUNDS.replace('dtype = "fp32"', 'dtype = ["fp32"]', 1), "dtype"),
+    "against array": (BOUNDS.replace('against = "copy"', 'against = ["copy"]', 1), "against"),
+    "max_ratio bool": (BOUNDS.replace("max_ratio = 2.5", "max_ratio = true", 1), "max_ratio"),
+    "target bool": (BOUNDS.replace("max_ratio = 2.5", "max_ratio = 2.5\ntarget = true", 1),
+                    "target"),
+    "case number": ("case = 5\n" + BOUNDS.split("[[case]]")[0], "case"),
+    "case array of numbers": ("case = [1, 2]\n" + BOUNDS.split("[[case]]")[0], "case"),
+    "machine number": ("machine = 3\n" + WITHOUT_MACHINE, "machine"),
+    "machine class number": (BOUNDS.replace('class = "test machine"', "class = 3", 1),
+                             "machine"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_bounds_name_the_key(tmp_path, name):
+    text, key = MALFORMED[name]
+    path = tmp_path / "bounds.toml"
+    path.write_text(text)
+    with pytest.raises(check.BoundsError, match=rf"\b{key}\b"):
+        check.load_bounds(str(path))
+
+
+class NoBenchmarks:
+    """``CaseRunner`` in the CLI tests: a bad bounds file must stop the check before any case."""
+
+    def __init__(self, *args):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def run(self, case):
+        raise AssertionError(f"the check ran {case.label()} from a malformed bounds file")
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_cli_reports_a_malformed_bounds_file_in_one_line(tmp_path, capsys, monkeypatch, name):
+    from astrai_kernels.bench import runner
+
+    monkeypatch.setattr(runner, "CaseRunner", NoBenchmarks)
+    text, key = MALFORMED[name]
+    path = tmp_path / "bounds.toml"
+    path.write_text(text)
+    assert cli.main(["bench", "--check", "--bounds", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert key in err and "Traceback" not in err

@@ -13,6 +13,7 @@ whether it is met, not checked); the file's ``[machine]`` table names the machin
 the bounds were set on.
 """
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -114,44 +115,71 @@ def _read_toml(path):
 
 
 def parse_bounds(table, source="bounds"):
-    """``(machine, [Bound])`` from a parsed bounds table; BoundsError names a bad entry."""
-    machine = table.get("machine", {}).get("class", "unstated")
+    """``(machine, [Bound])`` from a parsed bounds table; BoundsError names a bad entry and
+    its key, so that no malformed value reaches a case."""
+    machine_table = table.get("machine", {})
+    if not isinstance(machine_table, dict):
+        raise BoundsError(f"{source}: machine must be a table ([machine] with class = "
+                          f"\"...\"), got {machine_table!r}")
+    machine = machine_table.get("class", "unstated")
+    if not isinstance(machine, str):
+        raise BoundsError(f"{source}: machine.class must be a string, got {machine!r}")
     entries = table.get("case")
-    if not entries:
+    if entries is None or entries == []:
         raise BoundsError(f"{source}: no [[case]] entries")
-    bounds = []
-    for i, entry in enumerate(entries):
-        where = f"{source}: case {i + 1}"
-        unknown = sorted(set(entry) - set(BOUND_KEYS))
-        missing = [k for k in BOUND_KEYS if k not in entry and k not in OPTIONAL_KEYS]
-        if unknown or missing:
-            raise BoundsError(f"{where}: unknown keys {unknown}, missing keys {missing}")
-        if entry["op"] not in TENSOR_OPS:
-            raise BoundsError(f"{where}: op must be one of {TENSOR_OPS}, got {entry['op']!r}")
-        try:
-            split_method(entry["method"])
-            dtype = normalize_dtype(entry["dtype"])
-        except ValueError as exc:
-            raise BoundsError(f"{where}: {exc}") from None
-        if entry["against"] not in AGAINST:
-            raise BoundsError(f"{where}: against must be one of {sorted(AGAINST)}, "
-                              f"got {entry['against']!r}")
-        linear = entry["op"] in LINEAR_OPS
-        allowed = LINEAR_AGAINST if linear else LOGITS_AGAINST
-        if entry["against"] not in allowed:
-            raise BoundsError(f"{where}: {entry['op']} is measured against one of {allowed}, "
-                              f"got {entry['against']!r}")
-        ratio = entry["max_ratio"]
-        if not isinstance(ratio, (int, float)) or not ratio > 0:
-            raise BoundsError(f"{where}: max_ratio must be a positive number, got {ratio!r}")
-        target = entry.get("target")
-        if target is not None and not (isinstance(target, (int, float)) and target > 0):
-            raise BoundsError(f"{where}: target must be a positive number, got {target!r}")
-        hidden = int(entry.get("hidden", DEFAULT_HIDDEN if linear else 0))
-        bounds.append(Bound(entry["op"], entry["method"], dtype, int(entry["rows"]),
-                            int(entry["vocab"]), entry["against"], float(ratio),
-                            hidden if linear else 0, None if target is None else float(target)))
-    return machine, bounds
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise BoundsError(f"{source}: case must be an array of tables ([[case]] entries), "
+                          f"got {entries!r}")
+    return machine, [_parse_case(entry, f"{source}: case {i + 1}")
+                     for i, entry in enumerate(entries)]
+
+
+def _parse_case(entry, where):
+    unknown = sorted(set(entry) - set(BOUND_KEYS))
+    missing = [k for k in BOUND_KEYS if k not in entry and k not in OPTIONAL_KEYS]
+    if unknown or missing:
+        raise BoundsError(f"{where}: unknown keys {unknown}, missing keys {missing}")
+    for key in ("op", "method", "dtype", "against"):
+        if not isinstance(entry[key], str):
+            raise BoundsError(f"{where}: {key} must be a string, got {entry[key]!r}")
+    if entry["op"] not in TENSOR_OPS:
+        raise BoundsError(f"{where}: op must be one of {TENSOR_OPS}, got {entry['op']!r}")
+    try:
+        split_method(entry["method"])
+        dtype = normalize_dtype(entry["dtype"])
+    except ValueError as exc:
+        raise BoundsError(f"{where}: {exc}") from None
+    if entry["against"] not in AGAINST:
+        raise BoundsError(f"{where}: against must be one of {sorted(AGAINST)}, "
+                          f"got {entry['against']!r}")
+    linear = entry["op"] in LINEAR_OPS
+    allowed = LINEAR_AGAINST if linear else LOGITS_AGAINST
+    if entry["against"] not in allowed:
+        raise BoundsError(f"{where}: {entry['op']} is measured against one of {allowed}, "
+                          f"got {entry['against']!r}")
+    sizes = {key: _positive_int(entry[key], key, where)
+             for key in ("rows", "vocab", "hidden") if key in entry}
+    ratio = _positive_number(entry["max_ratio"], "max_ratio", where)
+    target = entry.get("target")
+    if target is not None:
+        target = _positive_number(target, "target", where)
+    hidden = sizes.get("hidden", DEFAULT_HIDDEN) if linear else 0
+    return Bound(entry["op"], entry["method"], dtype, sizes["rows"], sizes["vocab"],
+                 entry["against"], ratio, hidden, target)
+
+
+def _positive_int(value, key, where):
+    # bool is an int in Python: `rows = true` must not read as 1
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise BoundsError(f"{where}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive_number(value, key, where):
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not 0 < value < math.inf):
+        raise BoundsError(f"{where}: {key} must be a positive number, got {value!r}")
+    return float(value)
 
 
 def load_bounds(path):
