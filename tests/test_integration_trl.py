@@ -560,3 +560,36 @@ def test_bench_trainer_step_runs_each_head(trainer):
     for table in (bench.format_trainer_table(results), bench.trainer_markdown(results)):
         for r in results:
             assert r["head"] in table and trainer in table
+
+
+def test_gkd_loss_after_the_model_is_replaced(tmp_path):
+    """``trainer.model`` replaced after ``install``: the loss names uninstall/install instead of
+    failing inside the call, and after them serves the new student with TRL's loss."""
+    from transformers import AutoModelForCausalLM
+
+    cls, config_cls, config_kwargs, trainer_kwargs = _case("gkd")
+
+    def build(name):
+        args = config_cls(output_dir=str(tmp_path / name), **COMMON_ARGS, **config_kwargs)
+        teacher = AutoModelForCausalLM.from_pretrained(_model_dir(trainer_kwargs["teacher_model"]))
+        return cls(model=_model_dir("llama"), args=args, processing_class=_tokenizer(),
+                   **{**trainer_kwargs, "teacher_model": teacher})
+
+    trainer, other = build("trainer"), build("other")
+    input_ids = torch.randint(3, 30, (2, 6), generator=torch.Generator().manual_seed(0))
+    labels = input_ids.clone()
+    labels[:, :3] = -100
+    inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=labels)
+    expected = other.compute_loss(other.model, inputs).detach()  # TRL's, on full logits
+    old_model = trainer.model
+    ak_trl.install(trainer)
+    trainer.model = other.model
+    with pytest.raises(ValueError, match=r"uninstall\(trainer\).*install\(trainer"):
+        trainer.compute_loss(trainer.model, inputs)
+    ak_trl.uninstall(trainer)
+    ak_trl.install(trainer)
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
+    assert all(p.grad is None for p in old_model.parameters())
+    assert other.model.get_output_embeddings().weight.grad.abs().sum() > 0

@@ -299,3 +299,28 @@ def test_fused_loss_refusals(monkeypatch, tmp_path):
               **trainer_kwargs)
     with pytest.raises(ak_trl.TRLHeadError, match="GRPOTrainer only"):
         ak_trl.install(sft, fused_loss=True)
+
+
+def test_fused_loss_after_the_model_is_replaced(tmp_path):
+    """``trainer.model`` replaced after ``install``: the loss names uninstall/install instead of
+    failing inside the call, and after them serves the new model with TRL's loss."""
+    trainer, other = (_grpo_trainer(tmp_path / name) for name in ("trainer", "other"))
+    for t in (trainer, other):
+        t.current_gradient_accumulation_steps = 1
+        t.model.train()
+    inputs = _inputs(other.model, sequence_ratios=False)
+    del inputs["importance_sampling_ratio"]
+    inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
+    expected = other._compute_loss(other.model, inputs).detach()  # TRL's, on TRL's head
+    old_model = trainer.model
+    ak_trl.install(trainer, fused_loss=True)
+    trainer.model = other.model
+    with pytest.raises(ValueError, match=r"uninstall\(trainer\).*install\(trainer"):
+        trainer._compute_loss(trainer.model, inputs)
+    ak_trl.uninstall(trainer)
+    ak_trl.install(trainer, fused_loss=True)
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
+    assert all(p.grad is None for p in old_model.parameters())
+    assert other.model.get_output_embeddings().weight.grad.abs().sum() > 0

@@ -329,8 +329,22 @@ def _hidden_forward(inner, backbone_attr: str):
 
 def _policy_model(trainer) -> nn.Module:
     """The trainer's policy: its model, or the PEFT model's base."""
-    model = trainer.model
+    return _base_model(trainer.model)
+
+
+def _base_model(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _check_called_model(trainer, model: nn.Module, served: nn.Module) -> None:
+    """Refuse a loss call on a model other than the policy ``install`` served (the trainer's
+    model replaced since): that model's forward is TRL's, which knows no hidden-state call."""
+    called = _base_model(trainer.accelerator.unwrap_model(model, keep_fp32_wrapper=True))
+    if called is not served:
+        raise ValueError(f"astrai_kernels.integrations.trl: {type(trainer).__name__}'s loss "
+                         f"was called on a {type(called).__name__} that install did not serve "
+                         f"(the trainer's model was replaced after install); call "
+                         f"uninstall(trainer), then install(trainer, ...) to serve the new model")
 
 
 def _check_gkd(trainer, backend: str) -> None:
@@ -359,10 +373,13 @@ def _gkd_compute_loss(trainer, original, backend: str, chunk_size: Optional[int]
     none), ``batchmean`` over labelled positions or ``num_items_in_batch``."""
     from . import transformers as hf
 
+    student_model = _policy_model(trainer)
+
     def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:  # evaluation wants the student's logits: TRL's own
             return original(model, inputs, return_outputs=True,
                             num_items_in_batch=num_items_in_batch)
+        _check_called_model(trainer, model, student_model)
         student = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                         astrai_hidden_states=True).last_hidden_state[:, :-1]
         trainer.teacher_model.eval()
@@ -373,7 +390,7 @@ def _gkd_compute_loss(trainer, original, backend: str, chunk_size: Optional[int]
                 input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                 astrai_hidden_states=True).last_hidden_state[:, :-1]
         labels = inputs["labels"][:, 1:]
-        student_head = hf.fused_head(_policy_model(trainer))
+        student_head = hf.fused_head(student_model)
         teacher_head = hf.fused_head(trainer.teacher_model)
         dtype = _compute_dtype(student, False)
         teacher_dtype = _compute_dtype(teacher, False)
@@ -512,6 +529,7 @@ def _grpo_compute_loss(trainer, policy: nn.Module, settings: Dict[str, Any], bac
     softcap = None if softcap is None else float(softcap)
 
     def compute_loss(model, inputs):
+        _check_called_model(trainer, model, policy)
         present = [name for name in _MULTIMODAL_INPUTS if inputs.get(name) is not None]
         if present:
             raise ValueError(f"astrai_kernels.integrations.trl: fused_loss got the multimodal "
