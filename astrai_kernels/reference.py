@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops.grpo_options import GRPOOptions, options_from
+from .ops.grpo_options import GRPOOptions, options_from, options_or_keywords
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -129,6 +129,7 @@ def grpo_token_loss(logp: Tensor, old_logprobs: Optional[Tensor],
     return loss, ratio, k3
 
 
+@options_or_keywords
 def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional[Tensor] = None,
               old_logprobs: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None,
               beta: float = 0.0, clip_eps_low: float = 0.2, clip_eps_high: Optional[float] = None,

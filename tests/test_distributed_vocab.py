@@ -548,3 +548,107 @@ def test_vocab_parallel(outcomes, name, size, dtype_id):
 def test_non_member_rank(outcomes):
     """Rank 2 is outside the 2-rank subgroup: a clear error, not torch's "got int"."""
     assert outcomes[2]["non_member-2ranks"] is None, outcomes[2]["non_member-2ranks"]
+
+
+# issue 36 item 8: a rank whose vocabulary shard is empty (V smaller than the group, or padded
+# unevenly) is served, equal to the single-process op; before, it raised at once and left its
+# peers waiting in the shard sizes' all-gather. Its own spawn, so a hang fails only these tests.
+# Three ranks, the 4/7 split of the 2-rank cases around an empty shard (with two ranks the other
+# would hold the whole vocabulary).
+
+EMPTY_SHARD_LAYOUTS = {"empty_first": (0, 4, 7), "empty_middle": (4, 0, 7),
+                       "empty_last": (4, 7, 0)}
+EMPTY_SHARD_CASES = ("token_logprobs", "cross_entropy_mean_options", "cross_entropy_rows",
+                     "cross_entropy_inplace", "grpo_token", "linear_token_logprobs",
+                     "linear_cross_entropy", "linear_cross_entropy_reduced", "linear_grpo",
+                     "reference_backend")
+
+
+def _empty_shard_leaves(group, start, stop, dtype):
+    """Each rank's gradients have its shard's shape (the logits', and the weight's and bias's
+    of the fused head): empty tensors on the empty shard."""
+    full, target = _logits(dtype, seed=21), _target()
+    shard = _shard_leaf(full, start, stop)
+    ak.cross_entropy(shard, target, label_smoothing=0.1, process_group=group).backward()
+    assert shard.grad is not None and shard.grad.shape == shard.shape
+    hidden, weight, bias = _head_inputs(dtype)
+    weight, bias = (t[start:stop].detach().clone().requires_grad_(True) for t in (weight, bias))
+    loss = ak.linear_cross_entropy(hidden, weight, target, bias=bias, reduction="none",
+                                   process_group=group)
+    loss.sum().backward()
+    assert weight.grad.shape == weight.shape and bias.grad.shape == bias.shape
+    assert torch.isfinite(loss).all()
+
+
+def _all_shards_empty(group, start, stop, dtype):
+    """No rank holds any vocabulary: the same clear error on every rank, from the shard sizes'
+    all-gather."""
+    full, target = _logits(dtype), _target()
+    with pytest.raises(ValueError, match="every rank of process_group holds an empty vocab"):
+        ak.cross_entropy(full[..., :0], target, process_group=group)
+    hidden, weight, _ = _head_inputs(dtype)
+    with pytest.raises(ValueError, match="every rank of process_group holds an empty vocab"):
+        ak.linear_cross_entropy(hidden, weight[:0], target, process_group=group)
+
+
+def _walk_default_chunks(group, start, stop, dtype):
+    """``linear_cross_entropy``'s one walk with ``chunk_size=None`` under a budget that gives
+    each shard size its own chunk count: every rank walks the same chunks (each chunk makes
+    collectives), and the result equals the single-process one."""
+    from astrai_kernels.ops import head
+
+    budget = head.CHUNK_BYTES["cpu"]
+    weight_copy = head.compute_dtype(dtype, torch.device("cpu")) != dtype
+    # float32 rows of V logits: a 7-logit shard gets 4 rows per chunk, a 4-logit one 7, ...
+    head.CHUNK_BYTES["cpu"] = 112 * (head.WEIGHT_COPY_SHARE if weight_copy else 1)
+    target = _target()
+    try:
+        def fused(h, w, b):
+            return ak.linear_cross_entropy(h, w, target, bias=b, label_smoothing=0.1,
+                                           process_group=group)
+
+        def logits_fn(logits):
+            return reference.cross_entropy(logits, target, label_smoothing=0.1)
+
+        _check_head(group, start, stop, dtype, fused, logits_fn, torch.tensor(0.7))
+    finally:
+        head.CHUNK_BYTES["cpu"] = budget
+
+
+EMPTY_SHARD_RUNS = {
+    **{(name, layout): CASES[name] for name in EMPTY_SHARD_CASES for layout in EMPTY_SHARD_LAYOUTS},
+    **{("empty_shard_leaves", layout): _empty_shard_leaves for layout in EMPTY_SHARD_LAYOUTS},
+    ("all_shards_empty", "all_empty"): _all_shards_empty,
+    **{("walk_default_chunks", layout): _walk_default_chunks
+       for layout in (*EMPTY_SHARD_LAYOUTS, "regular")},
+}
+
+
+def _empty_shard_worker(rank, world_size):
+    """Every run of ``EMPTY_SHARD_RUNS`` on the 3-rank world; ``{run id: error or None}``."""
+    layouts = {**EMPTY_SHARD_LAYOUTS, "all_empty": (0, 0, 0), "regular": SHARDS[3]}
+    outcome = {}
+    for (name, layout), case in EMPTY_SHARD_RUNS.items():
+        shards = layouts[layout]
+        start = sum(shards[:rank])
+        for dtype_id, dtype in DTYPES.items():
+            try:
+                case(dist.group.WORLD, start, start + shards[rank], dtype)
+                outcome[f"{name}-{layout}-{dtype_id}"] = None
+            except Exception:  # reported by the test of this run
+                outcome[f"{name}-{layout}-{dtype_id}"] = traceback.format_exc()
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def empty_shard_outcomes():
+    return spawn_ranks(_empty_shard_worker, 3, timeout=300.0)
+
+
+@pytest.mark.parametrize("dtype_id", list(DTYPES))
+@pytest.mark.parametrize("name, layout", list(EMPTY_SHARD_RUNS))
+def test_empty_vocabulary_shard(empty_shard_outcomes, name, layout, dtype_id):
+    key = f"{name}-{layout}-{dtype_id}"
+    failures = [f"rank {rank}:\n{result[key]}" for rank, result in enumerate(empty_shard_outcomes)
+                if result[key] is not None]
+    assert not failures, "\n".join(failures)

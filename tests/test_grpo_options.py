@@ -75,3 +75,43 @@ def test_options_are_checked_like_the_keywords():
         ak.grpo_loss(logits, target, advantages, options=ak.GRPOOptions(clip_eps_low=1.5))
     with pytest.raises(ValueError, match="sapo_tau_pos applies to loss_type='sapo'"):
         ak.grpo_loss(logits, target, advantages, options=ak.GRPOOptions(sapo_tau_pos=2.0))
+
+
+def _linear_grpo_loss(logits, target, advantages, **keywords):
+    """``linear_grpo_loss`` on an identity head, so its logits are ``logits``."""
+    eye = torch.eye(logits.shape[-1])
+    return ak.linear_grpo_loss(logits, eye, target, advantages, **keywords)
+
+
+def _spec_grpo_loss(logits, target, advantages, **keywords):
+    return reference.grpo_loss(logits, target, advantages, **keywords)
+
+
+@pytest.mark.parametrize("op", [ak.grpo_loss, _linear_grpo_loss, _spec_grpo_loss],
+                         ids=["grpo_loss", "linear_grpo_loss", "reference.grpo_loss"])
+@pytest.mark.parametrize("keyword", [dict(beta=0.0), dict(loss_type="bnpo"),
+                                     dict(clip_eps_high=None), dict(temperature=1.0)],
+                         ids=lambda keyword: next(iter(keyword)))
+def test_a_keyword_at_its_default_beside_options_is_refused(op, keyword):
+    # the value equals the keyword's default, yet it was passed: options= must not win silently
+    logits, target, mask, advantages, ref = _batch()
+    dapo = ak.GRPOOptions(beta=0.04, loss_type="dapo", temperature=0.7)
+    name = next(iter(keyword))
+    with pytest.raises(ValueError, match=rf"\['{name}'\] given beside options"):
+        op(logits, target, advantages, ref_logprobs=ref, options=dapo, **keyword)
+
+
+def test_the_spec_refuses_a_positional_option_beside_options():
+    logits, target, mask, advantages, ref = _batch()
+    with pytest.raises(ValueError, match=r"\['beta'\] given beside options"):
+        reference.grpo_loss(logits, target, advantages, mask, None, ref, 0.0,
+                            options=ak.GRPOOptions(beta=0.04))
+
+
+def test_the_plan_refuses_a_keyword_beside_options():
+    from astrai_kernels.ops import grpo as grpo_op
+
+    logits, target, mask, advantages, ref = _batch()
+    with pytest.raises(ValueError, match=r"\['beta'\] given beside options"):
+        grpo_op.plan(logits, target, advantages, ak.GRPOOptions(beta=0.04), ref_logprobs=ref,
+                     beta=0.0)

@@ -10,7 +10,10 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def check_logits(logits, name="logits"):
+def check_logits(logits, name="logits", allow_empty_vocab=False):
+    """Type, dtype and shape ``[..., V]`` of ``logits``; ``V >= 1`` unless
+    ``allow_empty_vocab`` (a rank's vocabulary shard under ``process_group=``, which may be
+    empty: the group's vocabulary is checked on the sizes of all shards)."""
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(logits).__name__}")
     if logits.dtype not in FLOAT_DTYPES:
@@ -18,7 +21,9 @@ def check_logits(logits, name="logits"):
     if logits.device.type == "meta":
         raise ValueError(f"{name} are meta tensors (no data): the losses need real tensors; "
                          f"for shapes only, trace them with torch.compile or FakeTensorMode")
-    if logits.dim() < 1 or logits.shape[-1] < 1:
+    if logits.dim() < 1:
+        raise ValueError(f"{name} must have shape [..., V], got a 0-d tensor")
+    if logits.shape[-1] < 1 and not allow_empty_vocab:
         raise ValueError(f"{name} must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
 
 

@@ -233,7 +233,7 @@ def _vocab_parallel_cross_entropy(logits, target, process_group, ignore_index, r
                                   label_smoothing, z_loss, softcap, normalizer, inplace_backward,
                                   backend, check_consistency):
     """``cross_entropy`` of a vocabulary shard (``ops/vocab_parallel.py``)."""
-    check_logits(logits)
+    check_logits(logits, allow_empty_vocab=True)
     layout = vocab_parallel.shard_layout(process_group, logits.shape[-1], logits.device, target,
                                          ignore_index, check_consistency)
     params, normalizer_t = checked_params(

@@ -38,7 +38,13 @@ from ._common import (
     flat_target,
     rows_view,
 )
-from .grpo_options import DEFAULT_OPTIONS, OPTION_NAMES, GRPOOptions, options_from
+from .grpo_options import (
+    DEFAULT_OPTIONS,
+    OPTION_NAMES,
+    GRPOOptions,
+    options_from,
+    options_or_keywords,
+)
 from .logprobs import token_logprobs
 from .primitives import SurrogateArgs
 
@@ -287,6 +293,7 @@ class GRPOPlan:
                         flat(self.inputs.ref), flat(weight))
 
 
+@options_or_keywords
 def plan(logits: Tensor, target: Tensor, advantages: Tensor,
          options: Optional[GRPOOptions] = None, *, mask=None, old_logprobs=None,
          ref_logprobs=None, normalizer=None, importance_weights=None, sampling_logprobs=None,
@@ -322,6 +329,7 @@ def with_token_values(result: Tuple[Tensor, Dict[str, Tensor]], checked: GRPOPla
     return result + (token_values(logp, entropy, checked.inputs.valid),)
 
 
+@options_or_keywords
 def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
               mask: Optional[Tensor] = None, old_logprobs: Optional[Tensor] = None,
               ref_logprobs: Optional[Tensor] = None, beta: float = 0.0,
@@ -353,8 +361,8 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
     ``cross_entropy`` (the fingerprint is of the unmasked targets; advantages, mask and
     log-probs must agree too but are not compared).
 
-    ``options``: a :class:`GRPOOptions` holding every scalar keyword above at once (the
-    individual keywords then stay at their defaults).
+    ``options``: a :class:`GRPOOptions` holding every scalar keyword above at once; passing any
+    of those keywords beside it raises ``ValueError``, whatever its value.
 
     ``return_token_values=True`` returns ``(loss, metrics, values)``: ``values["logprobs"]``
     and ``values["entropy"]`` are each token's log-prob and entropy at ``temperature``,
@@ -415,7 +423,7 @@ def _vocab_parallel_grpo_loss(logits, target, advantages, process_group, backend
                               check_consistency, options, inputs):
     """``grpo_loss`` of a vocabulary shard: the differentiable token log-probs of the group,
     then the per-token objective in torch (``ops/vocab_parallel.py``)."""
-    check_logits(logits)
+    check_logits(logits, allow_empty_vocab=True)
     if logits.dim() != 3:
         raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
     # the row count here; the targets' fingerprint (masked ones ignored) in token_logprobs

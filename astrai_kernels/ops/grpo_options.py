@@ -6,8 +6,10 @@ The defaults are ``ak.grpo_loss``'s (TRL's). The per-token tensors (mask, old an
 log-probs, importance weights, sampling log-probs) and the ``normalizer`` are inputs, not options.
 """
 
+import functools
+import inspect
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Callable, Optional
 
 #: options beyond the clipped surrogate on token ratios: the fused single-pass kernel covers a
 #: call only when every one of them is at its default
@@ -57,16 +59,32 @@ OPTION_NAMES = tuple(f.name for f in fields(GRPOOptions))
 
 
 def options_from(given: Optional[GRPOOptions], keywords: dict) -> GRPOOptions:
-    """``given`` (the ``options=`` keyword) or the object of the individual ``keywords``; both
-    only when every individual keyword is at its default."""
+    """``given`` (the ``options=`` keyword) or the object of the individual ``keywords``. The
+    caller is wrapped in :func:`options_or_keywords`, which refuses a call giving both."""
     if given is None:
         return GRPOOptions(**keywords)
     if not isinstance(given, GRPOOptions):
         raise TypeError(f"options must be a GRPOOptions or None, got {type(given).__name__}")
-    changed = sorted(name for name, value in keywords.items()
-                     if value is not getattr(DEFAULT_OPTIONS, name)
-                     and value != getattr(DEFAULT_OPTIONS, name))
-    if changed:
-        raise ValueError(f"pass the GRPO options either as options= or as keywords, not both: "
-                         f"{changed} given beside options")
     return given
+
+
+def options_or_keywords(function: Callable) -> Callable:
+    """``function`` (which takes ``options`` and ``GRPOOptions``' fields as parameters) refusing
+    a call that passes ``options`` and any field, by name or by position, whatever the field's
+    value: one equal to its default would otherwise be dropped without a word. The signature,
+    defaults included, stays ``function``'s."""
+    positional = [parameter.name for parameter in inspect.signature(function).parameters.values()
+                  if parameter.kind in (parameter.POSITIONAL_ONLY,
+                                        parameter.POSITIONAL_OR_KEYWORD)]
+
+    @functools.wraps(function)
+    def refusing_both(*args, **kwargs):
+        passed = dict(zip(positional, args), **kwargs)
+        if passed.get("options") is not None:
+            both = sorted(name for name in OPTION_NAMES if name in passed)
+            if both:
+                raise ValueError(f"pass the GRPO options either as options= or as keywords, "
+                                 f"not both: {both} given beside options")
+        return function(*args, **kwargs)
+
+    return refusing_both

@@ -294,8 +294,10 @@ class AttachHeadGrads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         refuse_double_backward(ctx.op, ctx.alternative)
-        grads = (None if grad_or_none(g) is None else scale_saved_grad(g, grad_output)
-                 for g in ctx.saved_tensors)
+        # by the inputs' flags, not the gradients' shapes: an empty vocabulary shard's bias
+        # gradient is a real [0] gradient
+        grads = (scale_saved_grad(g, grad_output) if needed else None
+                 for g, needed in zip(ctx.saved_tensors, ctx.needs_input_grad[:3]))
         return (*grads, None, None, None, None, None, None)
 
 

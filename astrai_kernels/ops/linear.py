@@ -16,6 +16,7 @@ gradient over the same buffer, and three more matmuls fold that gradient into th
 The chunk walk, its chunk rule and its compute dtype are ``ops/head.py``'s.
 """
 
+import math
 from typing import TYPE_CHECKING, Dict, Literal, Optional, Sequence, Tuple, Union, overload
 
 import torch
@@ -27,9 +28,9 @@ from . import grpo as grpo_op
 from . import logprobs as lp_op
 from . import vocab_parallel
 from ._backend import backend_module, resolve_backend
-from ._common import dense_grad, flat_target, refuse_double_backward
+from ._common import check_in_range, dense_grad, flat_target, refuse_double_backward
 from ._library import traceable_op
-from .grpo_options import GRPOOptions, options_from
+from .grpo_options import GRPOOptions, options_from, options_or_keywords
 from .head import (
     AttachHeadGrads,
     ChunkedHead,
@@ -58,18 +59,21 @@ LOGPROBS_EQUIVALENT = ("torch.log_softmax(torch.nn.functional.linear(hidden, wei
 
 
 
-@traceable_op("linear_cross_entropy", floats=("label_smoothing", "z_loss", "softcap"))
+@traceable_op("linear_cross_entropy",
+               floats=("label_smoothing", "z_loss", "softcap", "logit_scale"))
 def _linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                           ignore_index: int, label_smoothing: float, z_loss: float,
-                          softcap: float, grad_scale: Optional[Tensor], needs_hidden: bool,
-                          needs_weight: bool, needs_bias: bool, chunk_size: Optional[int],
-                          backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                          softcap: float, logit_scale: float, grad_scale: Optional[Tensor],
+                          needs_hidden: bool, needs_weight: bool, needs_bias: bool,
+                          chunk_size: Optional[int], backend: str
+                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-row losses and, when ``grad_scale`` is given, the gradients of the scaled sum."""
     needs = (needs_hidden, needs_weight, needs_bias) if grad_scale is not None else (False,) * 3
     head = ChunkedHead(hidden, weight, bias, chunk_size, needs)
     kernels = backend_module(backend)
     loss = row_floats(hidden.shape[0], hidden.device)
-    args = CrossEntropyArgs(ignore_index, label_smoothing, z_loss, softcap)
+    args = CrossEntropyArgs(ignore_index, label_smoothing, z_loss, softcap,
+                            logit_scale=logit_scale)
     for start, stop, logits in head.chunks():
         scale = None
         if grad_scale is not None:
@@ -82,8 +86,8 @@ def _linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
 
 
 @_linear_cross_entropy.register_fake
-def _(hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, grad_scale,
-      needs_hidden, needs_weight, needs_bias, chunk_size, backend):
+def _(hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+      grad_scale, needs_hidden, needs_weight, needs_bias, chunk_size, backend):
     needs = (needs_hidden, needs_weight, needs_bias) if grad_scale is not None else (False,) * 3
     return (row_floats(hidden.shape[0], hidden.device),
             *fake_head_gradients(hidden, weight, *needs))
@@ -300,6 +304,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                          bias: Optional[Tensor] = None, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0,
                          z_loss: float = 0.0, softcap: Optional[float] = None,
+                         logit_scale: float = 1.0,
                          normalizer: Union[None, float, Tensor] = None,
                          chunk_size: Optional[int] = None, backend: str = "auto",
                          process_group: Optional["ProcessGroup"] = None,
@@ -307,12 +312,15 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     """Cross-entropy of ``hidden [..., H] @ weight[V, H].T + bias`` against ``target [...]``.
 
     Equals ``ak.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` (every keyword
-    means the same) without holding the ``[N, V]`` logits; float32 result. With
-    ``process_group`` the weight (and bias) hold this rank's vocabulary shard and the hidden
-    states' gradient is summed over the group (``ops/vocab_parallel.py``; ``check_consistency``
-    as in ``cross_entropy``).
+    means the same, ``logit_scale`` and ``softcap`` included) without holding the ``[N, V]``
+    logits; float32 result. With ``process_group`` the weight (and bias) hold this rank's
+    vocabulary shard and the hidden states' gradient is summed over the group
+    (``ops/vocab_parallel.py``; ``check_consistency`` as in ``cross_entropy``; no
+    ``logit_scale`` there).
     """
     if process_group is not None:
+        if check_in_range(logit_scale, "logit_scale", -math.inf, math.inf) != 1.0:
+            raise ValueError("logit_scale is not supported with process_group")
         return _vocab_parallel_cross_entropy(
             hidden, weight, target, process_group, bias, ignore_index, reduction,
             label_smoothing, z_loss, softcap, normalizer, chunk_size, backend, check_consistency)
@@ -322,13 +330,15 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         return ce_op.cross_entropy(torch.nn.functional.linear(hidden, weight, bias), target,
                                    ignore_index=ignore_index, reduction=reduction,
                                    label_smoothing=label_smoothing, z_loss=z_loss,
-                                   softcap=softcap, normalizer=normalizer, backend="reference")
+                                   softcap=softcap, logit_scale=logit_scale,
+                                   normalizer=normalizer, backend="reference")
     # The logits op's own checks and scale rules, run on a zero-byte stand-in for the logits.
     params, normalizer_t = ce_op.checked_params(
         logits_like(hidden, weight), target, ignore_index, reduction, label_smoothing, z_loss,
-        softcap, normalizer, False, backend)
+        softcap, normalizer, False, backend, logit_scale)
     target_flat = flat_target(target)
-    ce_args = (params.ignore_index, params.label_smoothing, params.z_loss, params.softcap)
+    ce_args = (params.ignore_index, params.label_smoothing, params.z_loss, params.softcap,
+               params.logit_scale)
     head_args = HeadArgs(chunk_size, params.backend)
     if reduction == "none":
         if head_any_grad(hidden, weight, bias):
@@ -462,6 +472,7 @@ def linear_sequence_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, mas
     return lp_op.reduce_sequence(logp, mask, average)
 
 
+@options_or_keywords
 def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages: Tensor, *,
                      bias: Optional[Tensor] = None, mask: Optional[Tensor] = None,
                      old_logprobs: Optional[Tensor] = None,
@@ -607,7 +618,7 @@ def _vocab_parallel_grpo_loss(hidden, weight, target, advantages, process_group,
                               chunk_size, backend, check_consistency, options, inputs):
     """``linear_grpo_loss`` with this rank's vocabulary shard of the head: its token log-probs,
     then the per-token objective in torch."""
-    check_head(hidden, weight, bias, chunk_size)
+    vocab_parallel.check_shard_head(hidden, weight, bias, chunk_size)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
     # the row count here; the targets' fingerprint (masked ones ignored) in the log-probs call

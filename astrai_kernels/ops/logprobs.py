@@ -185,7 +185,7 @@ def token_logprobs(
 def _vocab_parallel_token_logprobs(logits, target, process_group, temperature, ignore_index,
                                    return_entropy, inplace_backward, backend, check_consistency):
     """``token_logprobs`` of a vocabulary shard (``ops/vocab_parallel.py``)."""
-    check_logits(logits)
+    check_logits(logits, allow_empty_vocab=True)
     layout = vocab_parallel.shard_layout(process_group, logits.shape[-1], logits.device, target,
                                          ignore_index, check_consistency)
     stand_in = vocab_parallel.global_stand_in(logits, logits.shape[:-1], layout)

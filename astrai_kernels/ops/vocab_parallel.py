@@ -33,6 +33,12 @@ A shard whose row is all -inf (a padded vocabulary masked on the last rank, a -i
 are selected out, never multiplied by the 0 weight: it adds nothing to ``W`` or ``H`` and, as
 the target's owner, gives ``logp = -inf`` (a +inf loss, as unsharded).
 
+A rank may hold no vocabulary at all (``V_r = 0``: V smaller than the group, or padded
+unevenly): its row statistics are those of an all -inf shard without running a kernel
+(``lse_r = -inf``, no targets, nothing in the label-smoothing mean), its gradients are zero
+(empty for its own logits, weight and bias), and it still takes part in every collective. Only
+every shard empty is refused, on every rank, from the shard sizes' all-gather.
+
 The shard sizes are all-gathered once per call (one host sync, like the target check), with
 each rank's row count and, under ``check_consistency=True`` (the default), a fingerprint of its
 targets (their sum and count over the counted rows): every rank must pass the same rows and
@@ -63,7 +69,15 @@ from ._common import (
     refuse_double_backward,
     rows_view,
 )
-from .head import ChunkedHead, check_head, head_needs, row_floats
+from .head import (
+    ChunkedHead,
+    absent_grad,
+    check_head,
+    chunk_rows,
+    compute_dtype,
+    head_needs,
+    row_floats,
+)
 from .primitives import CrossEntropyArgs, LogprobsArgs, ShardGradArgs
 
 # Local targets handed to the primitives: a row ignored by the caller, and (backward only) a
@@ -79,6 +93,7 @@ class ShardLayout:
     vocab_start: int
     vocab_local: int
     vocab_total: int
+    vocab_largest: int  # the largest shard of the group (the walk's chunk rule reads it)
 
 
 def _not_a_member(process_group) -> bool:
@@ -134,13 +149,16 @@ def shard_layout(process_group, vocab_local: int, device: torch.device,
         raise ValueError(f"the ranks of process_group pass different numbers of rows "
                          f"(target.numel() per rank: {rows}): every rank must pass the same "
                          f"rows, only the vocabulary shard differs")
+    if sum(sizes) < 1:
+        raise ValueError(f"every rank of process_group holds an empty vocabulary shard (shard "
+                         f"sizes per rank: {sizes}): the vocabulary needs V >= 1")
     fingerprints = [tuple(values[2:]) for values in per_rank]
     if len(set(fingerprints)) > 1:
         raise ValueError(f"the ranks of process_group pass different targets (sum and count of "
                          f"the counted targets per rank: {fingerprints}): every rank must pass "
                          f"the same targets (and ignore_index); check_consistency=False skips "
                          f"this check")
-    return ShardLayout(process_group, sum(sizes[:rank]), vocab_local, sum(sizes))
+    return ShardLayout(process_group, sum(sizes[:rank]), vocab_local, sum(sizes), max(sizes))
 
 
 def global_stand_in(like: Tensor, lead_shape, layout: ShardLayout) -> Tensor:
@@ -223,7 +241,9 @@ def combine_cross_entropy(nll_r, smooth_r, lse_r, targets: LocalTargets, layout:
     empty = lse_r == -math.inf
     owner_term = torch.where(empty, -math.inf, shifted - nll_r)
     parts = [weight, torch.where(targets.owned, owner_term, 0.0)]
-    if eps:
+    if eps and layout.vocab_local == 0:
+        parts.append(torch.zeros_like(weight))  # no logits in this shard's share of the mean
+    elif eps:
         parts.append(torch.where(empty, math.inf, (layout.vocab_local / layout.vocab_total)
                                  * (smooth_r - shifted)))
     sums = _all_reduce(torch.stack(parts), dist.ReduceOp.SUM, layout.group)
@@ -236,6 +256,18 @@ def combine_cross_entropy(nll_r, smooth_r, lse_r, targets: LocalTargets, layout:
     return torch.where(valid, loss, 0.0), torch.where(valid, lse, 0.0)
 
 
+def _holds_no_vocabulary(logits, target_stat, lse, extra_stat, rows) -> bool:
+    """For a chunk of an empty shard (no kernel runs on ``V = 0``), fill its rows' statistics
+    as an all -inf shard's: ``lse_r = -inf``, the others 0 (never read: no target is owned)."""
+    if logits.shape[-1]:
+        return False
+    lse[rows] = -math.inf
+    target_stat[rows] = 0.0
+    if extra_stat.numel():
+        extra_stat[rows] = 0.0
+    return True
+
+
 def logprobs_stats(kernels, chunks, targets: LocalTargets, temperature, with_entropy, n_rows,
                    device):
     """The shard's ``(logp_r, entropy_r, lse_r)`` over ``chunks`` of ``(start, stop, logits)``."""
@@ -243,6 +275,8 @@ def logprobs_stats(kernels, chunks, targets: LocalTargets, temperature, with_ent
     entropy = row_floats(n_rows if with_entropy else 0, device)
     for start, stop, logits in chunks:
         rows = slice(start, stop)
+        if _holds_no_vocabulary(logits, logp, lse, entropy, rows):
+            continue
         logp[rows], chunk_entropy, lse[rows] = kernels.logprobs_forward(
             logits, targets.forward[rows], LogprobsArgs(temperature, LOCAL_IGNORE, with_entropy))
         if with_entropy:
@@ -260,6 +294,8 @@ def cross_entropy_stats(kernels, chunks, targets: LocalTargets, params, n_rows, 
     smooth_args = CrossEntropyArgs(LOCAL_IGNORE, 1.0, 0.0, params.softcap)
     for start, stop, logits in chunks:
         rows = slice(start, stop)
+        if _holds_no_vocabulary(logits, nll, lse, smooth, rows):
+            continue
         nll[rows], lse[rows] = kernels.cross_entropy_forward(
             logits, targets.forward[rows], None, nll_args, None)
         if params.label_smoothing:
@@ -298,8 +334,15 @@ def cross_entropy_coefficients(row_scale: Tensor, lse: Tensor, params,
 
 def shard_grad(kernels, logits_rows, targets: LocalTargets, lse, coefficients: Coefficients,
                temperature, softcap, grad_rows) -> None:
-    kernels.vocab_shard_backward(logits_rows, targets.backward, lse, *coefficients,
-                                 ShardGradArgs(temperature, softcap, LOCAL_IGNORE), grad_rows)
+    _shard_backward(kernels, logits_rows, targets.backward, lse, coefficients,
+                    ShardGradArgs(temperature, softcap, LOCAL_IGNORE), grad_rows)
+
+
+def _shard_backward(kernels, logits, target, lse, coefficients: Coefficients, args,
+                    grad) -> None:
+    """The backend's ``vocab_shard_backward``; an empty shard has no gradient to write."""
+    if logits.shape[-1]:
+        kernels.vocab_shard_backward(logits, target, lse, *coefficients, args, grad)
 
 
 def _write_grad(logits, kernels, targets, lse, coefficients, temperature, softcap, inplace):
@@ -398,18 +441,48 @@ class SumGradOverGroup(torch.autograd.Function):
         return _all_reduce(grad.contiguous().clone(), dist.ReduceOp.SUM, ctx.group), None
 
 
+class EmptyShardHead:
+    """``ChunkedHead``'s walk for a weight with no rows (``[0, H]``): each chunk's logits are
+    ``[1, n, 0]`` (no matmul), and the shard adds nothing to any gradient, so they are zeros
+    (empty for the weight and the bias)."""
+
+    def __init__(self, hidden, weight, bias, chunk_size, needs_grad=(False, False, False)):
+        self.hidden, self.weight, self.bias, self.needs = hidden, weight, bias, needs_grad
+        self.chunk = chunk_rows(hidden.shape[0], 0, hidden.device, chunk_size)
+
+    def chunks(self):
+        n_rows = self.hidden.shape[0]
+        for start in range(0, n_rows, self.chunk):
+            stop = min(start + self.chunk, n_rows)
+            yield start, stop, self.hidden.new_empty(1, stop - start, 0)
+
+    def fold(self, start, stop, grad_logits):
+        pass
+
+    def gradients(self):
+        tensors = (self.hidden, self.weight, self.bias)
+        return tuple(torch.zeros_like(tensor) if need else absent_grad(self.hidden)
+                     for tensor, need in zip(tensors, self.needs))
+
+
+def shard_head(hidden, weight, bias, chunk_size, needs_grad=(False, False, False)):
+    """The chunk walk over this rank's shard of the head (``EmptyShardHead`` for no rows)."""
+    head_class = EmptyShardHead if weight.shape[0] == 0 else ChunkedHead
+    return head_class(hidden, weight, bias, chunk_size, needs_grad)
+
+
 def _head_gradients(ctx, kernels, lse, coefficients, temperature, softcap):
     """The fused head's backward on this shard: chunk logits, their gradient over the chunk
     buffer, folded into hidden/weight/bias; the hidden states' gradient summed over the group.
     ``ctx`` saved ``(hidden_rows, weight, bias, ...)`` and holds the call's fields."""
     hidden, weight, bias = ctx.saved_tensors[:3]
     needs = tuple(ctx.needs_input_grad[:3])
-    head = ChunkedHead(hidden, weight, bias, ctx.chunk_size, needs)
+    head = shard_head(hidden, weight, bias, ctx.chunk_size, needs)
     shard_args = ShardGradArgs(temperature, softcap, LOCAL_IGNORE)
     for start, stop, logits in head.chunks():
         rows = slice(start, stop)
-        kernels.vocab_shard_backward(logits, ctx.targets.backward[rows], lse[rows],
-                                     *coefficients.rows(rows), shard_args, logits)
+        _shard_backward(kernels, logits, ctx.targets.backward[rows], lse[rows],
+                        coefficients.rows(rows), shard_args, logits)
         head.fold(start, stop, logits)
     grads = head.gradients()
     if needs[0]:
@@ -418,7 +491,7 @@ def _head_gradients(ctx, kernels, lse, coefficients, temperature, softcap):
 
 
 def head_chunks(hidden_rows, weight, bias, chunk_size):
-    return ChunkedHead(hidden_rows, weight, bias, chunk_size).chunks()
+    return shard_head(hidden_rows, weight, bias, chunk_size).chunks()
 
 
 class ShardHeadLogprobs(torch.autograd.Function):
@@ -470,6 +543,17 @@ class ShardHeadCrossEntropy(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
+def agreed_chunk_size(hidden_rows, weight, chunk_size, layout: ShardLayout) -> int:
+    """``chunk_size``, or when None ``chunk_rows``'s rule for the group's largest shard: the
+    same on every rank (shards differ in size, an empty one most), and every rank's chunk
+    buffer within the rule's budget."""
+    if chunk_size is not None:
+        return chunk_size
+    weight_copy = compute_dtype(hidden_rows.dtype, hidden_rows.device) != weight.dtype
+    return chunk_rows(hidden_rows.shape[0], layout.vocab_largest, hidden_rows.device,
+                      weight_copy=weight_copy)
+
+
 def head_shard_cross_entropy_walk(hidden_rows, weight, bias, target_flat, params, layout,
                                   chunk_size, requested_backend, grad_scale, needs):
     """``linear_cross_entropy`` whose gradient factor is known up front (``reduction`` sum or
@@ -477,14 +561,16 @@ def head_shard_cross_entropy_walk(hidden_rows, weight, bias, target_flat, params
     the group (two all-reduces of a few floats per row), then the gradient with the group's
     ``lse`` written over the chunk's logits and folded. Returns ``(rows_loss, grad_hidden,
     grad_weight, grad_bias)`` of ``sum(grad_scale * rows_loss)``, the hidden states' gradient
-    summed over the group."""
+    summed over the group. Every chunk makes collectives, so every rank walks the same chunks
+    (:func:`agreed_chunk_size`)."""
     params = _shard_params(params, requested_backend, True)
     targets = local_targets(target_flat, params.ignore_index, layout)
     kernels = backend_module(params.backend)
     n_rows = hidden_rows.shape[0]
     rows_loss = row_floats(n_rows, hidden_rows.device)
     row_scale = grad_scale.float().expand(n_rows)
-    head = ChunkedHead(hidden_rows, weight, bias, chunk_size, needs)
+    head = shard_head(hidden_rows, weight, bias,
+                      agreed_chunk_size(hidden_rows, weight, chunk_size, layout), needs)
     shard_args = ShardGradArgs(1.0, params.softcap, LOCAL_IGNORE)
     for start, stop, logits in head.chunks():
         rows = slice(start, stop)
@@ -494,8 +580,8 @@ def head_shard_cross_entropy_walk(hidden_rows, weight, bias, target_flat, params
         rows_loss[rows], lse = combine_cross_entropy(*stats, chunk_targets, layout, params)
         coefficients = cross_entropy_coefficients(row_scale[rows], lse, params,
                                                   layout.vocab_total)
-        kernels.vocab_shard_backward(logits, chunk_targets.backward, lse, *coefficients,
-                                     shard_args, logits)
+        _shard_backward(kernels, logits, chunk_targets.backward, lse, coefficients, shard_args,
+                        logits)
         head.fold(start, stop, logits)
     grads = head.gradients()
     if needs[0]:
@@ -503,10 +589,24 @@ def head_shard_cross_entropy_walk(hidden_rows, weight, bias, target_flat, params
     return (rows_loss, *grads)
 
 
+def check_shard_head(hidden, weight, bias, chunk_size):
+    """``check_head`` for a vocabulary shard of the head, which may hold no rows
+    (``weight [0, H]``, ``bias [0]``); returns ``hidden`` as 2-D rows."""
+    if not (isinstance(weight, Tensor) and weight.dim() == 2 and weight.shape[0] == 0):
+        return check_head(hidden, weight, bias, chunk_size)
+    if isinstance(bias, Tensor) and tuple(bias.shape) != (0,):
+        raise ValueError(f"bias must have shape [V] = (0,) (weight's rows), got "
+                         f"{tuple(bias.shape)}")
+    # check_head wants V >= 1: the rest is checked on zero-byte one-row stand-ins
+    one_row = weight.new_zeros(()).expand(1, weight.shape[1])
+    one_bias = bias.new_zeros(()).expand(1) if isinstance(bias, Tensor) else bias
+    return check_head(hidden, one_row, one_bias, chunk_size)
+
+
 def head_setup(hidden, weight, bias, chunk_size, process_group, target, ignore_index,
                check_consistency):
     """``(hidden rows, layout, needs_grad)`` of a vocabulary-parallel head call, checked."""
-    hidden_rows = check_head(hidden, weight, bias, chunk_size)
+    hidden_rows = check_shard_head(hidden, weight, bias, chunk_size)
     layout = shard_layout(process_group, weight.shape[0], hidden.device, target, ignore_index,
                           check_consistency)
     needs = head_needs(hidden, weight, bias) if torch.is_grad_enabled() else (False,) * 3
