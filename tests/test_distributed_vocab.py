@@ -238,6 +238,53 @@ def _check_head(group, start, stop, dtype, fused_fn, logits_fn, upstream, grad_l
                                  scale=scale[part], dtype=dtype, name=f"grad {name}")
 
 
+def case_linear_head_precision(group, start, stop, dtype):
+    """16-bit gradients of the sharded head on the native matmul path, 12 chunks, V = 1501
+    split evenly: the hidden states' gradient is the ranks' float32 parts summed, rounded once
+    (tests/test_head_precision.py's yardstick, the head row of the tolerance table)."""
+    if dtype == torch.float32:
+        return
+    import os
+
+    from astrai_kernels.ops import head as head_op
+    from astrai_kernels.testing import assert_head_gradient_close
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    vocab, rows, hidden_size = 1501, 48, 16
+    start, stop = rank * vocab // world, (rank + 1) * vocab // world
+    g = torch.Generator().manual_seed(21)
+    hidden = torch.randn(rows, hidden_size, generator=g).to(dtype)
+    weight = (torch.randn(vocab, hidden_size, generator=g) * hidden_size ** -0.5 * 3).to(dtype)
+    bias = (torch.randn(vocab, generator=g) * 0.5).to(dtype)
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    previous = os.environ.get(head_op.HEAD_MATMUL_ENV)
+    os.environ[head_op.HEAD_MATMUL_ENV] = "native"
+    try:
+        ours = [t.detach().clone().requires_grad_(True) for t in (hidden, weight[start:stop],
+                                                                  bias[start:stop])]
+        ak.linear_cross_entropy(ours[0], ours[1], target, bias=ours[2], reduction="sum",
+                                chunk_size=4, process_group=group).backward()
+    finally:
+        if previous is None:
+            del os.environ[head_op.HEAD_MATMUL_ENV]
+        else:
+            os.environ[head_op.HEAD_MATMUL_ENV] = previous
+    exact = [t.detach().double().requires_grad_(True) for t in (hidden, weight, bias)]
+    reference.cross_entropy(F.linear(*exact), target, reduction="sum").backward()
+    naive = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    logits = F.linear(*naive).float()
+    logits.retain_grad()
+    reference.cross_entropy(logits, target, reduction="sum").backward()
+    dz = logits.grad.to(dtype).double()
+    unrounded = (dz @ weight.double(), dz.t() @ hidden.double(), dz.sum(0))
+    parts = (slice(None), slice(start, stop), slice(start, stop))
+    for name, got, want, naive_t, unrounded_t, part in zip(
+            ("hidden", "weight", "bias"), ours, exact, naive, unrounded, parts):
+        assert got.grad.dtype == dtype, name
+        assert_head_gradient_close(got.grad, want.grad[part], naive_t.grad[part],
+                                   unrounded_t[part], name=f"grad {name}")
+
+
 def case_linear_token_logprobs(group, start, stop, dtype):
     target = _target()
 

@@ -166,13 +166,14 @@ def test_head_gradients_are_their_chunks_sum_rounded_once(op, dtype, path, monke
     write_hidden, accumulate_weight = (head_op.ChunkedHead._write_hidden_grad,
                                        head_op.ChunkedHead._accumulate_weight_grad)
 
-    def record_hidden(self, start, stop, grad_logits):
+    def record_hidden(self, start, stop, grad_logits, float32_grads):
         seen["hidden"].append((start, stop, grad_logits.double()))
-        write_hidden(self, start, stop, grad_logits)
+        write_hidden(self, start, stop, grad_logits, float32_grads)
 
-    def record_weight(self, start, stop, grad_logits, unrounded):
-        seen["weight"].append((start, stop, unrounded.double(), grad_logits.double()))
-        accumulate_weight(self, start, stop, grad_logits, unrounded)
+    def record_weight(self, start, stop, grad_logits, float32_grads):
+        summed = grad_logits if float32_grads is None else float32_grads
+        seen["weight"].append((start, stop, summed.double(), grad_logits.double()))
+        accumulate_weight(self, start, stop, grad_logits, float32_grads)
 
     monkeypatch.setattr(head_op.ChunkedHead, "_write_hidden_grad", record_hidden)
     monkeypatch.setattr(head_op.ChunkedHead, "_accumulate_weight_grad", record_weight)

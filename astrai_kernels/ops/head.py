@@ -123,7 +123,7 @@ class ChunkedHead:
     """
 
     def __init__(self, hidden, weight, bias, chunk_size, needs_grad=(False, False, False),
-                 logit_scale=1.0, softcap=0.0):
+                 logit_scale=1.0, softcap=0.0, hidden_grad_float32=False):
         self.dtype = hidden.dtype
         self.work_dtype = compute_dtype(hidden.dtype, hidden.device)
         self.hidden = hidden
@@ -137,8 +137,9 @@ class ChunkedHead:
         device = hidden.device
         self.buffer = cached_empty((min(self.chunk, n_rows), vocab), self.work_dtype, device)
         needs_hidden, needs_weight, needs_bias = needs_grad
-        self.grad_hidden = (cached_empty(hidden.shape, hidden.dtype, device) if needs_hidden
-                            else None)
+        # float32 where the caller sums it further (a vocabulary shard's part, all-reduced)
+        self.grad_hidden = (cached_empty(hidden.shape, torch.float32 if hidden_grad_float32
+                                         else hidden.dtype, device) if needs_hidden else None)
         # Written by the first chunk's product, accumulated into by the others (no zero pass).
         self.grad_weight_acc = (cached_empty(weight.shape, torch.float32, device)
                                 if needs_weight else None)
@@ -156,9 +157,11 @@ class ChunkedHead:
         # upcast here for the weight's product (see the module docstring); a transformed head
         # already has it in float32.
         self.float32_product = low_precision and has_float32_product(device, self.work_dtype)
+        float32_results = needs_weight or (needs_hidden and hidden_grad_float32)
         self.upcast = (cached_empty(self.buffer.shape, torch.float32, device)
-                       if needs_weight and low_precision and self.transformed is None
+                       if float32_results and low_precision and self.transformed is None
                        and not self.float32_product else None)
+        self.weight_float32 = None  # for a float32 hidden gradient from upcast chunks
 
     def _transform(self, logits):
         """``logits`` (one chunk, in place) become ``softcap * tanh(logit_scale * x / softcap)``."""
@@ -201,48 +204,57 @@ class ChunkedHead:
         unrounded = grad_logits  # float32 where the transform ran in a float32 buffer
         if self.transformed is not None:
             grad_logits = self.buffer[:stop - start].copy_(grad_logits)
+        # The chunk's logit gradient in float32, for products with a float32 result where the
+        # device has no float32-output GEMM of 16-bit operands.
+        float32_grads = grad_logits if self.work_dtype == torch.float32 else (
+            self.upcast[:stop - start].copy_(grad_logits) if self.upcast is not None
+            else unrounded if unrounded.dtype == torch.float32 else None)
         if self.grad_hidden is not None:
-            self._write_hidden_grad(start, stop, grad_logits)
+            self._write_hidden_grad(start, stop, grad_logits, float32_grads)
         if self.grad_weight_acc is not None:
-            self._accumulate_weight_grad(start, stop, grad_logits, unrounded)
+            self._accumulate_weight_grad(start, stop, grad_logits, float32_grads)
         if self.grad_bias_acc is not None:
             self.grad_bias_acc.add_(grad_logits.sum(0, dtype=torch.float32))
 
-    def _write_hidden_grad(self, start, stop, grad_logits):
+    def _write_hidden_grad(self, start, stop, grad_logits, float32_grads):
         """The chunk's rows of ``grad_hidden``: one GEMM over the vocabulary, rounded once."""
-        if self.work_dtype == self.dtype:
-            torch.mm(grad_logits, self.weight, out=self.grad_hidden[start:stop])
+        out = self.grad_hidden[start:stop]
+        if self.work_dtype == out.dtype:
+            torch.mm(grad_logits, self.weight, out=out)
+        elif self.work_dtype == torch.float32:
+            out.copy_(grad_logits @ self.weight)
+        elif self.float32_product:
+            out.copy_(torch.mm(grad_logits, self.weight, out_dtype=torch.float32))
         else:
-            self.grad_hidden[start:stop] = grad_logits @ self.weight
+            if self.weight_float32 is None:
+                self.weight_float32 = self.weight.to(torch.float32)
+            torch.mm(float32_grads, self.weight_float32, out=out)
 
-    def _accumulate_weight_grad(self, start, stop, grad_logits, unrounded):
+    def _accumulate_weight_grad(self, start, stop, grad_logits, float32_grads):
         """``grad_weight_acc (+)= grad_logits.T @ rows`` with a float32 product: written by the
         first chunk, accumulated into by the others (no zero pass)."""
         acc, written = self.grad_weight_acc, self.weight_grad_written
         self.weight_grad_written = True
         rows = self.hidden[start:stop]
-        if self.work_dtype == torch.float32:
-            rows = rows.to(torch.float32)
-        elif self.float32_product:
+        if self.float32_product:
             product = torch.mm(grad_logits.t(), rows, out_dtype=torch.float32)
             if written:
                 acc.add_(product)
             else:
                 acc.copy_(product)
             return
-        else:
-            if unrounded.dtype != torch.float32:
-                unrounded = self.upcast[:stop - start].copy_(grad_logits)
-            grad_logits, rows = unrounded, rows.to(torch.float32)
+        grad_logits, rows = float32_grads, rows.to(torch.float32)
         if written:
             acc.addmm_(grad_logits.t(), rows)
         else:
             torch.mm(grad_logits.t(), rows, out=acc)
 
     def gradients(self):
-        """``(grad_hidden, grad_weight, grad_bias)`` in the inputs' dtype; empty where unneeded."""
+        """``(grad_hidden, grad_weight, grad_bias)`` in the inputs' dtype (``grad_hidden`` in
+        float32 with ``hidden_grad_float32``); empty where unneeded."""
         # free the workspace before rounding
         self.buffer = self.weight = self.upcast = self.tanh = self.transformed = None
+        self.weight_float32 = None
         grad_weight = absent_grad(self.hidden)
         if self.grad_weight_acc is not None and not self.weight_grad_written:
             self.grad_weight_acc.zero_()  # no rows

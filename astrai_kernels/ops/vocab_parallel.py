@@ -446,8 +446,10 @@ class EmptyShardHead:
     ``[1, n, 0]`` (no matmul), and the shard adds nothing to any gradient, so they are zeros
     (empty for the weight and the bias)."""
 
-    def __init__(self, hidden, weight, bias, chunk_size, needs_grad=(False, False, False)):
+    def __init__(self, hidden, weight, bias, chunk_size, needs_grad=(False, False, False),
+                 hidden_grad_float32=False):
         self.hidden, self.weight, self.bias, self.needs = hidden, weight, bias, needs_grad
+        self.hidden_grad_dtype = torch.float32 if hidden_grad_float32 else hidden.dtype
         self.chunk = chunk_rows(hidden.shape[0], 0, hidden.device, chunk_size)
 
     def chunks(self):
@@ -460,15 +462,24 @@ class EmptyShardHead:
         pass
 
     def gradients(self):
+        dtypes = (self.hidden_grad_dtype, self.weight.dtype, self.hidden.dtype)
         tensors = (self.hidden, self.weight, self.bias)
-        return tuple(torch.zeros_like(tensor) if need else absent_grad(self.hidden)
-                     for tensor, need in zip(tensors, self.needs))
+        return tuple(torch.zeros_like(tensor, dtype=dtype) if need else absent_grad(self.hidden)
+                     for tensor, dtype, need in zip(tensors, dtypes, self.needs))
 
 
 def shard_head(hidden, weight, bias, chunk_size, needs_grad=(False, False, False)):
-    """The chunk walk over this rank's shard of the head (``EmptyShardHead`` for no rows)."""
+    """The chunk walk over this rank's shard of the head (``EmptyShardHead`` for no rows). Its
+    hidden-state gradient is float32, a part of the sum over the group that
+    :func:`summed_hidden_grad` rounds once."""
     head_class = EmptyShardHead if weight.shape[0] == 0 else ChunkedHead
-    return head_class(hidden, weight, bias, chunk_size, needs_grad)
+    return head_class(hidden, weight, bias, chunk_size, needs_grad, hidden_grad_float32=True)
+
+
+def summed_hidden_grad(grad_part, dtype, group):
+    """The hidden states' gradient: the ranks' float32 parts summed over the group, rounded to
+    ``dtype`` once (parts rounded before the sum would add a rounding per rank)."""
+    return _all_reduce(grad_part, dist.ReduceOp.SUM, group).to(dtype)
 
 
 def _head_gradients(ctx, kernels, lse, coefficients, temperature, softcap):
@@ -484,9 +495,9 @@ def _head_gradients(ctx, kernels, lse, coefficients, temperature, softcap):
         _shard_backward(kernels, logits, ctx.targets.backward[rows], lse[rows],
                         coefficients.rows(rows), shard_args, logits)
         head.fold(start, stop, logits)
-    grads = head.gradients()
+    grads = list(head.gradients())
     if needs[0]:
-        _all_reduce(grads[0], dist.ReduceOp.SUM, ctx.layout.group)
+        grads[0] = summed_hidden_grad(grads[0], hidden.dtype, ctx.layout.group)
     return tuple(grad if need else None for grad, need in zip(grads, needs))
 
 
@@ -583,9 +594,9 @@ def head_shard_cross_entropy_walk(hidden_rows, weight, bias, target_flat, params
         _shard_backward(kernels, logits, chunk_targets.backward, lse, coefficients, shard_args,
                         logits)
         head.fold(start, stop, logits)
-    grads = head.gradients()
+    grads = list(head.gradients())
     if needs[0]:
-        _all_reduce(grads[0], dist.ReduceOp.SUM, layout.group)
+        grads[0] = summed_hidden_grad(grads[0], hidden_rows.dtype, layout.group)
     return (rows_loss, *grads)
 
 
