@@ -199,3 +199,34 @@ def test_head_gradients_are_their_chunks_sum_rounded_once(op, dtype, path, monke
         allowed = half_ulp(exact, DTYPES[dtype]) + 2.0 ** -20 * terms
         assert_close_elementwise(actual, exact, dtype=DTYPES[dtype], name=f"{op} {name} grad",
                                  allowed=allowed)
+
+
+@pytest.mark.skipif(not head_op.has_bf16_float32_gemm(torch.device("cpu")),
+                    reason="torch without oneDNN's fp32_precision setting: the head upcasts "
+                           "and runs float32 GEMMs instead (covered above)")
+def test_bf16_products_are_exact_and_taken_only_on_one_thread():
+    """The setting behind the CPU's bf16 weight products: exact products of bf16-valued float32
+    operands with float32 sums, restored after; left alone while another Python thread runs."""
+    import threading
+
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(64, 300, generator=g).bfloat16().float()
+    b = torch.randn(300, 48, generator=g).bfloat16().float()
+    with head_op.bf16_products():
+        assert matmul.fp32_precision == "bf16"
+        product = a @ b
+    assert matmul.fp32_precision == before
+    exact = a.double() @ b.double()
+    terms = a.double().abs() @ b.double().abs()
+    assert bool(((product.double() - exact).abs() <= 2.0 ** -20 * terms).all())
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        with head_op.bf16_products():
+            assert matmul.fp32_precision == before
+    finally:
+        release.set()
+        other.join()
