@@ -533,6 +533,9 @@ ASTRAI_INLINE void zero_row(typename T::storage* g, int64_t sg, int64_t V) {
 // ref) * inv_t), or ref = 0 and log_sum = lse (log p_j = s_j - lse). Shared by
 // logprobs_backward and grpo_forward. Reads each element before writing it, so `grad` may be
 // the logits themselves; the target element is written last from `x_y`.
+// The target's 1 - p_y is taken as sum_{j != y} p_j / sum_j p_j: log_sum's rounding (a saved
+// lse is off by up to half its ulp) scales every p_j alike and cancels in that ratio, whereas
+// 1 - p_y amplifies it by p_y / (1 - p_y) on a confident row (20x at p_y = 0.95, issue 34).
 template <class T, bool C, bool ENT>
 ASTRAI_INLINE void write_logprob_grad(const typename T::storage* x, int64_t sv,
                                       typename T::storage* g, int64_t sg, int64_t V, int64_t y,
@@ -540,17 +543,31 @@ ASTRAI_INLINE void write_logprob_grad(const typename T::storage* x, int64_t sv,
                                       float g_entropy, float entropy) {
   const float gh = g_entropy * inv_t;
   const float neg_coef = -coef * inv_t;
-#pragma omp simd
-  for (int64_t j = 0; j < V; ++j) {
+  // writes grad_j (the non-target form) and returns p_j, or 0 at the target
+  const auto write_non_target = [&](int64_t j) {
     const float d = (T::load(x[C ? j : j * sv]) - ref) * inv_t - log_sum;
     const float p = log_prob_exp(d);
     float v = p * neg_coef;
     if (ENT) v -= gh * select(p > 0.0f, p * (d + entropy), 0.0f);
     g[C ? j : j * sg] = T::store(v);
+    return select(j == y, 0.0f, p);
+  };
+  // lane-wise partial sums as in accumulate_block; `omp simd` because grad may alias x
+  float others_lanes[kLanes];
+  for (int l = 0; l < kLanes; ++l) others_lanes[l] = 0.0f;
+  int64_t j = 0;
+  for (; j + kLanes <= V; j += kLanes) {
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) others_lanes[l] += write_non_target(j + l);
   }
+  for (int l = 0; j < V; ++j, ++l) others_lanes[l] += write_non_target(j);
+  float others = 0.0f;
+  for (int l = 0; l < kLanes; ++l) others += others_lanes[l];
   const float d = (x_y - ref) * inv_t - log_sum;
   const float p = log_prob_exp(d);
-  float v = (-p * coef + coef) * inv_t;
+  // others + p >= p_max > 0 for finite logits (p_max >= exp(-log V) up to log_sum's rounding)
+  const float one_minus_p = others / (others + p);
+  float v = coef * one_minus_p * inv_t;
   if (ENT) v -= gh * select(p > 0.0f, p * (d + entropy), 0.0f);
   g[C ? y : y * sg] = T::store(v);
 }
