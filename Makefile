@@ -7,7 +7,11 @@ PY := $(VENV)/bin/python
 TORCH_CPU_SPEC ?= torch==2.13.0
 TORCH_CPU_PIP_ARGS ?=
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
-STAMP := $(VENV)/.astrai-kernels-installed
+INSTALLED := $(VENV)/.astrai-kernels-installed
+# Set up = installed, then the cpp backend's C++ kernels built (minutes, once per change of csrc/)
+# so that no test pays for the build. Without a working C++ compiler setup fails: CI tests the
+# cpp backend, and `astrai-kernels build` prints the compiler's error.
+STAMP := $(VENV)/.astrai-kernels-built
 # The oldest versions pyproject.toml declares and the newest releases, each in a venv of its own
 # (`make test-oldest`, `make test-newest`): the whole suite, then compile-check. These torch
 # releases come from the registry as CUDA builds (a few GB with their nvidia-* wheels) and run on
@@ -29,7 +33,7 @@ PINNED_EXTRAS ?= test,plot,transformers,trl
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 ifeq ($(HAS_GPU),1)
@@ -38,6 +42,10 @@ else
 	$(PY) -m pip install -q $(TORCH_CPU_PIP_ARGS) "$(TORCH_CPU_SPEC)"
 endif
 	$(PY) -m pip install -q -e ".[test,plot,dev,transformers,trl]"
+	touch $(INSTALLED)
+
+$(STAMP): $(INSTALLED) $(wildcard csrc/*)
+	$(PY) -m astrai_kernels build
 	touch $(STAMP)
 
 test: $(STAMP)

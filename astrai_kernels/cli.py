@@ -1,4 +1,4 @@
-"""``astrai-kernels bench | verify | compile-check``.
+"""``astrai-kernels bench | verify | compile-check | build``.
 
 * ``bench``: every op x method (kernel backends and baselines), forward+backward median time,
   peak memory, ratios against the same-run floor (a copy of the logits; for the fused-LM-head
@@ -14,6 +14,9 @@
   also says why the other ops are not in it).
 * ``compile-check``: AOT-compile every Triton kernel for real GPU targets
   (:mod:`astrai_kernels.triton.compile_check`; its own options).
+* ``build``: compile the cpp backend's C++ kernels now rather than on the first CPU call (a few
+  minutes, once; the cached library loads in well under a second after); prints where it went and
+  how long it took, exit status 1 with the compiler's error when it fails.
 """
 
 import argparse
@@ -432,14 +435,38 @@ def bench(args, argv=None):
 
 
 # ---------------------------------------------------------------------------------------------
+# build
+
+
+def build_extension():
+    """``build``: compile (or find cached) and load the cpp backend's extension; 0, else 1."""
+    from .cpu import cpp_backend
+
+    cached = cpp_backend.cached_library()
+    started = time.perf_counter()
+    try:
+        module = cpp_backend.load_extension()
+    except RuntimeError as exc:
+        print(f"build: {exc}", file=sys.stderr)
+        print("build: without it, backend='auto' runs CPU tensors on the slower torch backend "
+              "(ASTRAI_KERNELS_BACKEND=torch chooses that outright)", file=sys.stderr)
+        return 1
+    elapsed = time.perf_counter() - started
+    done = f"already built, loaded in {elapsed:.2f} s" if cached else f"built in {elapsed:.0f} s"
+    print(f"cpp backend: {module.__file__} ({done}; kernels use {module.isa()})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 # main
 
 
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="astrai-kernels",
-        description="Fused LLM losses from the logits in vocabulary tiles: benchmarks and checks.")
-    sub = parser.add_subparsers(dest="command", metavar="{bench,verify,compile-check}")
+        description="Fused LLM losses from the logits in vocabulary tiles: benchmarks, checks "
+                    "and the ahead-of-time build of the C++ kernels.")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,verify,compile-check,build}")
     bench_parser = sub.add_parser(
         "bench", help="time and peak memory of every op and backend against the copy floor, "
                       "the naive path and torch.compile")
@@ -456,6 +483,12 @@ def build_parser():
     sub.add_parser("compile-check", add_help=False,
                    help="AOT-compile every Triton kernel for sm_80/sm_90 and report registers, "
                         "spills and shared memory (see compile-check --help)")
+    sub.add_parser("build", help="compile the cpp backend's C++ kernels now (once, a few "
+                                 "minutes) instead of on the first call with CPU tensors",
+                   description="Compiles the cpp backend's C++ kernels into the build cache "
+                               "($ASTRAI_KERNELS_BUILD_DIR, else the per-user cache) and loads "
+                               "them; prints the library's path and the time taken. Exit status "
+                               "1, with the compiler's error, when the build fails.")
     return parser
 
 
@@ -469,6 +502,8 @@ def main(argv=None):
         return compile_check_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "build":
+        return build_extension()
     if args.command not in ("bench", "verify"):
         parser.print_help()
         return 2

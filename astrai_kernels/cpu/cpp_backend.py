@@ -18,6 +18,11 @@ complete build is then imported directly, without ninja or the lock, so a direct
 be written (a shared cache, a container image) serves too, and one that holds no complete build
 is reported as such.
 
+A build (minutes: nothing is cached yet) says so on stderr as it starts, one line naming the
+build directory and ``ASTRAI_KERNELS_BACKEND=torch`` to skip it, then a line per object file or
+library ninja writes and the outcome; a cached library loads silently. ``astrai-kernels build``
+does the build ahead of time.
+
 Without a C++ compiler or ninja, ``unavailable_reason`` says so and a one-time warning names the
 fallback (the ``torch`` backend); a failed build raises a ``RuntimeError`` carrying the compiler's
 full output from ``load_extension()`` (and the primitives).
@@ -31,6 +36,7 @@ import shlex
 import shutil
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -40,8 +46,10 @@ BUILD_DIR_ENV = "ASTRAI_KERNELS_BUILD_DIR"
 ISA_ENV = "ASTRAI_KERNELS_CPU_ISA"
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast")
 LDFLAGS = ("-fopenmp",)
-SOURCES = ("common.h", "logprobs.cpp", "cross_entropy.cpp", "grpo.cpp", "distill.cpp",
-           "vocab_shard.cpp", "bindings.cpp")
+# Longest compile first (ninja starts them in this order): distill.cpp last made it the tail of
+# the build, alone on the machine for its last two minutes.
+SOURCES = ("common.h", "distill.cpp", "cross_entropy.cpp", "grpo.cpp", "logprobs.cpp",
+           "bindings.cpp", "vocab_shard.cpp")
 
 _LOCK = threading.Lock()
 _EXTENSION = None
@@ -146,7 +154,7 @@ def load_extension(verbose=False):
         if src is None:
             raise RuntimeError(f"the cpp backend cannot be built: {_toolchain_reason()}")
         build_dir = build_directory()
-        name = f"astrai_kernels_cpp_{_build_hash(src)[:12]}"
+        name = _extension_name(src)
         failure = (f"it holds no complete build of these sources ({name}{_LIB_SUFFIX} with "
                    f"its {name}{_COMPLETE_SUFFIX} marker)")
         library = _complete_library(build_dir, name)
@@ -186,6 +194,17 @@ def load_extension(verbose=False):
         raise type(_BUILD_ERROR)(str(_BUILD_ERROR))
 
 
+def cached_library():
+    """The library of a complete build of these sources in ``build_directory()``, or None when
+    loading the extension would have to build it first."""
+    src = source_dir()
+    return None if src is None else _complete_library(build_directory(), _extension_name(src))
+
+
+def _extension_name(src):
+    return f"astrai_kernels_cpp_{_build_hash(src)[:12]}"
+
+
 class BuildFailed(RuntimeError):
     """The compiler or linker failed; the message carries their full output."""
 
@@ -198,22 +217,119 @@ def _build(src, build_dir, name, verbose):
     library = _complete_library(build_dir, name)  # another process may have just built it
     if library is not None:
         return _import_library(name, library)
+    sources = [s for s in SOURCES if s.endswith(".cpp")]
+    _say(f"compiling the cpp backend's C++ kernels once (a few minutes on a small machine; "
+         f"later runs load the cached library) in {build_dir}; "
+         f"set ASTRAI_KERNELS_BACKEND=torch to skip it and use the torch backend")
+    started = time.perf_counter()
+    outputs = [(f"{Path(s).stem}.o", f"compiled {s}") for s in sources]
+    outputs.append((f"{name}{_LIB_SUFFIX}", f"linked {name}{_LIB_SUFFIX}"))
     try:
-        module = load(
-            name=name,
-            sources=[str(src / s) for s in SOURCES if s.endswith(".cpp")],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS),
-            extra_include_paths=[str(src)],
-            build_directory=str(build_dir),
-            verbose=verbose,
-        )
+        with _BuildProgress(build_dir, outputs, started):
+            module = load(
+                name=name,
+                sources=[str(src / s) for s in sources],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
+                extra_include_paths=[str(src)],
+                build_directory=str(build_dir),
+                verbose=verbose,
+            )
     except Exception as exc:  # the compiler's output is in the message
+        output = _failure_output(exc)
+        cause = _first_error_line(output)
+        _say(f"compiling the C++ kernels failed after {time.perf_counter() - started:.1f} s"
+             + (f": {cause}" if cause else ""))
         _BUILD_ERROR = BuildFailed(f"building the cpp backend extension in {build_dir} failed "
-                                   f"({type(exc).__name__}):\n{exc}")
+                                   f"({type(exc).__name__}):\n{output}")
         raise type(_BUILD_ERROR)(str(_BUILD_ERROR)) from exc
     _mark_complete(Path(module.__file__))
+    _say(f"built the C++ kernels in {time.perf_counter() - started:.1f} s: {module.__file__}")
     return module
+
+
+def _say(message):
+    """One line on stderr about the build; stdout stays the caller's."""
+    if sys.stderr is not None:  # None under pythonw
+        print(f"astrai_kernels: {message}", file=sys.stderr, flush=True)
+
+
+def _failure_output(exc):
+    """A failed build's message with the compiler's output: ninja's is in the message, but a
+    compiler failing cpp_extension's ``-v`` probe leaves its own in the exception's ``output``."""
+    message = str(exc)
+    output = getattr(exc, "output", None)
+    if isinstance(output, bytes):
+        output = output.decode(errors="replace")
+    if isinstance(output, str) and output.strip() and output.strip() not in message:
+        message += "\n" + output.strip()
+    return message
+
+
+def _first_error_line(text):
+    """The compiler's first ``error:`` line in a failed build's output, or None."""
+    return next((line.strip() for line in text.splitlines() if "error:" in line.lower()), None)
+
+
+def _mtime(path):
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+class _BuildProgress:
+    """While ninja builds, a line on stderr per output it writes (``[k/n] compiled grpo.cpp``),
+    and a "still compiling" line after a quiet spell.
+
+    It watches the build directory rather than ninja's output, which cpp_extension swallows (or
+    writes to stdout with ``verbose``): the same lines then reach a terminal, a pipe or a CI log.
+    An output ninja finds up to date is not rewritten and not counted.
+    """
+
+    POLL_S = 0.5
+    QUIET_S = 30.0  # CI logs that stay silent for long look like a hang
+
+    def __init__(self, build_dir, outputs, started):
+        self._build_dir = build_dir
+        self._outputs = outputs  # (file name, what writing it means), in build order
+        self._before = {file: _mtime(build_dir / file) for file, _ in outputs}
+        self._reported = set()
+        self._started = started
+        self._last_line = started
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="astrai-kernels-build-progress",
+                                        daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, exc, traceback):
+        self._stop.set()
+        self._thread.join()
+        if exc_type is None:
+            self._report_written()  # the link, when it finished between two polls
+
+    def _watch(self):
+        while not self._stop.wait(self.POLL_S):
+            self._report_written()
+            now = time.perf_counter()
+            if now - self._last_line >= self.QUIET_S:
+                self._last_line = now
+                _say(f"still compiling: {len(self._reported)} of {len(self._outputs)} steps "
+                     f"done after {now - self._started:.0f} s")
+
+    def _report_written(self):
+        for file, what in self._outputs:
+            if file in self._reported:
+                continue
+            mtime = _mtime(self._build_dir / file)
+            if mtime is not None and mtime != self._before[file]:
+                self._reported.add(file)
+                self._last_line = time.perf_counter()
+                _say(f"[{len(self._reported)}/{len(self._outputs)}] {what} "
+                     f"({self._last_line - self._started:.0f} s)")
 
 
 _LIB_SUFFIX = ".pyd" if sys.platform == "win32" else ".so"  # the names cpp_extension gives
@@ -281,7 +397,11 @@ def _process_lock(build_dir):
         yield
         return
     with open(build_dir / "astrai_build.lock", "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a wait of minutes deserves a word
+            _say(f"another process is compiling the C++ kernels in {build_dir}; waiting for it")
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
             (build_dir / "lock").unlink(missing_ok=True)
             yield
