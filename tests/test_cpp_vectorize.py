@@ -15,7 +15,12 @@ from astrai_kernels.cpu import cpp_backend as cb
 
 DTYPES = ("F32T", "BF16T", "F16T")
 
-# (name, body): the loop under test is the only vectorizable loop of the body's function
+# write_logprob_grad's main loop (its other loops, the tail and the lane sum, vectorize too, so
+# "some loop vectorized" would not notice this one turning scalar)
+MAIN_LOOPS = {"write_logprob_grad": "others_lanes[l] += write_non_target(j + l);"}
+
+# (name, body): the loop under test is the only vectorizable loop of the body's function, or the
+# one MAIN_LOOPS names
 LOOPS = {
     "write_logprob_grad": "write_logprob_grad<{T}, true, {ENT}>(x, 1, g, 1, V, 0, 1.0f, 0.0f, "
                           "a, b, c, d, 0.5f);",
@@ -62,3 +67,11 @@ def test_gradient_loops_vectorize(tmp_path, loop, dtype):
         assert proc.returncode == 0, proc.stderr
         assert "loop vectorized" in proc.stderr, (
             f"{loop}<{dtype}, ENT={ent}> did not vectorize:\n{proc.stderr}")
+        if loop in MAIN_LOOPS:
+            header = (cb.source_dir() / "common.h").read_text().splitlines()
+            lines = [i for i, text in enumerate(header, 1) if MAIN_LOOPS[loop] in text]
+            assert len(lines) == 1, f"csrc/common.h has no single line {MAIN_LOOPS[loop]!r}"
+            assert any(f"common.h:{lines[0]}:" in line and "loop vectorized" in line
+                       for line in proc.stderr.splitlines()), (
+                f"{loop}<{dtype}, ENT={ent}>: its main loop (common.h:{lines[0]}) did not "
+                f"vectorize:\n{proc.stderr}")
