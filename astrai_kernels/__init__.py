@@ -14,11 +14,14 @@ from .ops.linear import (
 )
 from .ops.logprobs import sequence_logprobs, token_logprobs
 from .ops.preference import cpo_loss, dpo_loss, group_advantages, kto_loss, orpo_loss, simpo_loss
+from .ops.sampling import SamplingParams
+from .ops.topk_distill import linear_topk_distill_loss, topk_distill_loss
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GRPOOptions",
+    "SamplingParams",
     "available_backends",
     "cpo_loss",
     "cross_entropy",
@@ -31,6 +34,7 @@ __all__ = [
     "linear_grpo_loss",
     "linear_sequence_logprobs",
     "linear_token_logprobs",
+    "linear_topk_distill_loss",
     "group_advantages",
     "kto_loss",
     "nn",
@@ -38,4 +42,5 @@ __all__ = [
     "sequence_logprobs",
     "simpo_loss",
     "token_logprobs",
+    "topk_distill_loss",
 ]

@@ -70,6 +70,45 @@ def sequence_logprobs(logits: Tensor, target: Tensor, mask: Tensor, average: boo
     return total / weight.sum(-1).clamp(min=1.0) if average else total
 
 
+def sampled_token_logprobs(logits: Tensor, target: Tensor, temperature: float = 1.0,
+                           top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                           ignore_index: int = -100
+                           ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(logp, log_kept_mass, support_size, in_support)`` of ``target`` under vLLM's processed
+    distribution of ``s = logits / temperature`` (``ops/sampling.py``): ``min_p`` keeps
+    ``p >= min_p * max p``; ``top_k`` every ``s`` at or above the k-th largest; ``top_p``, on
+    the renormalised kept tokens, a token iff the mass of strictly larger ``s`` is below
+    ``top_p``. ``logp = s_y - logsumexp`` over the kept tokens, ``-inf`` outside them;
+    ``log_kept_mass`` is the log of their mass under ``softmax(s)``. Ignored rows give 0, 0,
+    0 and False."""
+    valid = target != ignore_index
+    s = torch.where(valid.unsqueeze(-1), logits, 0.0) / temperature
+    vocab = s.shape[-1]
+    kept = torch.ones_like(s, dtype=torch.bool)
+    if min_p > 0:
+        probs = torch.softmax(s, -1)
+        kept &= probs >= min_p * probs.amax(-1, keepdim=True)
+    if 0 < top_k < vocab:
+        kth_largest = torch.where(kept, s, -math.inf).topk(top_k, -1).values[..., -1:]
+        kept &= s >= kth_largest
+    if top_p < 1:
+        masked = torch.where(kept, s, -math.inf)
+        descending = masked.sort(-1, descending=True).values
+        probs = torch.softmax(descending, -1)
+        # leading_mass[..., n]: the mass of the n largest kept logits
+        leading_mass = torch.cat([torch.zeros_like(probs[..., :1]), probs.cumsum(-1)], -1)
+        ascending = descending.flip(-1).contiguous()
+        larger = vocab - torch.searchsorted(ascending, masked.contiguous(), right=True)
+        kept &= leading_mass.gather(-1, larger) < top_p
+    lse_kept = torch.logsumexp(torch.where(kept, s, -math.inf), -1)
+    safe = torch.where(valid, target, 0).long().unsqueeze(-1)
+    in_support = valid & kept.gather(-1, safe).squeeze(-1)
+    logp = torch.where(in_support, s.gather(-1, safe).squeeze(-1) - lse_kept,
+                       torch.where(valid, -math.inf, 0.0))
+    log_kept_mass = torch.where(valid, lse_kept - torch.logsumexp(s, -1), 0.0).detach()
+    return logp, log_kept_mass, torch.where(valid, kept.sum(-1), 0), in_support
+
+
 def _divide_or_zero(total: Tensor, count: Tensor) -> Tensor:
     """``total / count``, and 0 (with a zero gradient) where ``count`` is 0."""
     return torch.where(count > 0, total / torch.where(count > 0, count, 1), 0.0)
@@ -515,3 +554,79 @@ def distill_loss(student: Tensor, teacher: Tensor, target: Optional[Tensor] = No
     else:
         count = valid.sum() * vocab
     return _divide_or_zero(total, torch.as_tensor(count, dtype=total.dtype, device=total.device))
+
+
+TOPK_TAIL_LOG_SUM_MAX = -1e-7  # TRL's clamp of log(sum p) over the support: the tail keeps >= 1e-7
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """``log(1 - exp(x))`` for ``x < 0``, accurate in value and gradient on both sides of
+    ``-log 2``: ``log(-expm1(x))`` alone (TRL's) has the gradient ``exp(x)`` formed as
+    ``expm1(x) + 1``, 0 in float32 below ``x ~ -17``."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def _with_tail_bucket(log_probs: Tensor) -> Tensor:
+    """TRL's ``_add_tail_bucket``: ``[..., K]`` log-probs and ``log(1 - sum exp)`` after them."""
+    log_sum = torch.logsumexp(log_probs, -1, keepdim=True).clamp(max=TOPK_TAIL_LOG_SUM_MAX)
+    return torch.cat([log_probs, _log1mexp(log_sum)], -1)
+
+
+def topk_distill_loss(student: Tensor, support_ids: Tensor, teacher_logprobs: Tensor,
+                      labels: Optional[Tensor] = None, beta: float = 0.0,
+                      temperature: float = 1.0, tail: bool = True,
+                      support_mask: Optional[Tensor] = None,
+                      reduction: str = "batchmean") -> Tensor:
+    """TRL's ``ServerDistillationTrainer`` loss over a teacher's top-k support.
+
+    ``a_k = log_softmax(student / T)`` at ``support_ids``, ``b_k = teacher_logprobs``; an entry
+    is live where ``support_mask`` (all True when None) holds and ``b_k > -inf``. ``tail``: both
+    get a (K+1)-th bucket ``log(1 - sum_live exp)`` (``log(sum)`` clamped at -1e-7); else both
+    are renormalised over the live entries. Then TRL's masked ``_jsd_divergence`` per entry:
+    ``beta = 0``: ``q (b - a)``; ``beta = 1``: ``p (a - b)``; else, with ``m = log(max((1 -
+    beta) p + beta q, tiny))``, ``beta q (b - m) + (1 - beta) p (a - m)`` (NaN terms as 0),
+    summed per row. Rows whose label is -100 do not count. ``batchmean``: sum / counted rows (at
+    least 1; without labels, the first dim, 1 for a single row); ``sum``; ``none``: per-row
+    losses ``[...]``, 0 on rows not counted."""
+    vocab, k = student.shape[-1], support_ids.shape[-1]
+    s = student.reshape(-1, vocab)
+    teacher = teacher_logprobs.reshape(-1, k).to(s.dtype)
+    counted = (torch.ones(s.shape[0], dtype=torch.bool, device=s.device) if labels is None
+               else labels.reshape(-1) != -100)
+    live = (teacher > -math.inf) & counted.unsqueeze(-1)
+    if support_mask is not None:
+        live = live & support_mask.reshape(-1, k)
+    ids = torch.where(live, support_ids.reshape(-1, k), 0).long()
+    s = torch.where(counted.unsqueeze(-1), s, 0.0)
+    a = torch.where(live, torch.log_softmax(s / temperature, -1).gather(-1, ids), -math.inf)
+    b = torch.where(live, teacher, -math.inf)
+    if tail:
+        a, b = _with_tail_bucket(a), _with_tail_bucket(b)
+        live = torch.cat([live, torch.ones_like(live[:, :1])], -1)
+    else:
+        a = a - torch.logsumexp(a, -1, keepdim=True)
+        b = b - torch.logsumexp(b, -1, keepdim=True)
+    p = torch.where(live, a.exp(), 0.0)
+    q = torch.where(live, b.exp(), 0.0)
+    a, b = torch.where(live, a, 0.0), torch.where(live, b, 0.0)
+    if beta == 0:
+        elements = (q * (b - a)).nan_to_num(nan=0.0, posinf=math.inf, neginf=-math.inf)
+    elif beta == 1:
+        elements = (p * (a - b)).nan_to_num(nan=0.0, posinf=math.inf, neginf=-math.inf)
+    else:
+        tiny = torch.finfo(p.dtype).tiny
+        m = torch.where(live, torch.log(((1 - beta) * p + beta * q).clamp_min(tiny)), 0.0)
+        elements = (beta * (q * (b - m)).nan_to_num(nan=0.0, posinf=math.inf, neginf=-math.inf)
+                    + (1 - beta) * (p * (a - m)).nan_to_num(nan=0.0, posinf=math.inf,
+                                                            neginf=-math.inf))
+    rows = torch.where(counted, elements.sum(-1), 0.0)
+    if reduction == "none":
+        return rows.reshape(student.shape[:-1])
+    total = rows.sum()
+    if reduction == "sum":
+        return total
+    if labels is not None:
+        count = counted.sum().clamp(min=1)
+    else:
+        count = max(student.shape[0], 1) if student.dim() > 1 else 1
+    return total / count

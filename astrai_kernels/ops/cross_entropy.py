@@ -22,7 +22,7 @@ from .. import reference
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-from . import _library, vocab_parallel
+from . import _library, dtensor, vocab_parallel
 from ._backend import backend_module, resolve_backend
 from ._common import (
     AttachGrad,
@@ -181,6 +181,8 @@ def cross_entropy(
     count (always compared: a mismatch would hang) and, when True (the default), the sum and
     count of its counted targets, so ranks that disagree raise ``ValueError`` on every rank.
     """
+    if dtensor.has_dtensor(logits, target, normalizer):  # locals(): every argument
+        return dtensor.cross_entropy(cross_entropy, **locals())
     if process_group is not None:
         if check_in_range(logit_scale, "logit_scale", -math.inf, math.inf) != 1.0:
             raise ValueError("logit_scale is not supported with process_group")

@@ -24,11 +24,11 @@ from torch import Tensor
 
 from .. import reference
 from . import cross_entropy as ce_op
+from . import dtensor, vocab_parallel
 from . import grpo as grpo_op
 from . import logprobs as lp_op
-from . import vocab_parallel
 from ._backend import backend_module, resolve_backend
-from ._common import check_in_range, dense_grad, flat_target, refuse_double_backward
+from ._common import check_bool, check_in_range, dense_grad, flat_target, refuse_double_backward
 from ._library import traceable_op
 from .grpo_options import GRPOOptions, options_from, options_or_keywords
 from .head import (
@@ -47,6 +47,12 @@ from .head import (
 )
 from .primitives import CrossEntropyArgs, LogprobsArgs, SurrogateArgs
 from .reduction import loss_grad_scale, reduce_loss
+from .sampling import (
+    SamplingParams,
+    checked_sampling,
+    full_support,
+    linear_sampled_token_logprobs,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -318,6 +324,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     (``ops/vocab_parallel.py``; ``check_consistency`` as in ``cross_entropy``; no
     ``logit_scale`` there).
     """
+    if dtensor.has_dtensor(hidden, weight, target, bias, normalizer):  # locals(): every argument
+        return dtensor.linear_cross_entropy(linear_cross_entropy, **locals())
     if process_group is not None:
         if check_in_range(logit_scale, "logit_scale", -math.inf, math.inf) != 1.0:
             raise ValueError("logit_scale is not supported with process_group")
@@ -387,7 +395,8 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, *,
 def linear_token_logprobs(hidden, weight, target, *, bias=None, temperature=1.0,
                           ignore_index=-100, return_entropy=False, softcap=None,
                           logit_scale=1.0, statistics=(), chunk_size=None, backend="auto",
-                          process_group=None, check_consistency=True):
+                          process_group=None, check_consistency=True, sampling=None,
+                          return_support=False):
     """Log-probs of ``target`` under ``softmax(z / temperature)``, where ``z`` are the logits
     ``x = hidden @ weight.T + bias`` times ``logit_scale``, then soft-capped to
     ``softcap * tanh(z / softcap)`` when ``softcap`` is set (Gemma 2's final soft-cap; TRL's
@@ -400,9 +409,29 @@ def linear_token_logprobs(hidden, weight, target, *, bias=None, temperature=1.0,
     from the same walk, without gradient; when given, a dict of them (float32, ``is_top1``
     bool; 0 / False on ignored rows) is appended to the result. ``process_group``: vocabulary
     parallel, as in ``linear_cross_entropy`` (no softcap, logit scale or statistics there).
+    ``sampling`` and ``return_support``: as in ``token_logprobs``, on the transformed logits
+    (not with ``return_entropy``, ``statistics`` or ``process_group``).
     """
+    if dtensor.has_dtensor(hidden, weight, target, bias):  # locals(): every argument
+        return dtensor.linear_token_logprobs(linear_token_logprobs, **locals())
     logit_scale, softcap_value = checked_transform(logit_scale, softcap)
     stats_mask = _statistics_mask(statistics)
+    if sampling is not None or check_bool(return_support, "return_support"):
+        sampling = checked_sampling(sampling, temperature, return_entropy=return_entropy,
+                                    statistics=bool(stats_mask),
+                                    process_group=process_group is not None)
+        check_head(hidden, weight, bias, chunk_size)
+        if sampling.filters(weight.shape[0]):
+            return linear_sampled_token_logprobs(hidden, weight, bias, target, sampling,
+                                                 ignore_index, return_support, logit_scale,
+                                                 softcap, chunk_size, backend)
+        logp = linear_token_logprobs(hidden, weight, target, bias=bias,
+                                     temperature=sampling.temperature, ignore_index=ignore_index,
+                                     softcap=softcap, logit_scale=logit_scale,
+                                     chunk_size=chunk_size, backend=backend)
+        if return_support:
+            return logp, full_support(target, ignore_index, weight.shape[0])
+        return logp
     if process_group is not None:
         _refuse_transform_with_process_group(logit_scale, softcap_value, stats_mask)
         return _vocab_parallel_token_logprobs(
@@ -457,9 +486,11 @@ def linear_sequence_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, mas
                              bias: Optional[Tensor] = None, average: bool = False,
                              temperature: float = 1.0, softcap: Optional[float] = None,
                              logit_scale: float = 1.0, chunk_size: Optional[int] = None,
-                             backend: str = "auto") -> Tensor:
+                             backend: str = "auto",
+                             sampling: Optional[SamplingParams] = None) -> Tensor:
     """Per-sequence sum (or mean over ``mask``) of token log-probs; hidden ``[B, T, H]``;
-    ``softcap`` and ``logit_scale`` as in ``linear_token_logprobs``."""
+    ``softcap`` and ``logit_scale`` as in ``linear_token_logprobs``; ``sampling`` as in
+    ``sequence_logprobs`` (a sequence with a token outside the support gets ``-inf``)."""
     check_head(hidden, weight, bias, chunk_size)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
@@ -468,7 +499,7 @@ def linear_sequence_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, mas
     logp = linear_token_logprobs(hidden, weight, masked_target, bias=bias,
                                  temperature=temperature, ignore_index=-100, softcap=softcap,
                                  logit_scale=logit_scale, chunk_size=chunk_size,
-                                 backend=backend)
+                                 backend=backend, sampling=sampling)
     return lp_op.reduce_sequence(logp, mask, average)
 
 

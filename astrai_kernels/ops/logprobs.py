@@ -11,7 +11,7 @@ The forward keeps one float32 ``lse`` (and entropy) per row; the backward recomp
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal, Optional, Tuple, Union, overload
+from typing import TYPE_CHECKING, Dict, Literal, Optional, Tuple, Union, overload
 
 import torch
 
@@ -19,7 +19,7 @@ from .. import reference
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-from . import _library, vocab_parallel
+from . import _library, dtensor, vocab_parallel
 from ._backend import backend_module, resolve_backend
 from ._common import (
     check_bool,
@@ -38,6 +38,7 @@ from ._common import (
     rows_view,
 )
 from .primitives import LogprobsArgs, args_of
+from .sampling import SamplingParams, checked_sampling, full_support, sampled_token_logprobs
 
 # named by the error of a double backward (refuse_double_backward)
 TORCH_EQUIVALENT = ("torch.log_softmax(logits.float() / temperature, -1)"
@@ -113,7 +114,8 @@ def token_logprobs(logits: torch.Tensor, target: torch.Tensor, *, temperature: f
                    ignore_index: int = ..., return_entropy: Literal[False] = ...,
                    inplace_backward: bool = ..., backend: str = ...,
                    process_group: Optional[ProcessGroup] = ...,
-                   check_consistency: bool = ...) -> torch.Tensor: ...
+                   check_consistency: bool = ..., sampling: Optional[SamplingParams] = ...,
+                   return_support: Literal[False] = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -122,6 +124,13 @@ def token_logprobs(logits: torch.Tensor, target: torch.Tensor, *, temperature: f
                    inplace_backward: bool = ..., backend: str = ...,
                    process_group: Optional[ProcessGroup] = ...,
                    check_consistency: bool = ...) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def token_logprobs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = ...,
+                   ignore_index: int = ..., backend: str = ...,
+                   sampling: Optional[SamplingParams] = ..., return_support: Literal[True]
+                   ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]: ...
 
 
 def token_logprobs(
@@ -135,7 +144,10 @@ def token_logprobs(
     backend: str = "auto",
     process_group: Optional[ProcessGroup] = None,
     check_consistency: bool = True,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    sampling: Optional[SamplingParams] = None,
+    return_support: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor],
+           Tuple[torch.Tensor, Dict[str, torch.Tensor]]]:
     """Log-probability of ``target`` under ``softmax(logits / temperature)``, float32 ``[...]``.
 
     ``return_entropy=True`` also returns the entropy of that softmax (differentiable).
@@ -155,7 +167,31 @@ def token_logprobs(
     (only the vocabulary shard differs); the shard sizes' all-gather also carries each rank's row
     count (always compared: a mismatch would hang) and, when True (the default), the sum and
     count of its counted targets, so ranks that disagree raise ``ValueError`` on every rank.
+
+    ``sampling`` (an ``ak.SamplingParams``): score each target under the distribution vLLM's
+    sampler draws from (temperature, min_p, top_k, top_p; ``ops/sampling.py``): ``-inf`` for a
+    target outside that support, whose row then gets a zero gradient. The temperature is
+    ``sampling.temperature`` (``temperature`` must stay 1.0). ``return_support=True`` also
+    returns a dict of ``[...]`` tensors: ``log_kept_mass`` (float32, log of the kept mass
+    under the full tempered softmax), ``support_size`` (int64) and ``in_support`` (bool: the
+    target is kept); ignored rows give 0, 0 and False. Neither goes with ``return_entropy``,
+    ``inplace_backward`` or ``process_group``.
     """
+    if dtensor.has_dtensor(logits, target):  # locals(): every argument
+        return dtensor.token_logprobs(token_logprobs, **locals())
+    if sampling is not None or check_bool(return_support, "return_support"):
+        sampling = checked_sampling(sampling, temperature, return_entropy=return_entropy,
+                                    inplace_backward=inplace_backward,
+                                    process_group=process_group is not None)
+        check_logits(logits)
+        if sampling.filters(logits.shape[-1]):
+            return sampled_token_logprobs(logits, target, sampling, ignore_index,
+                                          return_support, backend)
+        logp = token_logprobs(logits, target, temperature=sampling.temperature,
+                              ignore_index=ignore_index, backend=backend)
+        if return_support:
+            return logp, full_support(target, ignore_index, logits.shape[-1])
+        return logp
     if process_group is not None:
         return _vocab_parallel_token_logprobs(
             logits, target, process_group, temperature, ignore_index, return_entropy,
@@ -211,20 +247,24 @@ def sequence_logprobs(
     average: bool = False,
     temperature: float = 1.0,
     backend: str = "auto",
+    sampling: Optional[SamplingParams] = None,
 ) -> torch.Tensor:
     """Per-sequence sum (or mean over ``mask``) of token log-probs; logits ``[B, T, V]``.
 
     ``mask`` (bool, integer or float, of target's shape) selects the tokens counted (nonzero
-    entries); masked targets are not read, so they may hold anything.
+    entries); masked targets are not read, so they may hold anything. ``sampling`` as in
+    ``token_logprobs``: a sequence with a counted token outside the sampler's support gets
+    ``-inf`` (its probability under the sampler is 0), never a finite stand-in; its other
+    tokens keep their gradients. ``token_logprobs(..., return_support=True)`` says which.
     """
     keep = checked_sequence_mask(logits, target, mask, average)
     backend = resolve_backend(backend, logits.device)
-    if backend == "reference":
+    if backend == "reference" and sampling is None:
         return reference.sequence_logprobs(logits.float(), torch.where(keep, target, -100), mask,
                                            average, check_positive(temperature, "temperature"))
     masked_target = torch.where(keep, target, torch.full_like(target, -100))
     logp = token_logprobs(logits, masked_target, temperature=temperature, ignore_index=-100,
-                          backend=backend)
+                          backend=backend, sampling=sampling)
     return reduce_sequence(logp, mask, average)
 
 

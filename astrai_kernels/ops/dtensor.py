@@ -1,0 +1,394 @@
+"""DTensor front door: a DTensor argument stands for its ``full_tensor()``, served without it.
+
+Each public op served here (``cross_entropy``, ``token_logprobs``, ``linear_cross_entropy``,
+``linear_token_logprobs``) first asks :func:`has_dtensor` and, on a DTensor, hands itself and
+every argument to its namesake below, which calls it back on this rank's local tensors (so this
+module imports no op module; DESIGN.md, "Distributed"; docs/distributed.md, "DTensor"). The
+placements on each mesh dimension choose the path:
+
+* logits ``Shard(-1)``, or a weight ``Shard(0)`` (ColwiseParallel's lm_head): a vocabulary shard,
+  served by the op's ``process_group=`` path over that dimension's group. torch's ``Shard``
+  splits like ``torch.chunk`` (ceil-sized contiguous chunks in rank order, the last ones smaller
+  or empty), which is that path's contract (``ops/vocab_parallel.py``).
+* logits ``Shard(d)``, or hidden states ``Shard(d)`` beside a weight replicated there, ``d`` a
+  row dimension: the op on this rank's rows. ``mean`` divides by the count of counted targets
+  summed over the dimension (``normalizer=``), reduced results are summed over it into a
+  Replicate result, and a replicated weight's (and bias's) gradient is summed over it.
+* hidden states ``Shard(d)`` beside a weight ``Shard(0)`` on the same dimension (sequence
+  parallel): the hidden rows are all-gathered (``[N, H]``, small next to ``[N, V]``), the
+  vocabulary path runs, and per-row results come back sharded as the hidden states were.
+* ``Replicate``, and a plain tensor (read as replicated over the mesh): the op as it is.
+
+Targets follow the rows (redistributed to the rows' placements: a local slice, or an all-gather
+of integers). Results are DTensors on the same mesh: per-row ones sharded as the rows, reduced
+ones Replicate; each input's gradient has that input's placements. Anything else (Partial, the
+vocabulary sharded over two mesh dimensions, a shard of the hidden size, a strided shard) raises
+``ValueError`` naming the placements and the ``redistribute`` that would serve: an ``[N, V]``
+tensor is never gathered here.
+
+torch.distributed.tensor is imported only by the serving functions: no DTensor exists before it
+is loaded, so :func:`has_dtensor` costs a dictionary lookup and ``import astrai_kernels`` stays
+light.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ._common import check_index
+
+
+def has_dtensor(*values) -> bool:
+    """True when any of ``values`` is a DTensor."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor_type = getattr(module, "DTensor", None)
+    return dtensor_type is not None and any(isinstance(value, dtensor_type) for value in values)
+
+
+def cross_entropy(op, logits, target, *, reduction="mean", normalizer=None, ignore_index=-100,
+                  process_group=None, **options):
+    """``op`` (``ak.cross_entropy``) of DTensor logits (or a DTensor target)."""
+    call = _logits_call("cross_entropy", logits, target, process_group, normalizer)
+    options = call.inplace_where_served(options)
+    normalizer = call.normalizer(reduction, normalizer, ignore_index)
+    loss = op(call.logits, call.target, reduction=reduction, normalizer=normalizer,
+              ignore_index=ignore_index, process_group=call.vocab_group, **options)
+    return call.per_row(loss) if reduction == "none" else call.reduced(loss)
+
+
+def token_logprobs(op, logits, target, *, ignore_index=-100, process_group=None, **options):
+    """``op`` (``ak.token_logprobs``) of DTensor logits (or a DTensor target)."""
+    call = _logits_call("token_logprobs", logits, target, process_group)
+    options = call.inplace_where_served(options)
+    out = op(call.logits, call.target, ignore_index=ignore_index,
+             process_group=call.vocab_group, **options)
+    return call.per_row(out)
+
+
+def linear_cross_entropy(op, hidden, weight, target, *, bias=None, reduction="mean",
+                         normalizer=None, ignore_index=-100, process_group=None, **options):
+    """``op`` (``ak.linear_cross_entropy``) of a DTensor head (hidden states, weight, bias or
+    target)."""
+    call = _head_call("linear_cross_entropy", hidden, weight, bias, target, process_group,
+                      normalizer)
+    normalizer = call.normalizer(reduction, normalizer, ignore_index)
+    loss = op(call.hidden, call.weight, call.target, bias=call.bias, reduction=reduction,
+              normalizer=normalizer, ignore_index=ignore_index, process_group=call.vocab_group,
+              **options)
+    return call.per_row(loss) if reduction == "none" else call.reduced(loss)
+
+
+def linear_token_logprobs(op, hidden, weight, target, *, bias=None, ignore_index=-100,
+                          process_group=None, **options):
+    """``op`` (``ak.linear_token_logprobs``) of a DTensor head (hidden states, weight, bias or
+    target)."""
+    call = _head_call("linear_token_logprobs", hidden, weight, bias, target, process_group)
+    out = op(call.hidden, call.weight, call.target, bias=call.bias, ignore_index=ignore_index,
+             process_group=call.vocab_group, **options)
+    return call.per_row(out)
+
+
+class _SumOverGroups(torch.autograd.Function):
+    """The sum of each rank's value over ``groups``, on every rank. The upstream gradient is
+    replicated over them (a Replicate result's), and each rank's value enters the sum once, so
+    the backward passes it through unchanged."""
+
+    @staticmethod
+    def forward(ctx, value, groups):
+        total = value.clone()
+        for group in groups:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+@dataclass(frozen=True)
+class _LocalCall:
+    """One op call on this rank's local tensors, and how its results become DTensors.
+
+    ``row_groups``: the groups of the mesh dimensions whose rows stay sharded (counts and reduced
+    results are summed over them). ``row_placements``: the local per-row results' placements (the
+    local target's); ``result_placements``: the per-row results' placements as returned."""
+
+    mesh: Any
+    vocab_group: Optional[dist.ProcessGroup]
+    row_groups: Tuple[dist.ProcessGroup, ...]
+    target: torch.Tensor
+    rows_shape: torch.Size
+    row_placements: Tuple[Any, ...]
+    result_placements: Tuple[Any, ...]
+    logits: Optional[torch.Tensor] = None
+    hidden: Optional[torch.Tensor] = None
+    weight: Optional[torch.Tensor] = None
+    bias: Optional[torch.Tensor] = None
+
+    def normalizer(self, reduction, normalizer, ignore_index):
+        """The caller's normalizer (its local value when a Replicate DTensor); for ``mean`` over
+        sharded rows without one, the count of counted targets summed over the shards."""
+        if has_dtensor(normalizer):
+            replicated = list(_replicated(normalizer.device_mesh))
+            if list(normalizer.placements) != replicated:
+                raise ValueError(f"normalizer is a DTensor with placements "
+                                 f"{tuple(normalizer.placements)}: a normalizer is one global "
+                                 f"count, so it must be replicated; call normalizer.redistribute("
+                                 f"normalizer.device_mesh, {replicated}) or pass a number")
+            return normalizer.to_local()
+        if normalizer is not None or reduction != "mean" or not self.row_groups:
+            return normalizer
+        count = (self.target != check_index(ignore_index, "ignore_index")).sum(dtype=torch.int64)
+        for group in self.row_groups:
+            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+        return count.to(torch.float32)
+
+    def inplace_where_served(self, options):
+        """``options`` with ``inplace_backward`` off outside the vocabulary path: there the op
+        would write over ``to_local()``'s view in its forward, which autograd forbids, so the
+        gradient takes a new buffer (as the op does where it cannot write in place)."""
+        if self.vocab_group is None and options.get("inplace_backward"):
+            return dict(options, inplace_backward=False)
+        return options
+
+    def reduced(self, value):
+        """A reduced result (this rank's rows' part) as a Replicate DTensor of the total."""
+        from torch.distributed.tensor import DTensor
+
+        if self.row_groups:
+            value = _SumOverGroups.apply(value, self.row_groups)
+        return DTensor.from_local(value, self.mesh, _replicated(self.mesh), run_check=False)
+
+    def per_row(self, out):
+        """Per-row results (a tensor, or a tuple of tensors and dicts of them) as DTensors."""
+        if isinstance(out, tuple):
+            return tuple(self.per_row(part) for part in out)
+        if isinstance(out, dict):
+            return {name: self.per_row(part) for name, part in out.items()}
+        from torch.distributed.tensor import DTensor
+
+        result = DTensor.from_local(out, self.mesh, self.row_placements, run_check=False,
+                                    shape=self.rows_shape, stride=_contiguous(self.rows_shape))
+        if self.result_placements != self.row_placements:
+            result = result.redistribute(self.mesh, self.result_placements)
+        return result
+
+
+def _logits_call(op_name, logits, target, process_group, normalizer=None) -> _LocalCall:
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = _common_mesh(op_name, {"logits": logits, "target": target, "normalizer": normalizer},
+                        process_group)
+    logits = _as_dtensor(logits, mesh)
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    vocab_dim = logits.ndim - 1
+    served = (f"served: Replicate, Shard({vocab_dim}) (the vocabulary, on one mesh dimension), "
+              f"Shard(d) of a row dimension d < {vocab_dim}")
+    vocab_mesh_dim, row_mesh_dims = None, []
+    for mesh_dim, placement in enumerate(logits.placements):
+        if placement.is_replicate():
+            continue
+        if _is_row_shard(placement, logits.ndim):
+            row_mesh_dims.append(mesh_dim)
+        elif _is_shard(placement, vocab_dim, logits.ndim) and vocab_mesh_dim is None:
+            vocab_mesh_dim = mesh_dim
+        elif _is_shard(placement, vocab_dim, logits.ndim):  # the vocabulary's second split
+            raise _unserved(op_name, "logits", logits, mesh_dim, Replicate(), served)
+        elif _is_strided(placement):
+            raise _unserved(op_name, "logits", logits, mesh_dim, Shard(placement.dim), served)
+        else:  # Partial: a reduce-scatter onto vocabulary shards, not an all-reduce of [N, V]
+            raise _unserved(op_name, "logits", logits, mesh_dim, Shard(vocab_dim), served)
+    row_placements = _row_placements(logits.placements, row_mesh_dims, logits.ndim)
+    target = _rows_of(op_name, target, mesh, row_placements, tuple(logits.shape[:-1]), "logits")
+    return _LocalCall(mesh=mesh, vocab_group=_group(mesh, vocab_mesh_dim),
+                      row_groups=tuple(mesh.get_group(d) for d in row_mesh_dims),
+                      target=target.to_local(), rows_shape=target.shape,
+                      row_placements=row_placements, result_placements=row_placements,
+                      logits=logits.to_local())
+
+
+def _head_call(op_name, hidden, weight, bias, target, process_group,
+               normalizer=None) -> _LocalCall:
+    from torch.distributed.tensor import Replicate, Shard
+
+    from .vocab_parallel import SumGradOverGroup
+
+    mesh = _common_mesh(op_name, {"hidden": hidden, "weight": weight, "bias": bias,
+                                  "target": target, "normalizer": normalizer}, process_group)
+    hidden, weight = _as_dtensor(hidden, mesh), _as_dtensor(weight, mesh)
+    for name, value in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if weight.ndim != 2:
+        raise ValueError(f"weight must have shape [V, H], got {tuple(weight.shape)}")
+    row_mesh_dims, gathered_mesh_dims, vocab_mesh_dim = [], [], None
+    for mesh_dim, (hidden_placement, weight_placement) in enumerate(
+            zip(hidden.placements, weight.placements)):
+        if _is_shard(weight_placement, 0, 2) and vocab_mesh_dim is None:
+            vocab_mesh_dim = mesh_dim
+        elif not weight_placement.is_replicate():
+            instead = Replicate() if _is_shard(weight_placement, 0, 2) else Shard(0)
+            raise _unserved(op_name, "weight", weight, mesh_dim, instead,
+                            "served: Replicate, Shard(0) (the vocabulary, as ColwiseParallel "
+                            "makes it, on one mesh dimension)")
+        if hidden_placement.is_replicate():
+            continue
+        if not _is_row_shard(hidden_placement, hidden.ndim):
+            instead = (Shard(hidden_placement.dim) if _is_strided(hidden_placement)
+                       else Replicate())
+            raise _unserved(op_name, "hidden", hidden, mesh_dim, instead,
+                            f"served: Replicate, Shard(d) of a row dimension d < "
+                            f"{hidden.ndim - 1}")
+        if vocab_mesh_dim == mesh_dim:
+            gathered_mesh_dims.append(mesh_dim)
+        else:
+            row_mesh_dims.append(mesh_dim)
+    result_placements = _row_placements(hidden.placements, row_mesh_dims + gathered_mesh_dims,
+                                        hidden.ndim)
+    row_placements = _row_placements(hidden.placements, row_mesh_dims, hidden.ndim)
+    target = _rows_of(op_name, target, mesh, row_placements, tuple(hidden.shape[:-1]), "hidden")
+    if gathered_mesh_dims:  # sequence parallel: every rank of the vocabulary group gets all rows
+        hidden = hidden.redistribute(mesh, _with_replicated(hidden.placements,
+                                                            gathered_mesh_dims))
+    row_groups = tuple(mesh.get_group(d) for d in row_mesh_dims)
+    weight_local = weight.to_local()
+    bias_local = None
+    if bias is not None:
+        bias_local = _bias_like(op_name, _as_dtensor(bias, mesh), weight).to_local()
+    for group in row_groups:  # a weight replicated over sharded rows: its gradient sums them
+        weight_local = SumGradOverGroup.apply(weight_local, group)
+        if bias_local is not None:
+            bias_local = SumGradOverGroup.apply(bias_local, group)
+    return _LocalCall(mesh=mesh, vocab_group=_group(mesh, vocab_mesh_dim), row_groups=row_groups,
+                      target=target.to_local(), rows_shape=target.shape,
+                      row_placements=row_placements, result_placements=result_placements,
+                      hidden=hidden.to_local(), weight=weight_local, bias=bias_local)
+
+
+def _common_mesh(op_name, named: Dict[str, Any], process_group):
+    """The device mesh every DTensor argument shares."""
+    from torch.distributed.tensor import DTensor
+
+    meshes = {name: value.device_mesh for name, value in named.items()
+              if isinstance(value, DTensor)}
+    if process_group is not None:
+        raise ValueError(f"{op_name}: process_group must be None with DTensor arguments (the "
+                         f"vocabulary group is the mesh dimension the vocabulary is sharded on)")
+    (first_name, mesh), *others = meshes.items()
+    for name, other in others:
+        if other != mesh:
+            raise ValueError(f"{op_name}: {name} is on {other} but {first_name} on {mesh}: "
+                             f"every DTensor argument must be on one device mesh")
+    return mesh
+
+
+def _as_dtensor(value, mesh):
+    """``value`` as a DTensor: a plain tensor is the same tensor replicated over ``mesh``."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value
+    if not isinstance(value, torch.Tensor):
+        return value  # the op's own checks name what it is
+    return DTensor.from_local(value, mesh, _replicated(mesh), run_check=False)
+
+
+def _rows_of(op_name, target, mesh, row_placements, rows_shape, rows_name):
+    """``target`` as a DTensor laid out like the rows (a slice of a replicated target, or an
+    all-gather of a sharded one: integers, never logits)."""
+    target = _as_dtensor(target, mesh)
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if tuple(target.shape) != rows_shape:
+        raise ValueError(f"{op_name}: target must have the shape of the leading dimensions of "
+                         f"{rows_name}, {rows_shape}, got {tuple(target.shape)}")
+    for mesh_dim, placement in enumerate(target.placements):
+        if not (placement.is_replicate() or _is_shard_like(placement)):
+            raise _unserved(op_name, "target", target, mesh_dim, row_placements[mesh_dim],
+                            "served: Replicate, Shard(d) (redistributed to the rows')")
+    if tuple(target.placements) != row_placements:
+        target = target.redistribute(mesh, row_placements)
+    return target
+
+
+def _bias_like(op_name, bias, weight):
+    """``bias`` laid out like the weight's rows (a slice, or an all-gather of ``[V]``)."""
+    for mesh_dim, placement in enumerate(bias.placements):
+        if not (placement.is_replicate() or _is_shard(placement, 0, 1)):
+            raise _unserved(op_name, "bias", bias, mesh_dim, weight.placements[mesh_dim],
+                            "served: Replicate, Shard(0)")
+    if tuple(bias.placements) != tuple(weight.placements):
+        bias = bias.redistribute(bias.device_mesh, weight.placements)
+    return bias
+
+
+def _row_placements(placements, row_mesh_dims, ndim) -> Tuple[Any, ...]:
+    """The placements of per-row tensors (of the leading dimensions of a tensor of ``ndim``
+    dimensions): its row shards on ``row_mesh_dims``, Replicate elsewhere."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return tuple(Shard(placement.dim % ndim) if mesh_dim in row_mesh_dims else Replicate()
+                 for mesh_dim, placement in enumerate(placements))
+
+
+def _with_replicated(placements, mesh_dims) -> Tuple[Any, ...]:
+    from torch.distributed.tensor import Replicate
+
+    return tuple(Replicate() if mesh_dim in mesh_dims else placement
+                 for mesh_dim, placement in enumerate(placements))
+
+
+def _replicated(mesh) -> Tuple[Any, ...]:
+    from torch.distributed.tensor import Replicate
+
+    return (Replicate(),) * mesh.ndim
+
+
+def _group(mesh, mesh_dim):
+    return None if mesh_dim is None else mesh.get_group(mesh_dim)
+
+
+def _is_shard_like(placement) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return isinstance(placement, Shard) or _is_strided(placement)
+
+
+def _is_strided(placement) -> bool:
+    # _StridedShard is a Shard subclass in some torch versions, a sibling in others
+    return type(placement).__name__ == "_StridedShard"
+
+
+def _is_shard(placement, dim, ndim) -> bool:
+    """A plain ``Shard`` of tensor dimension ``dim`` (contiguous chunks in rank order)."""
+    from torch.distributed.tensor import Shard
+
+    return type(placement) is Shard and placement.dim % ndim == dim
+
+
+def _is_row_shard(placement, ndim) -> bool:
+    return any(_is_shard(placement, dim, ndim) for dim in range(ndim - 1))
+
+
+def _contiguous(shape: Sequence[int]) -> Tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _unserved(op_name, name, tensor, mesh_dim, instead, served) -> ValueError:
+    placements = tuple(tensor.placements)
+    wanted = list(placements)
+    wanted[mesh_dim] = instead
+    return ValueError(f"{op_name}: {name} is a DTensor with placements {placements}, and "
+                      f"{placements[mesh_dim]!r} on mesh dimension {mesh_dim} is not served "
+                      f"({served}); {name}.redistribute({name}.device_mesh, {wanted}) would "
+                      f"serve it (an [N, V] tensor is never gathered implicitly)")

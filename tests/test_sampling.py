@@ -1,0 +1,440 @@
+"""``sampling=`` / ``return_support=``: targets scored under vLLM v1's processed distribution.
+
+The expected values come from :func:`vllm_kept`, vLLM's sampler written out here in float64 and
+sort-based (independent of ``ops/sampling.py``'s sort-free thresholds and of
+``reference.sampled_token_logprobs``), then extended to the documented tie rule at the top-p
+crossing. Values and gradients are compared per element (``astrai_kernels.testing``) with the
+float64 math on the kept tokens; the support itself (``in_support``, ``support_size``) exactly.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import astrai_kernels as ak
+from astrai_kernels.ops import sampling as sampling_op
+from astrai_kernels.testing import assert_close, assert_close_elementwise
+
+BACKENDS = ["cpp", "torch", "reference"]
+DTYPES = [torch.float32, torch.bfloat16]
+DTYPE_IDS = ["fp32", "bf16"]
+VOCAB = 97
+TOP_KS = [0, 1, 5, VOCAB + 3]
+TOP_PS = [1.0, 0.9, 0.3]
+MIN_PS = [0.0, 0.1]
+TEMPERATURES = [1.0, 0.7]
+SETTINGS = list(itertools.product(TOP_KS, TOP_PS, MIN_PS, TEMPERATURES))
+# full shape from the logits' [A, B, V], and the view of it the op gets
+LAYOUTS = {
+    "contiguous": (lambda a, b, v: (a, b, v), lambda x: x),
+    "shifted": (lambda a, b, v: (a, b + 1, v), lambda x: x[:, :-1]),
+    "strided_vocab": (lambda a, b, v: (a, b, 2 * v), lambda x: x[..., ::2]),
+    "transposed": (lambda a, b, v: (v, a, b), lambda x: x.permute(1, 2, 0)),
+}
+
+
+def make_full(shape, dtype, layout="contiguous", seed=0):
+    """``(full, view)``: random logits rounded to ``dtype`` and the layout's view of them."""
+    full_shape, view = LAYOUTS[layout]
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(full_shape(*shape), generator=g) * 3.0).to(dtype), view
+
+
+def vllm_sampler_kept(logits, params):
+    """The tokens vLLM v1's sampler can draw, in float64: temperature, then
+    ``MinPLogitsProcessor`` (drop ``p < min_p * max p``), then ``apply_top_k_top_p`` (sort
+    ascending; drop values below the k-th largest; softmax and cumsum of what is left; drop
+    where the cumsum is ``<= 1 - p``, never the last)."""
+    processed = logits.double() / params.temperature
+    if params.min_p > 0:
+        probs = processed.softmax(-1)
+        processed = processed.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True),
+                                          -math.inf)
+    vocab = processed.shape[-1]
+    logits_sort, logits_idx = processed.sort(-1, descending=False)
+    if 0 < params.top_k < vocab:
+        kth_largest = logits_sort[..., vocab - params.top_k:vocab - params.top_k + 1]
+        logits_sort = logits_sort.masked_fill(logits_sort < kth_largest, -math.inf)
+    if params.top_p < 1:
+        probs_sum = logits_sort.softmax(-1).cumsum(-1)
+        top_p_mask = probs_sum <= 1 - params.top_p
+        top_p_mask[..., -1] = False
+        logits_sort = logits_sort.masked_fill(top_p_mask, -math.inf)
+    return torch.empty_like(processed).scatter(-1, logits_idx, logits_sort) > -math.inf
+
+
+def vllm_kept(logits, params):
+    """:func:`vllm_sampler_kept` with the tie rule of ``ops/sampling.py``: a token tied in value
+    with a kept one is kept (at the top-p crossing vLLM keeps an arbitrary part of a tie)."""
+    scaled = logits.double() / params.temperature
+    tied = scaled.unsqueeze(-1) == scaled.unsqueeze(-2)
+    return (tied & vllm_sampler_kept(logits, params).unsqueeze(-2)).any(-1)
+
+
+def kept_logprobs(x, target, kept, temperature, ignore_index=-100):
+    """``(logp, log_kept_mass)`` of ``target`` over the ``kept`` tokens, in ``x``'s precision:
+    ``s_y - logsumexp_K(s)``, ``-inf`` outside ``K``, 0 on ignored rows (autograd gives the
+    reference gradient, zero on rows outside ``K``)."""
+    valid = target != ignore_index
+    s = x / temperature
+    lse_kept = torch.logsumexp(s.masked_fill(~kept, -math.inf), -1)
+    safe = torch.where(valid, target, 0).unsqueeze(-1)
+    in_support = valid & kept.gather(-1, safe).squeeze(-1)
+    logp = torch.where(in_support, s.gather(-1, safe).squeeze(-1) - lse_kept,
+                       torch.where(valid, -math.inf, 0.0))
+    log_kept_mass = torch.where(valid, lse_kept - torch.logsumexp(s, -1), 0.0)
+    return logp, log_kept_mass.detach()
+
+
+def sampled_targets(logits, kept, params, seed, mixed=True):
+    """Targets drawn from the processed distribution; with ``mixed``, of every 7 rows (in a
+    random order) 2 are drawn uniformly (mostly outside the support) and 1 is ignored."""
+    g = torch.Generator().manual_seed(seed)
+    scaled = (logits.double() / params.temperature).masked_fill(~kept, -math.inf)
+    rows = scaled.reshape(-1, scaled.shape[-1])
+    target = torch.multinomial(rows.softmax(-1), 1, generator=g).squeeze(-1)
+    if mixed:
+        kind = (torch.arange(target.numel()) % 7)[torch.randperm(target.numel(), generator=g)]
+        uniform = torch.randint(0, rows.shape[-1], target.shape, generator=g)
+        target = torch.where(kind >= 5, uniform, target)
+        target = torch.where(kind == 6, -100, target)
+    return target.reshape(scaled.shape[:-1])
+
+
+def expected_and_naive(base, target, kept, temperature, upstream):
+    """float64 ``(logp, log_kept_mass, grad)`` on the kept tokens, and the same math run in
+    float32 (values) and in the logits' dtype (gradient): the per-element yardstick."""
+    results = {}
+    for precision in {torch.float64, torch.float32, base.dtype}:
+        x = base.detach().to(precision).requires_grad_(True)
+        logp, log_kept_mass = kept_logprobs(x, target, kept, temperature)
+        logp.backward(upstream.to(precision))
+        results[precision] = (logp.detach(), log_kept_mass, x.grad)
+    naive_values = results[torch.float32]
+    return results[torch.float64], (naive_values[0], naive_values[1], results[base.dtype][2])
+
+
+def check_against_vllm(full, target, params, backend, view=lambda x: x):
+    """Run ``token_logprobs(view(x), sampling=params)`` on a leaf ``x`` of ``full``'s values and
+    compare everything with the float64 math on the tokens :func:`vllm_kept` keeps."""
+    dtype = full.dtype
+    kept = vllm_kept(view(full), params)
+    x = full.detach().clone().requires_grad_(True)
+    logp, support = ak.token_logprobs(view(x), target, sampling=params, return_support=True,
+                                      backend=backend)
+    upstream = torch.rand(target.shape, generator=torch.Generator().manual_seed(7)) + 0.5
+    logp.backward(upstream)
+    expected, naive = expected_and_naive(view(full), target, kept, params.temperature, upstream)
+    valid = target != -100
+    in_support = valid & kept.gather(-1, torch.where(valid, target, 0).unsqueeze(-1)).squeeze(-1)
+    assert logp.dtype == torch.float32 and logp.shape == target.shape
+    assert torch.equal(support["in_support"], in_support)
+    assert torch.equal(support["support_size"], torch.where(valid, kept.sum(-1), 0))
+    assert support["support_size"].dtype == torch.int64
+    assert_close(logp, expected[0], "value", dtype, "logp", naive=naive[0])
+    assert_close(support["log_kept_mass"], expected[1], "value", dtype, "log_kept_mass",
+                 naive=naive[1])
+    grad = view(x.grad)
+    assert x.grad.dtype == dtype and not torch.isnan(x.grad).any()
+    assert_close(grad, expected[2], "grad", dtype, "grad", naive=naive[2])
+    outside_view = x.grad.clone()
+    view(outside_view).zero_()
+    assert not outside_view.any(), "gradient outside the view"
+    outside = valid & ~in_support
+    assert torch.all(logp[outside] == -math.inf) and torch.all(grad[outside] == 0)
+    return logp, support
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("top_k, top_p, min_p, temperature", SETTINGS)
+def test_matches_vllm_in_float64(top_k, top_p, min_p, temperature, backend, dtype):
+    """Every combination, on the ``x[:, :-1]`` view of causal-LM logits (V not a power of 2)."""
+    params = ak.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    full, view = make_full((2, 5, VOCAB), dtype, "shifted", seed=top_k + 3)
+    target = sampled_targets(view(full), vllm_kept(view(full), params), params, seed=11)
+    _, support = check_against_vllm(full, target, params, backend, view)
+    assert bool(support["in_support"].any()) and bool((target == -100).any())
+
+
+@pytest.mark.parametrize("layout", ["strided_vocab", "transposed"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_logits(backend, layout):
+    params = ak.SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.01)
+    full, view = make_full((3, 4, 61), torch.float32, layout, seed=5)
+    target = sampled_targets(view(full), vllm_kept(view(full), params), params, seed=2)
+    check_against_vllm(full, target, params, backend, view)
+
+
+def _tied_rows(dtype):
+    """Rows with repeated values at the boundaries: ``[5, 4, 4, 4, 3, ...]`` (top_k=2 keeps
+    the three 4s) and a tie across the top-p crossing (``[3, 2, 2, 2, 0, ...]``)."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(4, 40, generator=g) - 3.0
+    rows[0, :5] = torch.tensor([5.0, 4.0, 4.0, 4.0, 3.0])
+    rows[1, [7, 3, 30, 11]] = torch.tensor([3.0, 2.0, 2.0, 2.0])
+    rows[2, :6] = torch.tensor([1.0, 0.0, -0.0, -1.0, 0.0, -0.0])  # -0.0 ties with 0.0
+    rows[3, :3] = torch.tensor([2.0, 2.0, 2.0])
+    return rows.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ties_at_the_top_k_boundary_are_kept(backend, dtype):
+    params = ak.SamplingParams(top_k=2)
+    _, support = check_against_vllm(_tied_rows(dtype), torch.tensor([2, 30, 4, 1]), params,
+                                    backend)
+    # row 0: 5 and all three 4s; row 1: 3 and the three 2s; row 2: 1 and the four zeros
+    assert support["support_size"].tolist() == [4, 4, 5, 3]
+    assert support["in_support"].all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_p_keeps_the_crossing_token_and_its_ties(backend, dtype):
+    rows = _tied_rows(dtype)[1:2]
+    probs = rows.double().softmax(-1)[0]
+    top, tied = float(probs[7]), float(probs[3])
+    # p between the top token's mass and that plus one of the tied 2s: the crossing is inside
+    # the tie, and every tied token has exactly the top token's mass ranked strictly above it
+    params = ak.SamplingParams(top_p=top + 0.5 * tied)
+    logp, support = check_against_vllm(rows, torch.tensor([11]), params, backend)
+    assert support["support_size"].item() == 4 and bool(support["in_support"])
+    assert torch.isfinite(logp).all()
+    # where the sorting sampler differs: it keeps the top token and one of the three 2s
+    assert vllm_sampler_kept(rows, params).sum().item() == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_p_keeps_the_token_that_crosses_p(backend):
+    """Without ties: the support is the smallest set of top tokens whose mass reaches p."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    params = ak.SamplingParams(top_p=0.6)  # 0.5 < 0.6 <= 0.8: the 0.3 token crosses p
+    _, support = check_against_vllm(logits, torch.tensor([1]), params, backend)
+    assert support["support_size"].item() == 2 and bool(support["in_support"])
+    _, support = check_against_vllm(logits, torch.tensor([2]), params, backend)
+    assert not support["in_support"].item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("top_k", [0, VOCAB, VOCAB + 3])
+def test_no_filter_equals_the_plain_op_exactly(top_k, backend, dtype):
+    full, _ = make_full((2, 5, VOCAB), dtype, "shifted", seed=1)
+    target = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+    target[0, 1] = -100
+    x_plain, x_sampled = (full.clone().requires_grad_(True) for _ in range(2))
+    plain = ak.token_logprobs(x_plain[:, :-1], target, temperature=0.7, backend=backend)
+    sampled, support = ak.token_logprobs(
+        x_sampled[:, :-1], target, sampling=ak.SamplingParams(temperature=0.7, top_k=top_k),
+        return_support=True, backend=backend)
+    assert torch.equal(sampled, plain)
+    upstream = torch.rand(target.shape, generator=torch.Generator().manual_seed(2))
+    plain.backward(upstream)
+    sampled.backward(upstream)
+    assert torch.equal(x_sampled.grad, x_plain.grad)
+    valid = target != -100
+    assert torch.equal(support["in_support"], valid)
+    assert torch.equal(support["support_size"], torch.where(valid, VOCAB, 0))
+    assert torch.equal(support["log_kept_mass"], torch.zeros(target.shape))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_targets_outside_the_support_and_ignored_rows(backend):
+    """-inf, in_support False and a zero gradient (no NaN), even with inf/NaN in ignored
+    rows."""
+    params = ak.SamplingParams(top_k=3, top_p=0.8)
+    logits = make_full((1, 6, 50), torch.float32, seed=4)[0][0]
+    order = logits.argsort(-1, descending=True)
+    target = order[:, 20].clone()  # never among the top 3
+    target[0] = order[0, 0]
+    target[4] = -100
+    logits[4, :5] = torch.tensor([math.inf, math.nan, -math.inf, 1e30, -1e30])
+    x = logits.clone().requires_grad_(True)
+    logp, support = ak.token_logprobs(x, target, sampling=params, return_support=True,
+                                      backend=backend)
+    logp.backward(torch.ones_like(logp))
+    assert logp[0] > -math.inf and bool(support["in_support"][0])
+    assert torch.all(logp[[1, 2, 3, 5]] == -math.inf)
+    assert not support["in_support"][1:].any()
+    assert logp[4] == 0 and support["support_size"][4] == 0 and support["log_kept_mass"][4] == 0
+    assert not torch.isnan(x.grad).any()
+    assert torch.all(x.grad[1:] == 0) and x.grad[0].abs().sum() > 0
+    assert torch.all(support["support_size"][[0, 1, 2, 3, 5]] <= 3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sequence_logprobs_with_sampling(backend):
+    """The masked sum of the token log-probs; -inf for a sequence holding a counted token
+    outside the support, with finite gradients everywhere."""
+    params = ak.SamplingParams(temperature=0.7, top_p=0.9)
+    base, _ = make_full((3, 4, 30), torch.float32, seed=6)
+    kept = vllm_kept(base, params)
+    target = sampled_targets(base, kept, params, seed=3, mixed=False)
+    target[2, 1] = (base[2, 1] / 0.7).argmin()  # outside the support
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    mask[0, 3] = False
+    x = base.clone().requires_grad_(True)
+    total = ak.sequence_logprobs(x, target, mask, sampling=params, backend=backend)
+    total.backward(torch.ones(3))
+    sums = {}
+    for precision in (torch.float64, torch.float32):
+        xr = base.to(precision).requires_grad_(True)
+        logp, _ = kept_logprobs(xr, torch.where(mask, target, -100), kept, 0.7)
+        logp.sum(-1)[:2].sum().backward()
+        sums[precision] = (logp.detach().sum(-1), xr.grad)
+    (expected, expected_grad), (naive, naive_grad) = sums[torch.float64], sums[torch.float32]
+    assert total[2] == -math.inf and expected[2] == -math.inf
+    assert_close(total[:2], expected[:2], "value", torch.float32, "sequence logp",
+                 naive=naive[:2])
+    assert not torch.isnan(x.grad).any()
+    assert torch.all(x.grad[2, 1] == 0) and x.grad[2, 0].abs().sum() > 0
+    assert_close(x.grad[:2], expected_grad[:2], "grad", torch.float32, "grad",
+                 naive=naive_grad[:2])
+    with pytest.raises(ValueError, match="temperature"):
+        ak.sequence_logprobs(base, target, mask, temperature=0.7, sampling=params)
+
+
+def _term_scales(hidden, weight, grad_logits):
+    """Sizes of the terms summed into each gradient entry of hidden, weight and bias."""
+    dz = grad_logits.abs()
+    return dz @ weight.abs(), dz.t() @ hidden.abs(), dz.sum(0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("transform", [{}, {"softcap": 3.0, "logit_scale": 1.5}])
+def test_linear_token_logprobs_with_sampling(backend, transform):
+    params = ak.SamplingParams(temperature=0.8, top_k=10, top_p=0.9, min_p=0.02)
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(23, 12, generator=g)
+    weight = torch.randn(61, 12, generator=g) * 12 ** -0.5 * 3
+    bias = torch.randn(61, generator=g) * 0.5
+
+    def logits_of(h, w, b):
+        """``(product, logits)``: ``F.linear`` and the logits transformed from it."""
+        product = F.linear(h, w, b)
+        z = product * transform.get("logit_scale", 1.0)
+        cap = transform.get("softcap")
+        return product, z if cap is None else cap * torch.tanh(z / cap)
+
+    exact_in = [t.double().requires_grad_(True) for t in (hidden, weight, bias)]
+    exact_product, exact_logits = logits_of(*exact_in)
+    kept = vllm_kept(exact_logits.detach(), params)
+    target = sampled_targets(exact_logits.detach(), kept, params, seed=4)
+    fused_in = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    logp, support = ak.linear_token_logprobs(
+        fused_in[0], fused_in[1], target, bias=fused_in[2], sampling=params,
+        return_support=True, chunk_size=5, backend=backend, **transform)
+    upstream = torch.rand(target.shape, generator=g) + 0.5
+    logp.backward(upstream)
+    exact, _ = kept_logprobs(exact_logits, target, kept, params.temperature)
+    exact_product.retain_grad()
+    exact.backward(upstream.double())
+    naive_in = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    naive, _ = kept_logprobs(logits_of(*naive_in)[1], target, kept, params.temperature)
+    naive.backward(upstream)
+    valid = target != -100
+    in_support = valid & kept.gather(-1, torch.where(valid, target, 0)[:, None])[:, 0]
+    assert torch.equal(support["in_support"], in_support) and bool(in_support.any())
+    assert_close(logp, exact, "value", torch.float32, "logp", naive=naive)
+    scales = _term_scales(exact_in[0].detach(), exact_in[1].detach(), exact_product.grad)
+    for name, got, want, naive_input, scale in zip(("hidden", "weight", "bias"), fused_in,
+                                                   exact_in, naive_in, scales):
+        assert_close_elementwise(got.grad, want.grad, naive_input.grad, scale=scale,
+                                 dtype=torch.float32, name=f"grad {name}")
+    sequences = ak.linear_sequence_logprobs(hidden[None], weight, target[None], in_support[None],
+                                            bias=bias, sampling=params, backend=backend,
+                                            **transform)
+    assert_close(sequences, exact.detach().where(in_support, 0.0).sum()[None], "value",
+                 torch.float32, "sequence logp", naive=naive.detach().where(in_support, 0.0)
+                 .sum()[None])
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_blocks_of_rows(backend, monkeypatch):
+    """Rows walked in several blocks, and ``[A, B, V]`` views with A > 1 (``rows_view``)."""
+    monkeypatch.setattr(sampling_op, "BLOCK_ELEMENTS", 3 * 40)
+    params = ak.SamplingParams(top_k=7, top_p=0.8)
+    full, view = make_full((3, 7, 40), torch.float32, "shifted", seed=9)
+    target = sampled_targets(view(full), vllm_kept(view(full), params), params, seed=5)
+    check_against_vllm(full, target, params, backend, view)
+
+
+def test_no_grad_and_forward_only_agree():
+    params = ak.SamplingParams(top_k=5, top_p=0.9)
+    base, _ = make_full((2, 3, 33), torch.float32, seed=2)
+    target = torch.randint(0, 33, (2, 3), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        no_grad = ak.token_logprobs(base.clone().requires_grad_(True), target, sampling=params,
+                                    backend="torch")
+    assert no_grad.grad_fn is None
+    assert torch.equal(no_grad, ak.token_logprobs(base, target, sampling=params,
+                                                  backend="torch"))
+
+
+def test_torch_compile_traces_the_sampling_path():
+    params = ak.SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
+    base, _ = make_full((2, 3, 33), torch.float32, seed=3)
+    target = torch.randint(0, 33, (2, 3), generator=torch.Generator().manual_seed(0))
+
+    def step(x):
+        logp, support = ak.token_logprobs(x, target, sampling=params, return_support=True,
+                                          backend="torch")
+        return torch.where(support["in_support"], logp, 0.0).sum()
+
+    x_eager, x_compiled = (base.clone().requires_grad_(True) for _ in range(2))
+    eager = step(x_eager)
+    eager.backward()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(x_compiled)
+    compiled.backward()
+    assert torch.equal(compiled, eager) and torch.equal(x_compiled.grad, x_eager.grad)
+
+
+def test_sampling_params_validation():
+    assert ak.SamplingParams() == ak.SamplingParams(1.0, 0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        ak.SamplingParams(temperature=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        ak.SamplingParams(temperature=math.inf)
+    with pytest.raises(ValueError, match="top_k"):
+        ak.SamplingParams(top_k=-1)
+    with pytest.raises(TypeError, match="top_k"):
+        ak.SamplingParams(top_k=5.0)
+    with pytest.raises(TypeError, match="top_k"):
+        ak.SamplingParams(top_k=True)
+    for top_p in (0.0, 1.5, -0.1, math.nan):
+        with pytest.raises(ValueError, match="top_p"):
+            ak.SamplingParams(top_p=top_p)
+    for min_p in (-0.1, 1.1, math.nan):
+        with pytest.raises(ValueError, match="min_p"):
+            ak.SamplingParams(min_p=min_p)
+    with pytest.raises(AttributeError):
+        ak.SamplingParams().top_k = 3  # frozen
+
+
+def test_sampling_argument_errors():
+    logits = torch.randn(2, 10)
+    target = torch.tensor([1, 2])
+    params = ak.SamplingParams(top_k=3)
+    with pytest.raises(ValueError, match="SamplingParams\\(temperature"):
+        ak.token_logprobs(logits, target, temperature=0.7, sampling=params)
+    with pytest.raises(TypeError, match="sampling"):
+        ak.token_logprobs(logits, target, sampling={"top_k": 3})
+    with pytest.raises(TypeError, match="return_support"):
+        ak.token_logprobs(logits, target, return_support=1)
+    for option in ({"return_entropy": True}, {"inplace_backward": True}):
+        with pytest.raises(ValueError, match=next(iter(option))):
+            ak.token_logprobs(logits, target, sampling=params, **option)
+        with pytest.raises(ValueError, match=next(iter(option))):
+            ak.token_logprobs(logits, target, return_support=True, **option)
+    with pytest.raises(ValueError, match="target"):
+        ak.token_logprobs(logits, torch.tensor([1, 10]), sampling=params)
+    hidden, weight = torch.randn(2, 4), torch.randn(10, 4)
+    with pytest.raises(ValueError, match="statistics"):
+        ak.linear_token_logprobs(hidden, weight, target, sampling=params,
+                                 statistics=("is_top1",))
+    with pytest.raises(ValueError, match="temperature"):
+        ak.linear_token_logprobs(hidden, weight, target, temperature=2.0, sampling=params)

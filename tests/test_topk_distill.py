@@ -1,0 +1,495 @@
+"""ak.topk_distill_loss / ak.linear_topk_distill_loss against TRL 1.16's
+``ServerDistillationTrainer`` loss functions imported from TRL (the ``beta = 0`` top-k path
+``_compute_server_forward_kl_loss``, the ``beta > 0`` top-1 path
+``_compute_server_sparse_top_1_divergence_loss``, and ``_add_tail_bucket`` /
+``_jsd_divergence`` / ``_reduce_divergence_loss`` on a general support) and against
+``reference.topk_distill_loss``. Values and gradients per element with the shared tolerance
+model: TRL's code (or the spec) run in float64 is the expected value, the same code run on
+float32 logits (values) or in the logits' dtype (gradients) is the yardstick."""
+
+import functools
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import astrai_kernels as ak
+from astrai_kernels import reference
+from astrai_kernels.ops import head as head_op
+from astrai_kernels.ops.topk_distill import server_top1_support
+from astrai_kernels.testing import assert_close, assert_head_gradient_close
+
+pytest.importorskip("trl", reason="trl is not installed (pip install -e '.[trl]')")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+from trl.experimental.server_distillation.server_distillation_trainer import (  # noqa: E402
+    ServerDistillationTrainer,
+    _add_tail_bucket,
+    _jsd_divergence,
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+DTYPE_IDS = ["fp32", "bf16"]
+VOCAB = 37  # not a power of two
+
+
+def trl_trainer(beta, tail):
+    """A trainer holding only what its loss methods read (no model, no teacher server)."""
+    trainer = object.__new__(ServerDistillationTrainer)
+    trainer.beta, trainer.loss_add_tail, trainer.reverse_kl_top_1_mode = beta, tail, "sampled"
+    return trainer
+
+
+def trl_student_log_probs(logits, temperature):
+    """``compute_loss``'s student log-probs."""
+    return F.log_softmax(logits / temperature, dim=-1)
+
+
+def trl_forward_kl(logits, ids, teacher, labels, tail, temperature):
+    result = {"topk_logprobs": teacher, "topk_token_ids": ids}
+    return trl_trainer(0.0, tail)._compute_server_forward_kl_loss(
+        result, trl_student_log_probs(logits, temperature), labels)
+
+
+def trl_top1(logits, top1_ids, top1_logprobs, sampled, actual, labels, beta, tail, temperature):
+    result = {"topk_logprobs": top1_logprobs.unsqueeze(-1),
+              "topk_token_ids": top1_ids.unsqueeze(-1), "actual_logprobs": actual}
+    return trl_trainer(beta, tail)._compute_server_sparse_top_1_divergence_loss(
+        result, trl_student_log_probs(logits, temperature), sampled, labels)
+
+
+def trl_support(logits, ids, teacher, mask, labels, beta, tail, temperature):
+    """TRL's sparse divergence on any support, its functions composed as
+    ``_compute_sparse_top_1_divergence_loss`` composes them."""
+    log_probs = trl_student_log_probs(logits, temperature)
+    neg_inf = torch.full((), float("-inf"), dtype=log_probs.dtype)
+    student = torch.where(mask, log_probs.gather(-1, torch.where(mask, ids, 0)), neg_inf)
+    teacher = torch.where(mask, teacher, neg_inf)
+    if tail:
+        student, live = _add_tail_bucket(student, mask)
+        teacher, _ = _add_tail_bucket(teacher, mask)
+    else:
+        live = mask
+        student = student - torch.logsumexp(student, dim=-1, keepdim=True)
+        teacher = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
+    jsd = _jsd_divergence(student, teacher, beta, live)
+    return ServerDistillationTrainer._reduce_divergence_loss(
+        jsd, completion_mask=labels != -100, reduction="batchmean")
+
+
+def server_batch(dtype, k=5, shape=(2, 5, VOCAB), seed=0):
+    """Student logits; the teacher's sorted top-k of another distribution, one position with
+    fewer entries filled (-inf, id 0: as the server pads); labels with -100 on some rows."""
+    g = torch.Generator().manual_seed(seed)
+    *lead, vocab = shape
+    logits = (torch.randn(*shape, generator=g) * 2).to(dtype)
+    teacher_all = torch.log_softmax(torch.randn(*shape, generator=g) * 2, -1)
+    top = teacher_all.topk(k, -1)
+    ids, teacher = top.indices, top.values
+    if k > 1:
+        teacher[0, 1, k // 2:] = -math.inf
+        ids[0, 1, k // 2:] = 0
+    labels = torch.randint(0, vocab, tuple(lead), generator=g)
+    labels[torch.rand(tuple(lead), generator=g) < 0.25] = -100
+    labels[0, 0], labels[1, -1] = -100, 3
+    return logits, ids, teacher, labels, teacher_all
+
+
+def grad_terms(logits, ids, teacher, live, labels, beta, tail, temperature, reduction,
+               weights):
+    """float64 sizes of the terms that form each entry of the logit gradient (the comparison's
+    scale, as ``softmax_grad_scale``): per support entry ``k``, ``C_k`` sums the sizes of
+    ``d loss / d a_k`` (``q``; ``p (1 + |a| + |b|)``; ``(1 - beta) p (1 + |a| + |log m|)``) and
+    of the tail's share ``G_tail exp(s_k - tail)`` or the renormalisation's ``r_k sum G``;
+    entry ``j`` gets ``|w| / T (sum_{id_k = j} C_k + p_j (1 + |log p_j|) sum_k C_k)``, the
+    ``p_j`` term only with the tail (renormalised, ``sum_k c_k = 0``)."""
+    vocab, k = logits.shape[-1], ids.shape[-1]
+    log_p = torch.log_softmax(logits.detach().double().reshape(-1, vocab) / temperature, -1)
+    counted = (torch.ones(log_p.shape[0], dtype=torch.bool) if labels is None
+               else labels.reshape(-1) != -100)
+    live = live.reshape(-1, k) & counted.unsqueeze(1)
+    index = torch.where(live, ids.reshape(-1, k), 0)
+    s = torch.where(live, log_p.gather(1, index), -math.inf)
+    t = torch.where(live, teacher.reshape(-1, k).double(), -math.inf)
+    if tail:
+        def with_tail(x):
+            log_sum = torch.logsumexp(x, 1, keepdim=True).clamp(max=-1e-7)
+            return torch.cat([x, torch.log(-torch.expm1(log_sum))], 1)
+        a, b = with_tail(s), with_tail(t)
+        student_tail = a[:, -1:]
+        live_e = torch.cat([live, torch.ones_like(live[:, :1])], 1)
+    else:
+        a, b = s - torch.logsumexp(s, 1, keepdim=True), t - torch.logsumexp(t, 1, keepdim=True)
+        live_e = live
+    p, q = torch.where(live_e, a.exp(), 0.0), torch.where(live_e, b.exp(), 0.0)
+    a, b = torch.where(live_e, a, 0.0).abs(), torch.where(live_e, b, 0.0).abs()
+    if beta == 0:
+        sizes = q
+    elif beta == 1:
+        sizes = p * (1 + a + b)
+    else:
+        log_m = torch.where(live_e, torch.log((1 - beta) * p + beta * q), 0.0).abs()
+        sizes = (1 - beta) * p * (1 + a + log_m)
+    if tail:
+        shares = sizes[:, :-1] + sizes[:, -1:] * torch.exp(s - student_tail)
+    else:
+        shares = sizes + p * sizes.sum(1, keepdim=True)
+    shares = torch.where(live, shares, 0.0)
+    terms = torch.zeros_like(log_p).scatter_add_(1, index, shares)
+    if tail:
+        terms += log_p.exp() * (1 + log_p.abs()) * shares.sum(1, keepdim=True)
+    if reduction == "none":
+        row_weights = weights.reshape(-1).double()
+    elif reduction == "sum":
+        row_weights = weights.double().expand(log_p.shape[0])
+    else:
+        count = counted.sum().clamp(min=1) if labels is not None else logits.shape[0]
+        row_weights = weights.double().expand(log_p.shape[0]) / count
+    terms = row_weights.abs().unsqueeze(1) / temperature * terms * counted.unsqueeze(1)
+    return terms.nan_to_num(0.0, 0.0, 0.0).reshape(logits.shape)
+
+
+def terms_of(logits, ids, teacher, live, labels, beta, tail, temperature,
+             reduction="batchmean"):
+    """:func:`grad_terms` of these inputs, given the upstream weights."""
+    return functools.partial(grad_terms, logits, ids, teacher, live, labels, beta, tail,
+                             temperature, reduction)
+
+
+def check(ours, expected, logits, what, terms, upstream=0.7):
+    """``ours(leaf)`` against ``expected(logits in a precision)``: the loss (yardstick: the
+    expected code on float32 logits) and the gradient (yardstick: in the logits' dtype; scale:
+    ``terms(weights)``, the sizes of the terms forming each entry)."""
+    dtype = logits.dtype
+    x = logits.detach().clone().requires_grad_(True)
+    loss = ours(x)
+    assert loss.dtype == torch.float32
+    weights = torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape) * upstream
+    (loss * weights).sum().backward()
+    results = {}
+    for precision in {torch.float64, torch.float32, dtype}:
+        xr = logits.detach().to(precision).requires_grad_(True)
+        value = expected(xr)
+        (value * weights.to(value.dtype)).sum().backward()
+        results[precision] = (value.detach(), xr.grad)
+    assert_close(loss, results[torch.float64][0], "value", dtype, f"{what} loss",
+                 naive=results[torch.float32][0])
+    assert_close(x.grad, results[torch.float64][1], "grad", dtype, f"{what} grad",
+                 naive=results[dtype][1], scale=terms(weights))
+    return loss, x.grad
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("k", [1, 5])
+@pytest.mark.parametrize("tail", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_forward_kl_matches_trl(dtype, tail, k, temperature):
+    logits, ids, teacher, labels, _ = server_batch(dtype, k=k)
+    check(lambda x: ak.topk_distill_loss(x, ids, teacher, labels, tail=tail,
+                                         temperature=temperature),
+          lambda z: trl_forward_kl(z, ids, teacher, labels, tail, temperature),
+          logits, "forward KL",
+          terms_of(logits, ids, teacher, teacher > -math.inf, labels, 0.0, tail, temperature))
+
+
+@pytest.mark.parametrize("tail", [True, False])
+@pytest.mark.parametrize("beta", [0.25, 0.5, 1.0])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_top1_matches_trl(dtype, beta, tail):
+    logits, _, _, labels, teacher_all = server_batch(dtype, k=1, seed=1)
+    top1_logprobs, top1_ids = teacher_all.max(-1)
+    sampled = labels.clamp(min=0)
+    sampled[0, 2] = sampled[1, 0] = -1  # two counted rows sample the teacher's top-1 token
+    sampled = torch.where(sampled < 0, top1_ids, sampled)
+    labels = torch.where(labels == -100, -100, sampled)
+    actual = teacher_all.gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
+    actual[0, 0] = -math.inf  # the server's padding, on a row the labels do not count
+    support_ids, support_logprobs, support_mask = server_top1_support(
+        top1_ids, top1_logprobs, labels, actual, beta)
+    check(lambda x: ak.topk_distill_loss(x, support_ids, support_logprobs, labels, beta=beta,
+                                         temperature=0.8, tail=tail,
+                                         support_mask=support_mask),
+          lambda z: trl_top1(z, top1_ids, top1_logprobs, sampled, actual, labels, beta, tail,
+                             0.8),
+          logits, f"beta={beta}",
+          terms_of(logits, support_ids, support_logprobs, support_mask, labels, beta, tail, 0.8))
+
+
+@pytest.mark.parametrize("tail", [True, False])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_any_support_matches_trl_functions(dtype, beta, tail):
+    logits, ids, teacher, labels, _ = server_batch(dtype, k=7, seed=2)
+    mask = torch.rand(ids.shape, generator=torch.Generator().manual_seed(3)) > 0.3
+    mask[1, 1] = False  # a counted row whose whole support is dropped
+    live = mask & (teacher > -math.inf)
+    check(lambda x: ak.topk_distill_loss(x, ids, teacher, labels, beta=beta, tail=tail,
+                                         support_mask=mask, temperature=1.3),
+          lambda z: trl_support(z, ids, teacher, live, labels, beta, tail, 1.3),
+          logits, f"beta={beta}", terms_of(logits, ids, teacher, live, labels, beta, tail, 1.3))
+
+
+@pytest.mark.parametrize("tail", [True, False])
+def test_support_mask_drops_entries_as_trl_padding(tail):
+    """``support_mask`` False equals TRL's unfilled entries (-inf teacher log-prob), whatever
+    id the dropped entry holds."""
+    logits, ids, teacher, labels, _ = server_batch(torch.float32, k=6, seed=4)
+    mask = torch.rand(ids.shape, generator=torch.Generator().manual_seed(5)) > 0.4
+    garbage = torch.where(mask, ids, torch.where(torch.arange(6) % 2 == 0, -1, VOCAB + 3))
+    check(lambda x: ak.topk_distill_loss(x, garbage, teacher, labels, tail=tail,
+                                         support_mask=mask),
+          lambda z: trl_forward_kl(z, torch.where(mask, ids, 0),
+                                   torch.where(mask, teacher, -math.inf), labels, tail, 1.0),
+          logits, "masked",
+          terms_of(logits, ids, teacher, mask & (teacher > -math.inf), labels, 0.0, tail, 1.0))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_tail_clamp_matches_trl(beta):
+    """A teacher whose top-1 log-prob is 0 (support mass 1: TRL clamps log(sum) at -1e-7) and a
+    student all but certain of one support token (its tail's gradient stops at the clamp)."""
+    logits, ids, teacher, labels, _ = server_batch(torch.float32, k=2, seed=6)
+    teacher[0, 3, 0] = teacher[1, 1, 0] = 0.0
+    logits[0, 3, ids[0, 3, 0]] = logits[1, 2, ids[1, 2, 1]] = 40.0
+    labels[0, 3] = labels[1, 1] = labels[1, 2] = 5
+    labels[0, 1] = -100  # the position the server filled partly: TRL's top-1 path refuses it
+    if beta == 0:
+        check(lambda x: ak.topk_distill_loss(x, ids, teacher, labels),
+              lambda z: trl_forward_kl(z, ids, teacher, labels, True, 1.0), logits, "clamp",
+              terms_of(logits, ids, teacher, teacher > -math.inf, labels, 0.0, True, 1.0))
+        return
+    top1_ids, top1 = ids[..., 0], teacher[..., 0]
+    actual = teacher[..., 1]
+    sampled = torch.where(labels == -100, ids[..., 1], labels)
+    sampled[0, 3], sampled[1, 2] = ids[0, 3, 1], ids[1, 2, 1]
+    labels = torch.where(labels == -100, -100, sampled)
+    support = server_top1_support(top1_ids, top1, labels, actual, beta)
+    check(lambda x: ak.topk_distill_loss(x, support[0], support[1], labels, beta=beta,
+                                         support_mask=support[2]),
+          lambda z: trl_top1(z, top1_ids, top1, sampled, actual, labels, beta, True, 1.0),
+          logits, "clamp", terms_of(logits, *support[:2], support[2], labels, beta, True, 1.0))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_tail_gradient_where_the_support_is_improbable(beta):
+    """Rows whose student puts ~1e-16 on the support: the tail's share of the gradient,
+    ``-exp(s_k) / (1 - sum exp s)``, is exact here (TRL's autograd forms ``exp(log sum)`` as
+    ``expm1(log sum) + 1``: 0 in float32, 5% off in float64; the spec avoids it)."""
+    logits, ids, teacher, labels, _ = server_batch(torch.float32, k=2, seed=17)
+    off_support = (ids[..., :1] + 1) % VOCAB
+    for row in ((0, 2), (1, 1), (1, 3)):
+        logits[row][off_support[row]] = 40.0
+        labels[row] = 1
+    options = dict(beta=beta, temperature=1.0, tail=True)
+    check(lambda x: ak.topk_distill_loss(x, ids, teacher, labels, beta=beta),
+          spec(ids, teacher, labels, None, options, "batchmean"), logits, "improbable",
+          terms_of(logits, ids, teacher, teacher > -math.inf, labels, beta, True, 1.0))
+
+
+def spec(ids, teacher, labels, mask, options, reduction):
+    return lambda z: reference.topk_distill_loss(z, ids, teacher.to(z.dtype), labels,
+                                                 support_mask=mask, reduction=reduction,
+                                                 **options)
+
+
+@pytest.mark.parametrize("with_labels", [True, False])
+@pytest.mark.parametrize("reduction", ["batchmean", "sum", "none"])
+@pytest.mark.parametrize("tail", [True, False])
+def test_matches_reference(tail, reduction, with_labels, monkeypatch):
+    """Three rows per chunk (the last one partial), on a ``logits[:, :-1]`` view."""
+    monkeypatch.setitem(head_op.CHUNK_BYTES, "cpu", 3 * 4 * VOCAB)
+    logits, ids, teacher, labels, _ = server_batch(torch.float32, k=3, shape=(2, 6, VOCAB),
+                                                   seed=7)
+    ids, teacher, labels = ids[:, :-1], teacher[:, :-1], labels[:, :-1] if with_labels else None
+    mask = torch.rand(ids.shape, generator=torch.Generator().manual_seed(8)) > 0.2
+    options = dict(beta=0.3, temperature=0.9, tail=tail)
+    view_terms = terms_of(logits[:, :-1], ids, teacher, mask & (teacher > -math.inf), labels,
+                          0.3, tail, 0.9, reduction)
+
+    def terms(weights):
+        full = torch.zeros(logits.shape, dtype=torch.float64)
+        full[:, :-1] = view_terms(weights)
+        return full
+
+    check(lambda x: ak.topk_distill_loss(x[:, :-1], ids, teacher, labels, support_mask=mask,
+                                         reduction=reduction, **options),
+          lambda z: spec(ids, teacher, labels, mask, options, reduction)(z[:, :-1]),
+          logits, reduction, terms)
+    with torch.no_grad():
+        forward_only = ak.topk_distill_loss(logits[:, :-1], ids, teacher, labels,
+                                            support_mask=mask, reduction=reduction, **options)
+    expected = spec(ids, teacher, labels, mask, options, reduction)(logits[:, :-1].double())
+    naive = spec(ids, teacher, labels, mask, options, reduction)(logits[:, :-1])
+    assert_close(forward_only, expected, "value", torch.float32, "no-grad loss", naive=naive)
+
+
+@pytest.mark.parametrize("reduction", ["batchmean", "none"])
+@pytest.mark.parametrize("tail", [True, False])
+def test_rows_not_counted_may_hold_anything(tail, reduction):
+    logits, ids, teacher, labels, _ = server_batch(torch.float32, seed=9)
+    ignored = labels == -100
+    dirty = logits.clone()
+    dirty[0, 0] = math.nan
+    dirty[tuple(ignored.nonzero()[-1].tolist())] = math.inf
+    dirty_teacher = torch.where(ignored.unsqueeze(-1), math.nan, teacher)
+    x = dirty.requires_grad_(True)
+    loss = ak.topk_distill_loss(x, ids, dirty_teacher, labels, beta=0.5, tail=tail,
+                                reduction=reduction)
+    loss.sum().backward()
+    expected = reference.topk_distill_loss(logits.double(), ids, teacher.double(), labels, 0.5,
+                                           1.0, tail, None, reduction)
+    naive = reference.topk_distill_loss(logits, ids, teacher, labels, 0.5, 1.0, tail, None,
+                                         reduction)
+    assert_close(loss, expected, "value", torch.float32, "loss", naive=naive)
+    assert torch.equal(x.grad[ignored], torch.zeros_like(x.grad[ignored]))
+    assert torch.isfinite(x.grad).all()
+    none_counted = torch.full_like(labels, -100)
+    y = dirty.detach().requires_grad_(True)
+    loss = ak.topk_distill_loss(y, ids, dirty_teacher, none_counted, tail=tail)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(y.grad, torch.zeros_like(y.grad))
+
+
+def test_reference_backend_routes_to_the_spec():
+    logits, ids, teacher, labels, _ = server_batch(torch.float32, seed=10)
+    x = logits.clone().requires_grad_(True)
+    loss = ak.topk_distill_loss(x, ids, teacher, labels, beta=0.5, backend="reference")
+    (grad,) = torch.autograd.grad(loss, x, create_graph=True)  # plain autograd: twice
+    assert grad.requires_grad
+    expected = reference.topk_distill_loss(logits, ids, teacher, labels, 0.5)
+    assert torch.equal(loss.detach(), expected)
+
+
+def _head(dtype, n_rows=12, hidden=16, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(2, n_rows // 2, hidden, generator=g).to(dtype)
+    w = (torch.randn(VOCAB, hidden, generator=g) * 0.5).to(dtype)
+    b = (torch.randn(VOCAB, generator=g) * 0.2).to(dtype)
+    return h, w, b
+
+
+@pytest.mark.parametrize("reduction", ["batchmean", "none"])
+@pytest.mark.parametrize("tail", [True, False])
+def test_linear_matches_logits_form(tail, reduction):
+    """The fused head (chunks of 5 rows of 12) and the logits op on ``F.linear``, both per
+    element against the float64 spec, the spec's float32 run as the yardstick."""
+    h, w, b = _head(torch.float32)
+    _, ids, teacher, labels, _ = server_batch(torch.float32, k=5, shape=(2, 6, VOCAB), seed=12)
+    mask = torch.rand(ids.shape, generator=torch.Generator().manual_seed(13)) > 0.2
+    options = dict(beta=0.5, temperature=0.8, tail=tail, support_mask=mask, reduction=reduction)
+    spec_options = (0.5, 0.8, tail, mask, reduction)
+    leaves = [t.clone().requires_grad_(True) for t in (h, w, b)]
+    loss = ak.linear_topk_distill_loss(leaves[0], leaves[1], ids, teacher, labels,
+                                       bias=leaves[2], chunk_size=5, **options)
+    weights = torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape)
+    (loss * weights).sum().backward()
+    runs = {}
+    for name, precision, run in (
+            ("expected", torch.float64, lambda z: reference.topk_distill_loss(
+                z, ids, teacher.double(), labels, *spec_options)),
+            ("naive", torch.float32, lambda z: reference.topk_distill_loss(
+                z, ids, teacher, labels, *spec_options)),
+            ("logits op", torch.float32, lambda z: ak.topk_distill_loss(
+                z, ids, teacher, labels, **options))):
+        refs = [t.detach().to(precision).requires_grad_(True) for t in (h, w, b)]
+        value = run(F.linear(*refs[:2], refs[2]))
+        (value * weights.to(precision)).sum().backward()
+        runs[name] = (value.detach(), [r.grad for r in refs])
+    (expected, expected_grads), (naive, naive_grads) = runs["expected"], runs["naive"]
+    # an entry of a head gradient sums ~V or ~N logit-gradient entries times the other factor
+    terms = grad_terms(F.linear(h.double(), w.double(), b.double()), ids, teacher,
+                       mask & (teacher > -math.inf), labels, 0.5, tail, 0.8, reduction,
+                       weights).reshape(-1, VOCAB)
+    scales = (terms @ w.double().abs(), terms.t() @ h.double().abs().reshape(-1, h.shape[-1]),
+              terms.sum(0))
+    for form, (value, grads) in (("linear", (loss, [leaf.grad for leaf in leaves])),
+                                 ("logits", runs["logits op"])):
+        assert_close(value, expected, "value", torch.float32, f"{form} loss", naive=naive)
+        for name, grad, want, naive_grad, scale in zip(("hidden", "weight", "bias"), grads,
+                                                       expected_grads, naive_grads, scales):
+            assert_close(grad, want, "grad", torch.float32, f"{form} {name}", naive=naive_grad,
+                         scale=scale.reshape(want.shape))
+
+
+@pytest.mark.parametrize("path", ["native", "float32"])
+@pytest.mark.parametrize("tail", [True, False])
+def test_linear_bf16_head_gradients(tail, path, monkeypatch):
+    """bf16 head, both matmul paths, against the head yardstick (tests/test_head_precision)."""
+    monkeypatch.setenv(head_op.HEAD_MATMUL_ENV, path)
+    h, w, b = _head(torch.bfloat16, n_rows=24, hidden=32, seed=14)
+    _, ids, teacher, labels, _ = server_batch(torch.float32, k=4, shape=(2, 12, VOCAB),
+                                              seed=15)
+    options = dict(beta=0.5, temperature=0.9, tail=tail)
+    ours = [t.clone().requires_grad_(True) for t in (h, w, b)]
+    ak.linear_topk_distill_loss(*ours[:2], ids, teacher, labels, bias=ours[2], chunk_size=5,
+                                reduction="sum", **options).backward()
+    exact = [t.double().requires_grad_(True) for t in (h, w, b)]
+    reference.topk_distill_loss(F.linear(*exact), ids, teacher.double(), labels,
+                                reduction="sum", **options).backward()
+    naive = [t.clone().requires_grad_(True) for t in (h, w, b)]
+    logits = F.linear(*naive).float()
+    logits.retain_grad()
+    reference.topk_distill_loss(logits, ids, teacher, labels, reduction="sum",
+                                **options).backward()
+    grad_logits = logits.grad.to(torch.bfloat16).double().reshape(-1, VOCAB)
+    unrounded = (grad_logits @ w.double(), grad_logits.t() @ h.double().reshape(-1, 32),
+                 grad_logits.sum(0))
+    for name, actual, want, naive_grad, naive_unrounded in zip(
+            ("hidden", "weight", "bias"), ours, exact, naive, unrounded):
+        assert actual.grad.dtype == torch.bfloat16
+        assert_head_gradient_close(actual.grad, want.grad, naive_grad.grad,
+                                   naive_unrounded.reshape(want.shape), name=f"{name} grad")
+
+
+def test_linear_forward_only_and_reference_backend():
+    h, w, b = _head(torch.float32)
+    _, ids, teacher, labels, _ = server_batch(torch.float32, k=3, shape=(2, 6, VOCAB), seed=16)
+    expected = reference.topk_distill_loss(F.linear(h, w, b).double(), ids, teacher.double(),
+                                           labels, reduction="none")
+    for backend in ("auto", "reference"):
+        with torch.no_grad():
+            loss = ak.linear_topk_distill_loss(h, w, ids, teacher, labels, bias=b,
+                                               reduction="none", chunk_size=4, backend=backend)
+        assert_close(loss, expected, "value", torch.float32, backend,
+                     naive=reference.topk_distill_loss(F.linear(h, w, b), ids, teacher, labels,
+                                                       reduction="none"))
+
+
+LOGITS = torch.zeros(2, 3, 11)
+IDS = torch.zeros(2, 3, 4, dtype=torch.long)
+TEACHER = torch.full((2, 3, 4), -1.0)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(support_ids=IDS.float()), TypeError, "support_ids must be int32 or int64"),
+    (dict(support_ids=IDS[..., :0]), ValueError, "K >= 1"),
+    (dict(support_ids=IDS[:1]), ValueError, "support_ids must have shape"),
+    (dict(teacher_logprobs=TEACHER[..., :3]), ValueError, "teacher_logprobs must have"),
+    (dict(teacher_logprobs=IDS), TypeError, "teacher_logprobs must be a float tensor"),
+    (dict(support_mask=IDS), TypeError, "support_mask must be None or a bool tensor"),
+    (dict(labels=torch.zeros(2, 4, dtype=torch.long)), ValueError, "labels must have shape"),
+    (dict(support_ids=IDS + 11), ValueError, "support_ids holds 11, outside"),
+    (dict(beta=1.5), ValueError, "beta must be"),
+    (dict(temperature=0.0), ValueError, "temperature must be"),
+    (dict(tail=1), TypeError, "tail must be a bool"),
+    (dict(reduction="mean"), ValueError, "reduction must be one of"),
+    (dict(backend="fast"), ValueError, "backend must be"),
+])
+def test_bad_arguments(kwargs, error, match):
+    args = dict(student_logits=LOGITS, support_ids=IDS, teacher_logprobs=TEACHER)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        ak.topk_distill_loss(args.pop("student_logits"), args.pop("support_ids"),
+                             args.pop("teacher_logprobs"), **args)
+
+
+def test_out_of_range_ids_are_fine_where_dropped():
+    ids = IDS.clone()
+    ids[..., 1] = -1
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[..., 1] = False
+    loss = ak.topk_distill_loss(LOGITS, ids, TEACHER, support_mask=mask)
+    assert_close(loss, reference.topk_distill_loss(LOGITS.double(), ids, TEACHER.double(),
+                                                   support_mask=mask),
+                 "value", torch.float32, "loss")
