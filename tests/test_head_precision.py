@@ -201,26 +201,42 @@ def test_head_gradients_are_their_chunks_sum_rounded_once(op, dtype, path, monke
                                  allowed=allowed)
 
 
+_ONE_THREAD_PRODUCTS = """
+import torch
+from astrai_kernels.ops import head as head_op
+matmul = torch.backends.mkldnn.matmul
+before = matmul.fp32_precision
+g = torch.Generator().manual_seed(5)
+a = torch.randn(64, 300, generator=g).bfloat16().float()
+b = torch.randn(300, 48, generator=g).bfloat16().float()
+with head_op.bf16_products():
+    assert matmul.fp32_precision == "bf16", matmul.fp32_precision
+    product = a @ b
+assert matmul.fp32_precision == before
+exact = a.double() @ b.double()
+terms = a.double().abs() @ b.double().abs()
+assert bool(((product.double() - exact).abs() <= 2.0 ** -20 * terms).all())
+"""
+
+
 @pytest.mark.skipif(not head_op.has_bf16_float32_gemm(torch.device("cpu")),
                     reason="torch without oneDNN's fp32_precision setting: the head upcasts "
                            "and runs float32 GEMMs instead (covered above)")
 def test_bf16_products_are_exact_and_taken_only_on_one_thread():
-    """The setting behind the CPU's bf16 weight products: exact products of bf16-valued float32
+    """The setting behind the CPU's bf16 weight products: in a process with one Python thread
+    (a fresh one: the suite's own may hold others), exact products of bf16-valued float32
     operands with float32 sums, restored after; left alone while another Python thread runs."""
+    import subprocess
+    import sys
     import threading
 
+    from cases import subprocess_env
+
+    run = subprocess.run([sys.executable, "-c", _ONE_THREAD_PRODUCTS], capture_output=True,
+                         text=True, env=subprocess_env())
+    assert run.returncode == 0, run.stderr
     matmul = torch.backends.mkldnn.matmul
     before = matmul.fp32_precision
-    g = torch.Generator().manual_seed(5)
-    a = torch.randn(64, 300, generator=g).bfloat16().float()
-    b = torch.randn(300, 48, generator=g).bfloat16().float()
-    with head_op.bf16_products():
-        assert matmul.fp32_precision == "bf16"
-        product = a @ b
-    assert matmul.fp32_precision == before
-    exact = a.double() @ b.double()
-    terms = a.double().abs() @ b.double().abs()
-    assert bool(((product.double() - exact).abs() <= 2.0 ** -20 * terms).all())
     release = threading.Event()
     other = threading.Thread(target=release.wait)
     other.start()
