@@ -45,10 +45,26 @@ scales and soft-caps) with the one global name ``_chunked_divergence_loss`` reso
 the trainer's ``beta`` and ``temperature``, divided by ``num_items_in_batch`` or the position
 count, each head in its hidden states' (or the autocast) dtype, and the logged student entropy
 from ``ak.linear_token_logprobs`` (one more walk of the student head, no gradient). Refused:
-no local ``teacher_model`` (``ServerDistillationTrainer``: a vLLM teacher's top-k log-probs, a
-sparse divergence), a subclass overriding ``compute_loss`` or ``_compute_loss``, a TRL whose
-``_compute_loss`` does not call ``_chunked_divergence_loss`` with 1.16's arguments, ``beta``
-outside [0, 1], ``temperature <= 0``, heads of different vocabularies or DTensor heads.
+no local ``teacher_model``, a subclass overriding ``compute_loss`` or ``_compute_loss``, a TRL
+whose ``_compute_loss`` does not call ``_chunked_divergence_loss`` with 1.16's arguments,
+``beta`` outside [0, 1], ``temperature <= 0``, heads of different vocabularies or DTensor heads.
+
+On a ``ServerDistillationTrainer`` (``trl.experimental.server_distillation``: the teacher is a
+vLLM server returning top-k log-probs), ``install`` replaces its ``compute_loss``
+(``_server_distillation_compute_loss``) by one that keeps TRL's inputs, prompt length, teacher
+request (``_get_teacher_token_logprobs_from_server``), slicing, trimming to the teacher's window,
+ValueErrors for missing teacher log-probs and division by the gradient-accumulation steps, and
+computes the loss with ``ak.linear_topk_distill_loss`` (TRL's top-k support at ``beta == 0``
+with ``loss_add_tail`` as ``tail``, ``server_top1_support`` at ``beta > 0``; ``batchmean`` over
+the labelled positions) on the student's final hidden states from TRL's own
+``_get_last_hidden_state`` through ``_forward_redirection``, only the labelled positions
+reaching the head (the logit scale folded into the hidden states). A soft-capped student (that
+op has no soft-cap) or one ``integrations.transformers.fused_head`` does not read keeps TRL's
+``model(...)`` call and gets ``ak.topk_distill_loss`` on its logits. ``return_outputs=True``
+on the hidden-state form runs TRL's own ``compute_loss`` (the caller wants the logits). Refused:
+a subclass overriding the loss methods, ``beta`` outside [0, 1], ``temperature <= 0``,
+``loss_top_k`` other than TRL's config allows, ``reverse_kl_top_1_mode`` other than
+``"sampled"``, a DTensor head.
 
 Calls without ``fused_lm_head`` go to TRL's forward (so to the model's own, e.g. for
 ``generate``). The models are still called through ``model(...)``, so hooks run. TRL's
@@ -655,8 +671,8 @@ _DISTILLATION_LOSS_PARAMETERS = (
 
 
 def _distillation_trainer(trainer) -> bool:
-    """Whether ``trainer`` is a TRL ``DistillationTrainer`` (or a subclass: the deprecated
-    ``trl.experimental.distillation`` alias, ``ServerDistillationTrainer``)."""
+    """Whether ``trainer`` is a TRL ``DistillationTrainer`` (or a subclass, e.g. the deprecated
+    ``trl.experimental.distillation`` alias)."""
     if not any(klass.__name__ == "DistillationTrainer" for klass in type(trainer).__mro__):
         return False
     from trl.trainer.distillation_trainer import DistillationTrainer
@@ -670,9 +686,8 @@ def _distillation_check(trainer, backend: str, chunk_size: Optional[int]) -> Non
 
     base = trl_distillation.DistillationTrainer
     if not isinstance(getattr(trainer, "teacher_model", None), nn.Module):
-        raise _refuse(trainer, "it has no local teacher_model (ServerDistillationTrainer's teacher "
-                               "is a vLLM server returning top-k log-probs: a sparse divergence, "
-                               "not the full-vocabulary one of linear_distill_loss)")
+        raise _refuse(trainer, "it has no local teacher_model, whose LM head its "
+                               "full-vocabulary divergence reads")
     for name in ("compute_loss", "_compute_loss"):
         if getattr(type(trainer), name) is not getattr(base, name):
             raise _refuse(trainer, f"it overrides DistillationTrainer.{name}, whose loss is not "
@@ -782,11 +797,206 @@ def _distillation_install(trainer, backend: str, chunk_size: Optional[int]):
     return trainer
 
 
+#: TRL 1.16's ``ServerDistillationTrainer`` methods whose loss the installed ``compute_loss``
+#: reproduces (``_get_last_hidden_state``: the student's backbone call of the linear form).
+_SERVER_LOSS_METHODS = ("compute_loss", "_compute_server_forward_kl_loss",
+                        "_compute_server_sparse_top_1_divergence_loss",
+                        "_compute_sparse_top_1_divergence_loss", "_get_reverse_kl_top_1_tokens",
+                        "_reduce_divergence_loss", "_get_last_hidden_state")
+#: The names TRL 1.16's ``ServerDistillationTrainer.compute_loss`` reads.
+_SERVER_LOSS_NAMES = frozenset({"_compute_prompt_length", "_get_teacher_token_logprobs_from_server",
+                                "_compute_server_sparse_top_1_divergence_loss",
+                                "_compute_server_forward_kl_loss",
+                                "current_gradient_accumulation_steps", "temperature", "beta"})
+
+
+def _server_distillation_class():
+    from trl.experimental.server_distillation import ServerDistillationTrainer
+
+    return ServerDistillationTrainer
+
+
+def _server_distillation_trainer(trainer) -> bool:
+    """Whether ``trainer`` is a TRL ``ServerDistillationTrainer`` (``trl.experimental`` warns on
+    import: only a trainer that may be one imports it)."""
+    if not any(klass.__name__ == "ServerDistillationTrainer" for klass in type(trainer).__mro__):
+        return False
+    return isinstance(trainer, _server_distillation_class())
+
+
+def _server_distillation_check(trainer, backend: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    server = _server_distillation_class()
+    for name in _SERVER_LOSS_METHODS:
+        if getattr(type(trainer), name) is not getattr(server, name):
+            raise _refuse(trainer, f"it overrides ServerDistillationTrainer.{name}, whose loss "
+                                   f"is not known here")
+    missing = _SERVER_LOSS_NAMES - set(inspect.unwrap(server.compute_loss).__code__.co_names)
+    if missing:
+        raise _refuse(trainer, f"TRL's ServerDistillationTrainer.compute_loss does not read "
+                               f"{sorted(missing)} as TRL 1.16's does")
+    beta, temperature, top_k = trainer.beta, trainer.temperature, trainer.loss_top_k
+    if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):
+        raise _refuse(trainer, f"beta {beta!r} is not a number in [0, 1]")
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise _refuse(trainer, f"temperature {temperature!r} is not a positive number")
+    if not (isinstance(top_k, int) and top_k >= 1 and (beta == 0 or top_k == 1)):
+        raise _refuse(trainer, f"loss_top_k {top_k!r} with beta {beta}: TRL's server path takes "
+                               f"a top-k support of k >= 1 at beta 0, the top-1 support otherwise")
+    if trainer.reverse_kl_top_1_mode != "sampled":
+        raise _refuse(trainer, f"reverse_kl_top_1_mode {trainer.reverse_kl_top_1_mode!r}: the "
+                               f"server path scores the sampled token only")
+    if not isinstance(trainer.loss_add_tail, bool):
+        raise _refuse(trainer, f"loss_add_tail {trainer.loss_add_tail!r} is not a bool")
+    head = _policy_model(trainer).get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise _refuse(trainer, f"its student's output embedding {type(head).__name__} has no "
+                               f"[V, H] weight")
+    if isinstance(weight, DTensor):
+        raise _refuse(trainer, "its student's LM head weight is a DTensor (sharded)")
+    _resolve_backend(backend, weight.device)  # an unknown backend fails here
+
+
+def _server_student_head(student: nn.Module):
+    """The student's head for ``ak.linear_topk_distill_loss``, or None where only the model's
+    own forward gives its logits: a soft-cap (that op applies none), or a forward that
+    ``integrations.transformers.fused_head`` does not read."""
+    from . import transformers as hf
+
+    try:
+        head = hf.fused_head(student)
+    except (TypeError, ValueError):
+        return None
+    return head if head.softcap is None else None
+
+
+def _server_support(trainer, teacher: Dict[str, Tensor], completion_tokens: Tensor,
+                    labels: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """``(support_ids, teacher_logprobs, support_mask)`` per position, as TRL's server path
+    builds them: the teacher's top-k at beta 0 (its -inf entries dropped by the op, as TRL's
+    ``valid``), else ``server_top1_support`` of the teacher's top-1 and the sampled token,
+    after TRL's ValueErrors for log-probs the server left out where labels count."""
+    from ..ops.topk_distill import server_top1_support
+
+    top_ids, top_logprobs = teacher["topk_token_ids"], teacher["topk_logprobs"]
+    if trainer.beta == 0:
+        return top_ids, top_logprobs, None
+    required = labels != -100
+    actual = teacher["actual_logprobs"]
+    missing_actual = required & ~torch.isfinite(actual)
+    if missing_actual.any():
+        raise ValueError(
+            "Teacher server is missing actual-token logprobs for required reverse-KL positions: "
+            f"{int(missing_actual.sum().item())}/{int(required.sum().item())}.")
+    if trainer.beta < 1:
+        missing_top1 = required & ~torch.isfinite(top_logprobs.squeeze(-1))
+        if missing_top1.any():
+            raise ValueError(
+                "Teacher server is missing top-1 logprobs for required forward-KL positions: "
+                f"{int(missing_top1.sum().item())}/{int(required.sum().item())}.")
+    return server_top1_support(top_ids.squeeze(-1), top_logprobs.squeeze(-1), completion_tokens,
+                               actual, trainer.beta)
+
+
+def _server_inputs(inputs) -> Dict[str, Any]:
+    """TRL's rebuild of the ``input_ids`` / ``attention_mask`` / ``labels`` /
+    ``prompt_attention_mask`` layout from the prompt and completion tensors."""
+    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    completion_labels = torch.where(completion_mask.bool(), completion_ids,
+                                    torch.full_like(completion_ids, -100))
+    return {**inputs, "input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
+            "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1),
+            "labels": torch.cat([torch.full_like(prompt_ids, -100), completion_labels], dim=1),
+            "prompt_attention_mask": prompt_mask}
+
+
+def _server_distillation_compute_loss(trainer, backend: str, chunk_size: Optional[int]):
+    """ServerDistillationTrainer.compute_loss (TRL 1.16) on ``ak.linear_topk_distill_loss``:
+    TRL's inputs, prompt length, teacher request, slicing and trimming to the teacher's window,
+    support and ValueErrors, ``batchmean`` over the labelled positions and the division by the
+    gradient-accumulation steps. The student's final hidden states come from TRL's own
+    ``_get_last_hidden_state`` (through ``_forward_redirection``, as DistillationTrainer's loss)
+    and only its labelled positions reach the head; a soft-capped head (or one ``fused_head``
+    does not read) keeps TRL's ``model(...)`` call and ``ak.topk_distill_loss`` on its logits."""
+    original = types.MethodType(_server_distillation_class().compute_loss, trainer)
+
+    def student_loss(unwrapped, head, input_ids, attention_mask, positions, labels, support,
+                     options):
+        # the prepared model's autocast wraps its forward, which the backbone call skips
+        with trainer.accelerator.autocast():
+            hidden = trainer._get_last_hidden_state(unwrapped, input_ids, attention_mask,
+                                                    input_ids.shape[1] - 1)
+            dtype = _compute_dtype(hidden, False)
+        weight, bias = head.weight, head.bias
+        mask = labels.to(weight.device) != -100
+        hidden = hidden[:, positions][:, :labels.shape[1]].to(weight.device)
+        rows = hidden[mask]
+        if head.logit_scale != 1.0:
+            rows = rows * head.logit_scale
+            bias = None if bias is None else bias * head.logit_scale
+        ids, teacher_logprobs, support_mask = (
+            None if value is None else value.to(weight.device)[mask] for value in support)
+        with torch.autocast(rows.device.type, enabled=False):
+            return ak.linear_topk_distill_loss(
+                rows.to(dtype), weight.to(dtype), ids, teacher_logprobs,
+                bias=None if bias is None else bias.to(dtype), support_mask=support_mask,
+                **options)
+
+    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        unwrapped = trainer.accelerator.unwrap_model(model)
+        head = _server_student_head(_base_model(unwrapped))
+        linear = head is not None
+        if return_outputs and linear:  # the caller wants the student's logits: TRL's own
+            return original(model, inputs, return_outputs=True,
+                            num_items_in_batch=num_items_in_batch)
+        inputs = _server_inputs(inputs)
+        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+        student_outputs = None
+        if not linear:
+            student_outputs = model(input_ids=input_ids, attention_mask=attention_mask)
+        prompt_length = trainer._compute_prompt_length(inputs)
+        teacher = trainer._get_teacher_token_logprobs_from_server(inputs, prompt_length)
+        window = teacher["actual_logprobs"].shape[1]
+        labels = inputs["labels"][:, prompt_length:][:, :window]
+        completion_tokens = input_ids[:, prompt_length:][:, :window]
+        support = _server_support(trainer, teacher, completion_tokens, labels)
+        # TRL's logits[:, prompt_length - 1:-1], a slice that also indexes hidden[:, :-1]
+        positions = slice(*slice(prompt_length - 1, -1).indices(input_ids.shape[1])[:2])
+        options = dict(beta=float(trainer.beta), temperature=float(trainer.temperature),
+                       tail=trainer.loss_add_tail, backend=backend)
+        if linear:
+            loss = trainer._forward_redirection(
+                model, unwrapped, student_loss, unwrapped, head, input_ids, attention_mask,
+                positions, labels, support, dict(options, chunk_size=chunk_size))
+        else:
+            logits = student_outputs.logits[:, positions][:, :window]
+            ids, teacher_logprobs, support_mask = support
+            with torch.autocast(logits.device.type, enabled=False):
+                loss = ak.topk_distill_loss(logits, ids, teacher_logprobs, labels,
+                                            support_mask=support_mask, **options)
+        if trainer.model.training:
+            loss = loss / trainer.current_gradient_accumulation_steps
+        return (loss, student_outputs) if return_outputs else loss
+
+    return compute_loss
+
+
+def _server_distillation_install(trainer, backend: str, chunk_size: Optional[int]):
+    _server_distillation_check(trainer, backend)
+    trainer.compute_loss = _server_distillation_compute_loss(trainer, backend, chunk_size)
+    trainer.__dict__[_TRAINER_STATE] = []  # no model's forward is replaced
+    return trainer
+
+
 def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None,
             fused_loss: bool = False):
     """Serve every fused-head call of ``trainer`` (a built TRL 1.16 trainer) with
     ``ak.linear_token_logprobs`` (a GKDTrainer's or DistillationTrainer's loss with
-    ``ak.linear_distill_loss``); returns the trainer. ``fused_loss=True`` (a GRPOTrainer)
+    ``ak.linear_distill_loss``, a ServerDistillationTrainer's with
+    ``ak.linear_topk_distill_loss``); returns the trainer. ``fused_loss=True`` (a GRPOTrainer)
     also computes its loss with ``ak.linear_grpo_loss``. Raises ``TRLHeadError`` (a
     ``ValueError``) saying why when it cannot serve the trainer exactly (module docstring)."""
     if not isinstance(fused_loss, bool):
@@ -797,6 +1007,8 @@ def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None,
     _check_contract(trainer)
     if fused_loss:
         _check_fused_loss(trainer)
+    if _server_distillation_trainer(trainer):  # its teacher is a server's top-k log-probs
+        return _server_distillation_install(trainer, backend, chunk_size)
     if _distillation_trainer(trainer):  # its loss reads both LM heads directly: no fused head
         return _distillation_install(trainer, backend, chunk_size)
     models = _served_models(trainer)
