@@ -182,7 +182,11 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
               kl_ratio_correction: bool = False, importance_weights: Optional[Tensor] = None,
               off_policy_threshold: Optional[float] = None,
               sampling_logprobs: Optional[Tensor] = None, top_entropy_quantile: float = 1.0,
-              entropy_coef: float = 0.0,
+              entropy_coef: float = 0.0, rollout_is: Optional[str] = None,
+              rollout_is_min: Optional[float] = None, rollout_is_max: Optional[float] = 3.0,
+              rollout_is_batch_normalize: bool = False, rollout_rs: Optional[str] = None,
+              rollout_rs_threshold: Optional[float] = None,
+              rollout_rs_threshold_lower: Optional[float] = None,
               options: Optional[GRPOOptions] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
     """The GRPO family on ``[B, T, V]`` logits aligned with ``target [B, T]`` (TRL's
     ``GRPOTrainer._compute_loss``). With ``w`` the token log-ratio ``logp - old`` (or its
@@ -195,8 +199,11 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
     * ``vespo``: ``-phi * A * logp``, ``phi = exp(lam + k log W - lam W)`` detached, ``W`` the
       sequence's product of token ratios (and importance weights), ``k, lam`` by ``A >= 0``.
 
-    The term is multiplied by ``importance_weights`` (not for vespo), zeroed by the off-policy
-    and top-entropy masks, then ``beta * k3`` (``* r`` with ``kl_ratio_correction``) is added.
+    With ``rollout_is`` or ``rollout_rs`` the rollout correction (:func:`rollout_correction`)
+    replaces ``importance_weights`` by its weights and drops its rejected tokens from ``mask``
+    first. The term is multiplied by ``importance_weights`` (not for vespo), zeroed by the
+    off-policy and top-entropy masks, then ``beta * k3`` (``* r`` with ``kl_ratio_correction``)
+    is added.
     Aggregation: ``grpo``/``sapo`` mean per sequence then over sequences; ``bnpo`` mean over
     tokens; ``dr_grpo`` sum / (B * max_completion_length); ``dapo``/``cispo``/``vespo`` sum /
     normalizer (default the token count); ``luspo`` sum / B. ``entropy_coef`` subtracts
@@ -214,7 +221,11 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
         sapo_tau_neg=sapo_tau_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
         vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
         kl_ratio_correction=kl_ratio_correction, off_policy_threshold=off_policy_threshold,
-        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef))
+        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef,
+        rollout_is=rollout_is, rollout_is_min=rollout_is_min, rollout_is_max=rollout_is_max,
+        rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
+        rollout_rs_threshold=rollout_rs_threshold,
+        rollout_rs_threshold_lower=rollout_rs_threshold_lower))
     return _grpo_loss(logits, target, advantages, mask, old_logprobs, ref_logprobs, normalizer,
                       importance_weights, sampling_logprobs, options)
 
@@ -240,6 +251,13 @@ def _grpo_loss(logits, target, advantages, mask, old_logprobs, ref_logprobs, nor
     advantages = select(advantages)
     old = logp.detach() if old_logprobs is None else select(old_logprobs)
     ref = None if ref_logprobs is None else select(ref_logprobs)
+    correction_metrics = {}
+    if o.rollout_is is not None or o.rollout_rs is not None:
+        weights, valid, correction_metrics = rollout_correction(
+            old, select(sampling_logprobs), valid, o)
+        mask = valid.to(dtype)
+        if weights is not None:
+            importance_weights = weights
     lengths = mask.sum(-1).clamp(min=1.0)
     token_log_ratio = ((logp - old) * mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if importance_sampling == "sequence":
@@ -274,7 +292,9 @@ def _grpo_loss(logits, target, advantages, mask, old_logprobs, ref_logprobs, nor
             sampling = select(old_logprobs)
         else:
             sampling = logp.detach()
-        gap = ((sampling - logp.detach()) * mask).sum(-1, keepdim=True) / lengths.unsqueeze(1)
+        # TRL get_off_policy_mask: a NaN (unscored) sampling log-prob counts as no KL
+        kl = torch.nan_to_num(sampling - logp.detach(), nan=0.0)
+        gap = (kl * mask).sum(-1, keepdim=True) / lengths.unsqueeze(1)
         kept = (advantages >= 0) | (gap <= o.off_policy_threshold)
         keep = keep & kept
         extra["mask/off_policy"] = kept
@@ -337,7 +357,117 @@ def _grpo_loss(logits, target, advantages, mask, old_logprobs, ref_logprobs, nor
     metrics.update({key: masked_mean(kept) for key, kept in extra.items()})
     if o.entropy_coef != 0.0 or o.top_entropy_quantile < 1.0:
         metrics["entropy"] = masked_mean(entropy)
+    metrics.update(correction_metrics)
     return total, metrics
+
+
+def rollout_correction(old: Tensor, sampling: Tensor, valid: Tensor, options: GRPOOptions
+                       ) -> Tuple[Optional[Tensor], Tensor, Dict[str, Tensor]]:
+    """``(weights, kept, metrics)`` of the rollout correction, in ``old``'s dtype, with
+    ``d = old - sampling`` on the unmasked tokens (0 elsewhere; NaN counts as 0, as TRL).
+
+    ``rollout_is`` (TRL 1.16 ``GRPOTrainer._generate_and_score_completions``): ``rho = exp(d)``
+    (``token_*``) or ``exp(sum_t d)`` (``sequence_*``); ``*_truncate`` clamps it to
+    ``[rollout_is_min, rollout_is_max]``, ``*_mask`` zeroes it outside;
+    ``rollout_is_batch_normalize`` divides by the masked mean (of the sequences' weights for
+    ``sequence_*``) when above 1e-8 (verl ``compute_rollout_correction_weights``).
+    ``rollout_rs`` (verl ``compute_rollout_rejection_mask``): with ``s = clamp(d, +-20)``,
+    k1 = ``-s`` kept in ``[log lower, log upper]`` (lower = ``1/upper`` by default), k2 =
+    ``s^2/2``, k3 = ``e^s - 1 - s`` kept ``<= upper``; per token or the sequence's sum, mean or
+    max. verl's masked means divide by ``count + 1e-8``. Metrics: TRL's ``sampling/*``,
+    verl's ``rollout_corr/*``; all 0 when no token is unmasked.
+    """
+    o = options
+    dtype = old.dtype
+    m = valid.to(dtype)
+
+    def masked_mean(x: Tensor, dim=None) -> Tensor:
+        return torch.where(valid, x, 0.0).sum(dim) / (m.sum(dim) + 1e-8)
+
+    def stats(x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        if x.numel() == 0:
+            return (torch.zeros((), dtype=dtype),) * 3
+        return x.min(), x.mean(), x.max()
+
+    d = torch.where(valid, torch.nan_to_num(old - sampling, nan=0.0), 0.0)
+    d_seq = d.sum(-1, keepdim=True)
+    metrics = {
+        "rollout_corr/kl": masked_mean(-d),
+        "rollout_corr/k3_kl": masked_mean(torch.exp(d) - d - 1),
+        "rollout_corr/log_ppl_diff": (-d_seq[:, 0] / (m.sum(-1) + 1e-8)).mean(),
+        "rollout_corr/chi2_token": masked_mean(torch.exp(d.clamp(-20, 20)) ** 2) - 1,
+        "rollout_corr/chi2_seq": torch.exp(2 * d_seq.clamp(-20, 20)).mean() - 1,
+    }
+    weights = None
+    if o.rollout_is is not None:
+        token_level = o.rollout_is.startswith("token")
+        rho = torch.exp(d) if token_level else torch.exp(d_seq).expand_as(d)
+        if o.rollout_is.endswith("truncate"):
+            rho = torch.clamp(rho, min=o.rollout_is_min, max=o.rollout_is_max)
+        else:
+            low = -math.inf if o.rollout_is_min is None else o.rollout_is_min
+            high = math.inf if o.rollout_is_max is None else o.rollout_is_max
+            rho = rho.masked_fill((rho < low) | (rho > high), 0.0)
+        delta = (old - sampling).abs()
+        delta = delta[valid & ~torch.isnan(delta)]
+        low_ratio, mean_ratio, high_ratio = stats(rho[valid] if token_level else rho[:, 0])
+        metrics.update({
+            "sampling/sampling_logp_difference/mean": stats(delta)[1],
+            "sampling/sampling_logp_difference/max": stats(delta)[2],
+            "sampling/importance_sampling_ratio/min": low_ratio,
+            "sampling/importance_sampling_ratio/mean": mean_ratio,
+            "sampling/importance_sampling_ratio/max": high_ratio,
+        })
+        clamped = rho.clamp(min=0.0, max=o.rollout_is_max)
+        variance = masked_mean(clamped ** 2) - masked_mean(clamped) ** 2
+        metrics.update({
+            "rollout_corr/rollout_is_mean": masked_mean(rho),
+            "rollout_corr/rollout_is_max": (stats(rho[valid])[2] if token_level
+                                            else torch.exp(d_seq.max().clamp(max=20))),
+            "rollout_corr/rollout_is_min": (stats(rho[valid])[0] if token_level
+                                            else torch.exp(d_seq.min())),
+            "rollout_corr/rollout_is_std": (variance.clamp(min=0).sqrt() if m.sum() > 1
+                                            else torch.zeros((), dtype=dtype)),
+            "rollout_corr/rollout_is_eff_sample_size": 1 / masked_mean(
+                (clamped / (masked_mean(clamped) + 1e-8)) ** 2),
+        })
+        if o.rollout_is_batch_normalize:
+            if token_level:
+                mean = masked_mean(rho)
+            else:
+                has_tokens = (m.sum(-1) > 0).to(dtype)
+                mean = ((masked_mean(rho, -1) * has_tokens).sum()
+                        / has_tokens.sum().clamp(min=1e-8))
+            factor = mean if mean > 1e-8 else torch.ones((), dtype=dtype)
+            rho = rho / factor
+            metrics["rollout_corr/rollout_is_batch_norm_factor"] = factor
+        weights = rho
+    kept = valid
+    if o.rollout_rs is not None:
+        s = d.clamp(-20, 20)
+        statistic = {"k1": -s, "k2": s ** 2 / 2, "k3": torch.exp(s) - 1 - s}[o.rollout_rs[-2:]]
+        if o.rollout_rs.startswith("seq_sum"):
+            statistic = torch.where(valid, statistic, 0.0).sum(-1, keepdim=True)
+        elif o.rollout_rs.startswith("seq_mean"):
+            statistic = masked_mean(statistic, -1).unsqueeze(-1)
+        elif o.rollout_rs.startswith("seq_max"):
+            largest = torch.where(valid, statistic, -math.inf).max(-1).values
+            statistic = torch.where(valid.any(-1), largest, 0.0).unsqueeze(-1)
+        upper = o.rollout_rs_threshold
+        if o.rollout_rs.endswith("k1"):
+            lower = (1 / upper if o.rollout_rs_threshold_lower is None
+                     else o.rollout_rs_threshold_lower)
+            keep = (statistic >= math.log(lower)) & (statistic <= math.log(upper))
+        else:
+            keep = statistic <= upper
+        kept = valid & keep
+        metrics["rollout_corr/rollout_rs_masked_fraction"] = masked_mean(
+            (valid & ~kept).to(dtype))
+        metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = (
+            (valid & ~kept).any(-1).to(dtype).mean())
+    if not valid.any():
+        metrics = {key: torch.zeros((), dtype=dtype) for key in metrics}
+    return weights, kept, {key: value.detach() for key, value in metrics.items()}
 
 
 def _cdpo(logits: Tensor, label_smoothing: float) -> Tensor:

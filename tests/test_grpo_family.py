@@ -70,7 +70,8 @@ def trl_grpo(x, target, advantages, mask, *, old=None, ref=None, sampling=None,
     if off_policy_threshold is not None:
         sampling64 = (old.double() if old is not None else logps64) if sampling is None \
             else sampling.double()
-        kl_div = sampling64 - logps64
+        # TRL 1.16 get_off_policy_mask: a NaN (unscored) sampling log-prob gives no KL
+        kl_div = torch.nan_to_num(sampling64 - logps64, nan=0.0)
         avg_seq_kl = (kl_div * m.double()).sum(1, keepdim=True) / m.double().sum(
             1, keepdim=True).clamp(min=1.0)
         off_policy_mask = ((advantages >= 0) | (avg_seq_kl <= off_policy_threshold)).to(dtype)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional, Tuple, U
 import torch
 from torch import Tensor
 
-from . import _library, vocab_parallel
+from . import _library, rollout_correction, vocab_parallel
 from ._backend import resolve_backend
 from ._common import (
     AttachGrad,
@@ -71,8 +71,9 @@ class GRPOParams(SurrogateArgs):
 
 @dataclass
 class _Inputs:
-    """Validated per-token inputs: ``valid`` marks the counted tokens; the float32 tensors hold
-    0 at masked tokens whatever the caller passed there."""
+    """Validated per-token inputs: ``valid`` marks the counted tokens (the mask, less the tokens
+    the rollout rejection drops), ``scored`` the mask as given (the tokens whose log-probs the
+    call returns); the float32 tensors hold 0 at masked tokens whatever the caller passed."""
     valid: Tensor
     advantages: Tensor
     old: Optional[Tensor]
@@ -80,6 +81,9 @@ class _Inputs:
     normalizer: Optional[Tensor]
     importance_weights: Optional[Tensor] = None
     sampling: Optional[Tensor] = None
+    scored: Optional[Tensor] = None
+    #: ``importance_weights`` are known to be > 0 on every unmasked token
+    weights_positive: bool = False
 
 
 def _check_logprobs_input(tensor: Optional[Tensor], name: str, shape, device) -> Optional[Tensor]:
@@ -108,15 +112,18 @@ def _check_normalizer(normalizer, loss_type: str, device) -> Optional[Tensor]:
 
 
 def _check_values(mask: Optional[Tensor], valid: Tensor, normalizer: Optional[Tensor],
-                  importance_weights: Optional[Tensor] = None) -> None:
+                  importance_weights: Optional[Tensor] = None) -> bool:
     """A mask of 0s and 1s, a normalizer that is finite and > 0 (0 only when no token is
     counted, an empty batch), importance weights finite and >= 0 on the unmasked tokens.
+    Returns whether the importance weights are known to be > 0 on every unmasked token (read
+    in the same sync; False under ``torch.compile``): only then may they fold into the fused
+    kernel, whose rows of weight 0 are masked ones (no log-prob for the metrics).
 
     Documented validation: one host sync when there is something to check (a mask that is not
     bool, importance weights, a normalizer on CPU), like the target check; under
     ``torch.compile`` an on-device assert, and for a normalizer on CUDA too (no host sync).
     """
-    flags, messages = [], []
+    flags, messages, zero_weight = [], [], None
     if mask is not None and mask.dtype != torch.bool:
         flags.append(((mask != 0) & (mask != 1)).any())
         messages.append("mask must hold only 0 and 1 (or be a bool tensor)")
@@ -124,6 +131,7 @@ def _check_values(mask: Optional[Tensor], valid: Tensor, normalizer: Optional[Te
         usable = torch.isfinite(importance_weights) & (importance_weights >= 0)
         flags.append((valid & ~usable).any())
         messages.append("importance_weights must be finite and >= 0 on the unmasked tokens")
+        zero_weight = (valid & (importance_weights == 0)).any()
     if normalizer is not None:
         empty = ~valid.any()
         usable = torch.isfinite(normalizer) & ((normalizer > 0) | ((normalizer == 0) & empty))
@@ -134,19 +142,21 @@ def _check_values(mask: Optional[Tensor], valid: Tensor, normalizer: Optional[Te
             flags.append(~usable)
             messages.append(message)
     if not flags or valid.device.type == "meta":
-        return
+        return False
     if torch.compiler.is_compiling():
         for flag, message in zip(flags, messages):
             torch._assert_async(~flag, message)
-        return
-    for bad, message in zip(torch.stack(flags).tolist(), messages):
+        return False
+    read = torch.stack(flags + ([] if zero_weight is None else [zero_weight])).tolist()
+    for bad, message in zip(read, messages):
         if bad:
             detail = f", got {normalizer.item()}" if message.startswith("normalizer") else ""
             raise ValueError(message + detail)
+    return zero_weight is not None and not read[-1]
 
 
-def _checked_extras(options: GRPOOptions, ref: Optional[Tensor],
-                    sampling: Optional[Tensor]) -> GRPOOptions:
+def _checked_extras(options: GRPOOptions, ref: Optional[Tensor], sampling: Optional[Tensor],
+                    importance_weights: Optional[Tensor]) -> GRPOOptions:
     """The GRPO-family options: each in its range, and none set where it would be unused."""
     loss_type, checked = options.loss_type, {}
     for name, family in (("sapo_tau_pos", "sapo"), ("sapo_tau_neg", "sapo"),
@@ -163,13 +173,15 @@ def _checked_extras(options: GRPOOptions, ref: Optional[Tensor],
     if check_bool(options.kl_ratio_correction, "kl_ratio_correction") and ref is None:
         raise ValueError("kl_ratio_correction=True needs ref_logprobs (it scales the k3 KL "
                          "term by the importance ratio)")
+    checked.update(rollout_correction.checked_options(options, sampling, importance_weights))
     threshold = options.off_policy_threshold
     if threshold is not None:
         checked["off_policy_threshold"] = check_in_range(
             threshold, "off_policy_threshold", 0.0, float("inf"))
-    elif sampling is not None:
-        raise ValueError("sampling_logprobs is used only by the off-policy sequence mask: pass "
-                         "off_policy_threshold too")
+    elif sampling is not None and not rollout_correction.is_on(options):
+        raise ValueError("sampling_logprobs is used by the off-policy sequence mask and the "
+                         "rollout correction only: pass off_policy_threshold, rollout_is or "
+                         "rollout_rs too")
     checked["top_entropy_quantile"] = check_in_range(
         options.top_entropy_quantile, "top_entropy_quantile", 0.0, 1.0)
     checked["entropy_coef"] = check_in_range(options.entropy_coef, "entropy_coef",
@@ -237,8 +249,8 @@ def _check(logits, target, advantages, options: GRPOOptions, mask, old_logprobs,
     sampling = _check_logprobs_input(sampling_logprobs, "sampling_logprobs", shape, device)
     options = _checked_extras(dataclasses.replace(
         options, beta=beta, clip_eps_low=clip_eps_low, temperature=check_positive(
-            temperature, "temperature")), ref, sampling)
-    _check_values(mask, valid, normalizer, weights)
+            temperature, "temperature")), ref, sampling, weights)
+    weights_positive = _check_values(mask, valid, normalizer, weights)
     params = GRPOParams(temperature=options.temperature,
                         clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
                         beta=beta, kl_ratio_correction=options.kl_ratio_correction,
@@ -252,7 +264,8 @@ def _check(logits, target, advantages, options: GRPOOptions, mask, old_logprobs,
         return torch.where(valid, values.detach().float(), 0.0)
 
     return _Inputs(valid, select(advantages), select(old), select(ref), normalizer,
-                   select(weights), select(sampling)), params
+                   select(weights), select(sampling), scored=valid,
+                   weights_positive=weights_positive), params
 
 
 class FlatRows(NamedTuple):
@@ -271,16 +284,24 @@ class GRPOPlan:
     weight: Tensor
     #: ``return_token_values``: the call also returns each token's log-prob and entropy
     token_values: bool = False
+    #: the rollout correction waits for the token log-probs (``old_logprobs=None``: old = logp)
+    correction_pending: bool = False
+    #: the rollout correction's metrics, once computed
+    correction_metrics: Optional[Dict[str, Tensor]] = None
 
     @property
     def fused(self) -> bool:
         """Whether the single-pass kernel's formula covers the call: the clipped surrogate on
         token ratios, with no mask or term that needs the log-probs first. Importance weights
-        fold into the token weights when there is no KL term for them to leave alone."""
+        fold into the token weights when there is no KL term for them to leave alone and none
+        is 0 (the kernel reads a weight of 0 as a masked token: no log-prob for the metrics)."""
         params, options = self.params, self.params.options
         return (params.loss_type in CLIPPED_LOSS_TYPES and params.importance_sampling == "token"
-                and options.extras_at_defaults
-                and (self.inputs.importance_weights is None or params.beta == 0))
+                and options.extras_at_defaults and not self.correction_pending
+                # a token the rejection drops has weight 0 there: no log-prob to return
+                and not (options.rollout_rs is not None and self.token_values)
+                and (self.inputs.importance_weights is None
+                     or (params.beta == 0 and self.inputs.weights_positive)))
 
     def flat_rows(self) -> FlatRows:
         def flat(x: Optional[Tensor]) -> Optional[Tensor]:
@@ -311,7 +332,34 @@ def plan(logits: Tensor, target: Tensor, advantages: Tensor,
                             sampling_logprobs)
     weight = _token_weight(inputs.valid, params.loss_type, options.max_completion_length,
                            inputs.normalizer)
-    return GRPOPlan(inputs, params, weight, return_token_values)
+    checked = GRPOPlan(inputs, params, weight, return_token_values)
+    if not rollout_correction.is_on(params.options):
+        return checked
+    if inputs.old is None:
+        return dataclasses.replace(checked, correction_pending=True)
+    return corrected(checked, inputs.old)
+
+
+def corrected(checked: GRPOPlan, old: Tensor) -> GRPOPlan:
+    """``checked`` with its rollout correction (``ops/rollout_correction.py``) from ``old``: the
+    importance weights become the call's ``importance_weights`` (where TRL multiplies its
+    vLLM ratio: each token's policy term; inside phi for VESPO), the rejected tokens leave
+    the mask (verl replaces ``response_mask``), and the token weights follow the new mask."""
+    inputs, params = checked.inputs, checked.params
+    correction = rollout_correction.rollout_correction(old, inputs.sampling, inputs.scored,
+                                                       params.options)
+    positive, options = inputs.weights_positive, params.options
+    if correction.weights is not None:
+        # > 0 for sure only when truncated from below (exp(d) may underflow to 0 otherwise)
+        positive = (options.rollout_is.endswith("_truncate")
+                    and (options.rollout_is_min or 0.0) > 0)
+    weights = inputs.importance_weights if correction.weights is None else correction.weights
+    inputs = dataclasses.replace(inputs, valid=correction.kept, importance_weights=weights,
+                                 weights_positive=positive)
+    weight = _token_weight(inputs.valid, params.loss_type, params.options.max_completion_length,
+                           inputs.normalizer)
+    return dataclasses.replace(checked, inputs=inputs, weight=weight, correction_pending=False,
+                               correction_metrics=correction.metrics)
 
 
 def token_values(logp: Tensor, entropy: Tensor, valid: Tensor) -> Dict[str, Tensor]:
@@ -326,7 +374,7 @@ def with_token_values(result: Tuple[Tensor, Dict[str, Tensor]], checked: GRPOPla
     """``result``, and the token values when the call asked for them."""
     if not checked.token_values:
         return result
-    return result + (token_values(logp, entropy, checked.inputs.valid),)
+    return result + (token_values(logp, entropy, checked.inputs.scored),)
 
 
 @options_or_keywords
@@ -344,7 +392,12 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
               kl_ratio_correction: bool = False, importance_weights: Optional[Tensor] = None,
               off_policy_threshold: Optional[float] = None,
               sampling_logprobs: Optional[Tensor] = None, top_entropy_quantile: float = 1.0,
-              entropy_coef: float = 0.0, options: Optional[GRPOOptions] = None,
+              entropy_coef: float = 0.0, rollout_is: Optional[str] = None,
+              rollout_is_min: Optional[float] = None, rollout_is_max: Optional[float] = 3.0,
+              rollout_is_batch_normalize: bool = False, rollout_rs: Optional[str] = None,
+              rollout_rs_threshold: Optional[float] = None,
+              rollout_rs_threshold_lower: Optional[float] = None,
+              options: Optional[GRPOOptions] = None,
               return_token_values: bool = False, backend: str = "auto",
               process_group: Optional["ProcessGroup"] = None,
               check_consistency: bool = True) -> Tuple[Tensor, Dict[str, Tensor]]:
@@ -369,6 +422,17 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
     detached float32 ``[B, T]``, 0 at masked tokens, from the same pass over the logits (what a
     trainer logs or keeps as the next step's old log-probs). ``metrics`` then also hold
     ``entropy``.
+
+    Rollout correction from ``sampling_logprobs`` (the sampler's log-probs of the sampled
+    tokens) and the old log-probs (``logp`` detached when None): ``rollout_is`` (TRL's
+    ``vllm_importance_sampling_mode``: ``"token_truncate"``, ``"token_mask"``,
+    ``"sequence_truncate"``, ``"sequence_mask"``) weighs each token's policy term by
+    ``exp(old - sampling)`` (per token, or of its sum per sequence) clamped to, or zeroed
+    outside, ``[rollout_is_min, rollout_is_max]``; ``rollout_is_batch_normalize`` divides the
+    weights by their batch mean (verl). ``rollout_rs`` (verl's rejection: ``"token_k1"``,
+    ``"seq_mean_k3"``, ...) drops the tokens or sequences whose k1/k2/k3 divergence is out of
+    ``rollout_rs_threshold`` (and ``rollout_rs_threshold_lower`` for k1) from the mask.
+    docs/objectives.md, "Rollout correction", has the formulas and metrics.
     """
     options = options_from(options, dict(
         beta=beta, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
@@ -377,7 +441,11 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
         sapo_tau_neg=sapo_tau_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
         vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
         kl_ratio_correction=kl_ratio_correction, off_policy_threshold=off_policy_threshold,
-        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef))
+        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef,
+        rollout_is=rollout_is, rollout_is_min=rollout_is_min, rollout_is_max=rollout_is_max,
+        rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
+        rollout_rs_threshold=rollout_rs_threshold,
+        rollout_rs_threshold_lower=rollout_rs_threshold_lower))
     inputs = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                   normalizer=normalizer, importance_weights=importance_weights,
                   sampling_logprobs=sampling_logprobs, return_token_values=return_token_values)
@@ -405,17 +473,22 @@ def reference_loss(logits: Tensor, target: Tensor, checked: GRPOPlan):
     inputs, params = checked.inputs, checked.params
     options = dataclasses.replace(params.options, clip_eps_high=params.clip_eps_high,
                                   delta=params.delta or None)
+    # the spec computes its own rollout correction from the mask as given (rollout_is and the
+    # caller's importance_weights never come together)
+    weights = None if options.rollout_is is not None else inputs.importance_weights
     result = reference.grpo_loss(
-        logits.float(), target, inputs.advantages, inputs.valid, inputs.old, inputs.ref,
-        normalizer=inputs.normalizer, importance_weights=inputs.importance_weights,
+        logits.float(), target, inputs.advantages, inputs.scored, inputs.old, inputs.ref,
+        normalizer=inputs.normalizer, importance_weights=weights,
         sampling_logprobs=inputs.sampling, options=options)
     if not checked.token_values:
         return result
     with torch.no_grad():
-        masked_target = torch.where(inputs.valid, target, torch.full_like(target, -100))
+        masked_target = torch.where(inputs.scored, target, torch.full_like(target, -100))
         logp, entropy = reference.token_logprobs(logits.float(), masked_target,
                                                  params.temperature, -100)
-    result[1]["entropy"] = _masked_mean(entropy, inputs.valid)
+    if checked.correction_pending:
+        checked = corrected(checked, logp)
+    result[1]["entropy"] = _masked_mean(entropy, checked.inputs.valid)
     return with_token_values(result, checked, logp, entropy)
 
 
@@ -529,16 +602,18 @@ def token_level_result(logp: Tensor, token_loss: Tensor, entropy: Tensor, checke
     inputs, params = checked.inputs, checked.params
     valid = inputs.valid.reshape(-1)
     value = torch.where(valid, token_loss * checked.flat_rows().weight, 0.0).sum()
-    logp = torch.where(inputs.valid, logp.view(inputs.valid.shape), 0.0)
+    token_logp = logp.view(inputs.valid.shape)
+    logp = torch.where(inputs.valid, token_logp, 0.0)
     old = logp if inputs.old is None else inputs.old
     ratio = torch.exp((logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     k3 = _k3(logp, inputs.ref)
     if params.kl_ratio_correction:
         k3 = k3 * ratio
     extra = {"entropy": _masked_mean(entropy.view(inputs.valid.shape), inputs.valid)
-             } if checked.token_values else None
+             } if checked.token_values else {}
+    extra.update(checked.correction_metrics or {})
     result = value, _metrics(ratio, k3, inputs, params, extra)
-    return with_token_values(result, checked, logp, entropy)
+    return with_token_values(result, checked, token_logp, entropy)
 
 
 def _vespo_weight(token_log_ratio: Tensor, inputs: _Inputs, options: GRPOOptions) -> Tensor:
@@ -586,7 +661,9 @@ def _off_policy_keep(logp: Tensor, inputs: _Inputs, threshold: float) -> Tensor:
     if sampling is None:
         sampling = logp.detach()
     lengths = valid.sum(-1, keepdim=True).clamp(min=1).to(torch.float32)
-    gap = torch.where(valid, sampling - logp.detach(), 0.0).sum(-1, keepdim=True) / lengths
+    # TRL get_off_policy_mask: a token vLLM could not score (NaN) carries no KL evidence
+    gap = torch.where(valid, torch.nan_to_num(sampling - logp.detach(), nan=0.0), 0.0)
+    gap = gap.sum(-1, keepdim=True) / lengths
     return (inputs.advantages >= 0) | (gap <= threshold)
 
 
@@ -610,11 +687,15 @@ def from_logprobs(logprobs_of: Callable[[Tensor, bool], Tuple[Tensor, Optional[T
     ``logprobs_of(masked_target, with_entropy)`` gives the differentiable token log-probs (and
     entropies, or None) from logits or the fused head. GSPO's ratio
     ``r_b = exp(masked mean of logp - old)`` is one per sequence, its gradient reaching every
-    unmasked token of the sequence."""
+    unmasked token of the sequence. A rollout correction waiting for ``old = logp`` is
+    computed here, before anything reads the mask."""
+    masked_target = torch.where(checked.inputs.scored, target, torch.full_like(target, -100))
+    logp, entropy = logprobs_of(masked_target,
+                                checked.params.options.needs_entropy or checked.token_values)
+    if checked.correction_pending:
+        checked = corrected(checked, logp.detach())
     inputs, params, weight = checked.inputs, checked.params, checked.weight
     options, valid = params.options, inputs.valid
-    masked_target = torch.where(valid, target, torch.full_like(target, -100))
-    logp, entropy = logprobs_of(masked_target, options.needs_entropy or checked.token_values)
     old = logp.detach() if inputs.old is None else inputs.old
     token_log_ratio = torch.where(valid, logp - old, 0.0)
     if params.importance_sampling == "sequence":
@@ -648,6 +729,7 @@ def from_logprobs(logprobs_of: Callable[[Tensor, bool], Tuple[Tensor, Optional[T
         extra["entropy"] = _masked_mean(entropy, valid)
     if options.entropy_coef != 0.0:
         loss = loss - options.entropy_coef * _entropy_bonus(entropy, entropy_keep, checked)
+    extra.update(checked.correction_metrics or {})
     result = loss, _metrics(ratio.detach(), k3.detach(), inputs, params, extra)
     return with_token_values(result, checked, logp, entropy)
 

@@ -16,6 +16,13 @@ from typing import Callable, Optional
 POLICY_EXTRAS = ("sapo_tau_pos", "sapo_tau_neg", "vespo_k_pos", "vespo_lambda_pos",
                  "vespo_k_neg", "vespo_lambda_neg", "off_policy_threshold",
                  "top_entropy_quantile", "entropy_coef")
+#: TRL 1.16's ``vllm_importance_sampling_mode`` values (``GRPOConfig``)
+ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+#: verl's ``rollout_rs`` options (``rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS``, less
+#: ``binary_kl``)
+ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2",
+                      "seq_sum_k3", "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2",
+                      "seq_max_k3")
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,13 @@ class GRPOOptions:
     off_policy_threshold: Optional[float] = None
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
+    rollout_is: Optional[str] = None
+    rollout_is_min: Optional[float] = None
+    rollout_is_max: Optional[float] = 3.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: Optional[float] = None
+    rollout_rs_threshold_lower: Optional[float] = None
 
     @property
     def needs_entropy(self) -> bool:

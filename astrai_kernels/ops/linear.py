@@ -521,6 +521,12 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
                      off_policy_threshold: Optional[float] = None,
                      sampling_logprobs: Optional[Tensor] = None,
                      top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0,
+                     rollout_is: Optional[str] = None, rollout_is_min: Optional[float] = None,
+                     rollout_is_max: Optional[float] = 3.0,
+                     rollout_is_batch_normalize: bool = False,
+                     rollout_rs: Optional[str] = None,
+                     rollout_rs_threshold: Optional[float] = None,
+                     rollout_rs_threshold_lower: Optional[float] = None,
                      options: Optional[GRPOOptions] = None, softcap: Optional[float] = None,
                      logit_scale: float = 1.0, return_token_values: bool = False,
                      chunk_size: Optional[int] = None, backend: str = "auto",
@@ -545,7 +551,11 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
         sapo_tau_neg=sapo_tau_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
         vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
         kl_ratio_correction=kl_ratio_correction, off_policy_threshold=off_policy_threshold,
-        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef))
+        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef,
+        rollout_is=rollout_is, rollout_is_min=rollout_is_min, rollout_is_max=rollout_is_max,
+        rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
+        rollout_rs_threshold=rollout_rs_threshold,
+        rollout_rs_threshold_lower=rollout_rs_threshold_lower))
     inputs = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                   normalizer=normalizer, importance_weights=importance_weights,
                   sampling_logprobs=sampling_logprobs, return_token_values=return_token_values)
