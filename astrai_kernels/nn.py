@@ -14,7 +14,7 @@ class CrossEntropyLoss(torch.nn.Module):
     """Drop-in for ``torch.nn.CrossEntropyLoss`` on class-index targets, fused.
 
     Supports ``ignore_index``, ``reduction`` and ``label_smoothing`` from torch, plus
-    ``z_loss``, ``softcap``, ``inplace_backward`` and ``backend``. Not supported (a
+    ``z_loss``, ``softcap``, ``logit_scale``, ``inplace_backward`` and ``backend``. Not supported (a
     ``ValueError`` says so): ``weight``, probability (soft) targets, and the deprecated
     ``size_average``/``reduce``. Logits are ``[..., V]`` with the classes last, not ``[N, C, d]``.
     """
@@ -22,8 +22,8 @@ class CrossEntropyLoss(torch.nn.Module):
     def __init__(self, weight: Optional[torch.Tensor] = None, size_average: None = None,
                  ignore_index: int = -100, reduce: None = None, reduction: str = "mean",
                  label_smoothing: float = 0.0, *, z_loss: float = 0.0,
-                 softcap: Optional[float] = None, inplace_backward: bool = False,
-                 backend: str = "auto") -> None:
+                 softcap: Optional[float] = None, logit_scale: float = 1.0,
+                 inplace_backward: bool = False, backend: str = "auto") -> None:
         super().__init__()
         if weight is not None:
             raise ValueError("weight (per-class weights) is not supported by "
@@ -36,6 +36,7 @@ class CrossEntropyLoss(torch.nn.Module):
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
         self.softcap = softcap
+        self.logit_scale = logit_scale
         self.inplace_backward = inplace_backward
         self.backend = backend
 
@@ -46,12 +47,14 @@ class CrossEntropyLoss(torch.nn.Module):
         return cross_entropy(input, target, ignore_index=self.ignore_index,
                              reduction=self.reduction, label_smoothing=self.label_smoothing,
                              z_loss=self.z_loss, softcap=self.softcap,
+                             logit_scale=self.logit_scale,
                              inplace_backward=self.inplace_backward, backend=self.backend)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, "
-                f"softcap={self.softcap}, backend={self.backend!r}")
+                f"softcap={self.softcap}, logit_scale={self.logit_scale}, "
+                f"backend={self.backend!r}")
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):
@@ -61,13 +64,14 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     """
 
     def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, z_loss=0.0,
-                 softcap=None, chunk_size=None, backend="auto"):
+                 softcap=None, logit_scale=1.0, chunk_size=None, backend="auto"):
         super().__init__()
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
         self.softcap = softcap
+        self.logit_scale = logit_scale
         self.chunk_size = chunk_size
         self.backend = backend
 
@@ -75,10 +79,12 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         return linear_cross_entropy(hidden, weight, target, bias=bias,
                                     ignore_index=self.ignore_index, reduction=self.reduction,
                                     label_smoothing=self.label_smoothing, z_loss=self.z_loss,
-                                    softcap=self.softcap, normalizer=normalizer,
+                                    softcap=self.softcap, logit_scale=self.logit_scale,
+                                    normalizer=normalizer,
                                     chunk_size=self.chunk_size, backend=self.backend)
 
     def extra_repr(self):
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, "
-                f"softcap={self.softcap}, chunk_size={self.chunk_size}, backend={self.backend!r}")
+                f"softcap={self.softcap}, logit_scale={self.logit_scale}, "
+                f"chunk_size={self.chunk_size}, backend={self.backend!r}")

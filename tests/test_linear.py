@@ -460,6 +460,25 @@ def test_nn_module():
                                        backend="torch")
     torch.testing.assert_close(module(hidden, weight, target, bias), expected)
     assert "chunk_size=3" in repr(module)
+    scaled = ak.nn.LinearCrossEntropyLoss(logit_scale=0.5, softcap=3.0, backend="torch")
+    torch.testing.assert_close(scaled(hidden, weight, target, bias), ak.linear_cross_entropy(
+        hidden, weight, target, bias=bias, logit_scale=0.5, softcap=3.0, backend="torch"))
+
+
+# the call's tensors and per-call arguments (forward's), and torch's refused keywords
+MODULE_CALL_ARGS = {"logits", "hidden", "weight", "target", "bias", "normalizer",
+                    "process_group", "check_consistency", "size_average", "reduce"}
+
+
+@pytest.mark.parametrize("module, op", [("CrossEntropyLoss", "cross_entropy"),
+                                        ("LinearCrossEntropyLoss", "linear_cross_entropy")])
+def test_nn_modules_take_every_keyword_of_their_op(module, op):
+    import inspect
+
+    module_params = set(inspect.signature(getattr(ak.nn, module)).parameters)
+    op_params = set(inspect.signature(getattr(ak, op)).parameters)
+    missing = sorted(op_params - module_params - MODULE_CALL_ARGS)
+    assert not missing, f"ak.nn.{module} lacks {missing} of ak.{op}"
 
 
 BAD = {
