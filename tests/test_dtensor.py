@@ -7,6 +7,8 @@ one rank's rows all ignored), ``Replicate``, plain tensors beside DTensors; the 
 ``Shard(0)`` weight (ColwiseParallel) beside replicated or row-sharded hidden states, and a
 replicated weight beside row-sharded hidden states; 2-D meshes of 2x1 and 1x2. Refused with a
 clear error: Partial logits, a weight sharded on the hidden size, and the rest of the table.
+``grpo_loss`` (grpo, bnpo, dr_grpo, dapo) and ``sequence_logprobs``: rows ``Shard(0)`` (3
+sequences split 2/1, masks uneven) and the vocabulary ``Shard(-1)``, float32 only.
 
 Each entry is judged per element against the float64 reference, allowed twice the single-process
 op's own error on it (its ``naive``) plus the tolerance table's terms. One spawn of 2 processes
@@ -418,11 +420,142 @@ def _colwise_recipe(dtype):
 CASES["colwise_parallel_recipe"] = _colwise_recipe
 
 
+GRPO_BATCH = 3  # Shard(0) of the sequences splits 2 and 1
+
+
+def _grpo_inputs():
+    """Logits ``[3, 5, 11]``, targets, and per-row inputs with masks uneven across the ranks'
+    rows (4 + 2 unmasked tokens on rank 0's two sequences, 3 on rank 1's one)."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(GRPO_BATCH, LENGTH, VOCAB, generator=g) * 2
+    target = torch.randint(0, VOCAB, (GRPO_BATCH, LENGTH), generator=g)
+    mask = torch.tensor([[1, 1, 0, 1, 1], [0, 1, 1, 0, 0], [1, 1, 1, 0, 0]])
+    target[mask == 0] = -7  # masked targets are never read
+    advantages = torch.randn(GRPO_BATCH, generator=g)
+    old = (torch.log_softmax(logits, -1).gather(-1, target.clamp(min=0)[..., None])[..., 0]
+           + 0.3 * torch.randn(GRPO_BATCH, LENGTH, generator=g))
+    ref = old + 0.2 * torch.randn(GRPO_BATCH, LENGTH, generator=g)
+    return logits, target, mask, advantages, old, ref
+
+
+def _grpo_case(loss_type, logits_places, sharded_row_inputs=True, **extra):
+    """``ak.grpo_loss`` of DTensor logits against the single-process op and the float64 spec
+    on the full tensors: loss, metrics, the logits' gradient. With ``sharded_row_inputs`` the
+    advantages and reference log-probs come as DTensors sharded like the logits' rows (the
+    others plain full tensors, sliced to the local rows)."""
+    def case(dtype):
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        mesh = _mesh((2,))
+        logits, target, mask, advantages, old, ref = _grpo_inputs()
+        options = dict(loss_type=loss_type, beta=0.04, clip_eps_low=0.2, **extra)
+        leaf = _leaf(logits, mesh, _placements(*logits_places))
+        rows = _placements(0) if sharded_row_inputs else None
+        advantages_arg = (advantages if rows is None
+                          else distribute_tensor(advantages, mesh, rows))
+        ref_arg = ref if rows is None else distribute_tensor(ref, mesh, rows)
+        loss, metrics = ak.grpo_loss(leaf, target, advantages_arg, mask=mask, old_logprobs=old,
+                                     ref_logprobs=ref_arg, **options)
+        assert isinstance(loss, DTensor) and loss.placements == _placements("R")
+        loss.backward()
+        assert leaf.grad.placements == leaf.placements
+        single_leaf = logits.clone().requires_grad_(True)
+        single, single_metrics = ak.grpo_loss(single_leaf, target, advantages, mask=mask,
+                                              old_logprobs=old, ref_logprobs=ref, **options)
+        single.backward()
+        exact_leaf = logits.double().requires_grad_(True)
+        exact, _ = reference.grpo_loss(exact_leaf, target, advantages.double(), mask,
+                                       old.double(), ref.double(), **options)
+        exact.backward()
+        assert_close(loss.full_tensor(), exact, "value", dtype, f"grpo {loss_type} loss",
+                     naive=single.detach())
+        assert_close_elementwise(leaf.grad.full_tensor(), exact_leaf.grad, single_leaf.grad,
+                                 dtype=dtype, name=f"grpo {loss_type} grad logits")
+        assert set(metrics) == set(single_metrics)
+        for name, value in metrics.items():
+            assert value.placements == _placements("R"), name
+            torch.testing.assert_close(value.full_tensor(), single_metrics[name],
+                                       rtol=1e-5, atol=1e-6, msg=name)
+    case.fp32_only = True
+    return case
+
+
+def _sequence_case(logits_places, average, mask_places=None):
+    """``ak.sequence_logprobs`` of DTensor logits: ``[B]`` sharded as the rows."""
+    def case(dtype):
+        from torch.distributed.tensor import distribute_tensor
+
+        mesh = _mesh((2,))
+        logits, target, mask, *_ = _grpo_inputs()
+        leaf = _leaf(logits, mesh, _placements(*logits_places))
+        mask_arg = mask if mask_places is None else distribute_tensor(
+            mask, mesh, _placements(*mask_places))
+        out = ak.sequence_logprobs(leaf, target, mask_arg, average=average,
+                                   temperature=TEMPERATURE)
+        rows = _placements(0 if logits_places[0] == 0 else "R")
+        assert out.placements == rows, out.placements
+        upstream = _upstream(out.shape, 3)
+        out.backward(distribute_tensor(upstream, mesh, rows))
+        single_leaf = logits.clone().requires_grad_(True)
+        single = ak.sequence_logprobs(single_leaf, target, mask, average=average,
+                                      temperature=TEMPERATURE)
+        single.backward(upstream)
+        exact_leaf = logits.double().requires_grad_(True)
+        exact = reference.sequence_logprobs(exact_leaf, torch.where(mask.bool(), target, -100),
+                                            mask, average, TEMPERATURE)
+        exact.backward(upstream.double())
+        assert_close(out.full_tensor(), exact, "value", dtype, "sequence_logprobs",
+                     naive=single.detach())
+        assert_close_elementwise(leaf.grad.full_tensor(), exact_leaf.grad, single_leaf.grad,
+                                 dtype=dtype, name="sequence_logprobs grad logits")
+    case.fp32_only = True
+    return case
+
+
+def _grpo_refused(dtype):
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = _mesh((2,))
+    logits, target, mask, advantages, old, ref = _grpo_inputs()
+    length_split = distribute_tensor(logits, mesh, _placements(1))
+    with pytest.raises(ValueError, match=r"grpo_loss: logits .*Shard\(dim=1\) on mesh dimension "
+                       r"0 is not served.*Shard\(0\) \(whole sequences\).*Shard\(dim=0\)"):
+        ak.grpo_loss(length_split, target, advantages, mask=mask)
+    with pytest.raises(ValueError, match=r"sequence_logprobs: logits .*Shard\(dim=1\)"):
+        ak.sequence_logprobs(length_split, target, mask)
+    rows = distribute_tensor(logits, mesh, _placements(0))
+    with pytest.raises(ValueError, match=r"do not serve top_entropy_quantile < 1"):
+        ak.grpo_loss(rows, target, advantages, mask=mask, top_entropy_quantile=0.5)
+    with pytest.raises(ValueError, match=r"entropy_coef != 0 with loss_type='grpo'"):
+        ak.grpo_loss(rows, target, advantages, mask=mask, loss_type="grpo", entropy_coef=0.1)
+    with pytest.raises(ValueError, match=r"advantages must have shape \(3, 5\) or \(3,\)"):
+        ak.grpo_loss(rows, target, advantages[:2], mask=mask)
+
+
+_grpo_refused.fp32_only = True
+CASES.update({
+    "grpo_rows_grpo": _grpo_case("grpo", (0,)),
+    "grpo_rows_bnpo": _grpo_case("bnpo", (0,), sharded_row_inputs=False),
+    "grpo_rows_dr_grpo": _grpo_case("dr_grpo", (0,), max_completion_length=7),
+    "grpo_rows_dapo_entropy_bonus": _grpo_case("dapo", (0,), entropy_coef=0.05),
+    "grpo_vocab_grpo": _grpo_case("grpo", (-1,)),
+    "grpo_vocab_bnpo": _grpo_case("bnpo", (-1,), sharded_row_inputs=False),
+    "grpo_vocab_dr_grpo": _grpo_case("dr_grpo", (-1,)),
+    "sequence_logprobs_rows": _sequence_case((0,), False, mask_places=(0,)),
+    "sequence_logprobs_rows_average": _sequence_case((0,), True),
+    "sequence_logprobs_vocab_average": _sequence_case((-1,), True, mask_places=(1,)),
+    "grpo_refused_placements": _grpo_refused,
+})
+
+
 def _worker(rank, world_size):
     """Every case in both dtypes; ``{case id: error or None}``."""
     outcome = {}
     for name, case in CASES.items():
         for dtype_id, dtype in DTYPES.items():
+            if getattr(case, "fp32_only", False) and dtype != torch.float32:
+                outcome[f"{name}-{dtype_id}"] = "skip"
+                continue
             try:
                 case(dtype)
                 outcome[f"{name}-{dtype_id}"] = None
@@ -440,6 +573,8 @@ def outcomes():
 @pytest.mark.parametrize("name", list(CASES))
 def test_dtensor(outcomes, name, dtype_id):
     key = f"{name}-{dtype_id}"
+    if all(result[key] == "skip" for result in outcomes):
+        pytest.skip("float32 only")
     failures = [f"rank {rank}:\n{result[key]}" for rank, result in enumerate(outcomes)
                 if result[key] is not None]
     assert not failures, "\n".join(failures)

@@ -1,9 +1,11 @@
 """DTensor front door: a DTensor argument stands for its ``full_tensor()``, served without it.
 
 Each public op served here (``cross_entropy``, ``token_logprobs``, ``linear_cross_entropy``,
-``linear_token_logprobs``) first asks :func:`has_dtensor` and, on a DTensor, hands itself and
-every argument to its namesake below, which calls it back on this rank's local tensors (so this
-module imports no op module; DESIGN.md, "Distributed"; docs/distributed.md, "DTensor"). The
+``linear_token_logprobs``, ``grpo_loss``, ``sequence_logprobs``) first asks
+:func:`has_dtensor` and, on a DTensor, hands itself and every argument to its namesake below,
+which calls it back on this rank's local tensors (so this module imports no op module at import
+time; ``sequence_logprobs``' vocabulary path imports ``token_logprobs`` when called;
+DESIGN.md, "Distributed"; docs/distributed.md, "DTensor"). The
 placements on each mesh dimension choose the path:
 
 * logits ``Shard(-1)``, or a weight ``Shard(0)`` (ColwiseParallel's lm_head): a vocabulary shard,
@@ -18,6 +20,15 @@ placements on each mesh dimension choose the path:
   parallel): the hidden rows are all-gathered (``[N, H]``, small next to ``[N, V]``), the
   vocabulary path runs, and per-row results come back sharded as the hidden states were.
 * ``Replicate``, and a plain tensor (read as replicated over the mesh): the op as it is.
+* ``grpo_loss`` and ``sequence_logprobs`` serve rows as whole sequences only (``Shard(0)`` of
+  ``[B, T, V]``; ``Shard(1)`` is refused): per-row inputs come as plain full-batch tensors
+  (sliced) or DTensors (redistributed to the rows'). The per-sequence loss types (``grpo``,
+  ``sapo``, ``dr_grpo``, ``luspo``) are scaled by ``B_local / B``; the global-count ones
+  (``bnpo`` as ``dapo``, ``dapo``, ``cispo``, ``vespo``) get the all-reduced unmasked count as
+  ``normalizer=``; the metrics are the full batch's masked means (count-weighted, summed).
+  Options reading across sequences are refused there (``_check_row_local_options``).
+  ``sequence_logprobs`` of a vocabulary shard is ``token_logprobs``' vocabulary path and a
+  masked sum.
 
 Targets follow the rows (redistributed to the rows' placements: a local slice, or an all-gather
 of integers). Results are DTensors on the same mesh: per-row ones sharded as the rows, reduced
@@ -91,6 +102,147 @@ def linear_token_logprobs(op, hidden, weight, target, *, bias=None, ignore_index
     out = op(call.hidden, call.weight, call.target, bias=call.bias, ignore_index=ignore_index,
              process_group=call.vocab_group, **options)
     return call.per_row(out)
+
+
+# grpo_loss's loss types by how a shard of whole sequences (Shard(0) of [B, T, V]) makes the
+# full batch's loss: a sum over the batch's sequences divided by B (scaled by B_local / B), or
+# a sum over its tokens divided by their global count (the count all-reduced as ``normalizer``;
+# bnpo's count of unmasked tokens is dapo's normalizer)
+_PER_SEQUENCE_LOSS_TYPES = ("grpo", "sapo", "dr_grpo", "luspo")
+_GLOBAL_COUNT_LOSS_TYPES = ("bnpo", "dapo", "cispo", "vespo")
+_GRPO_PER_ROW = ("mask", "old_logprobs", "ref_logprobs", "importance_weights",
+                 "sampling_logprobs")
+
+
+def grpo_loss(op, logits, target, advantages, *, options, mask=None, old_logprobs=None,
+              ref_logprobs=None, normalizer=None, importance_weights=None,
+              sampling_logprobs=None, return_token_values=False, backend="auto",
+              process_group=None, check_consistency=True, **keywords):
+    """``op`` (``ak.grpo_loss``) of DTensor logits (or any DTensor argument); ``options`` the
+    call's resolved ``GRPOOptions`` (the scalar ``keywords`` are folded in it). Rows are served
+    as whole sequences (``Shard(0)`` of ``[B, T, V]``); the loss is the full batch's, and the
+    metrics (masked means over the unmasked tokens) are the full batch's too: each rank's mean
+    weighed by its count of unmasked tokens, summed over the row shards."""
+    per_row = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                   importance_weights=importance_weights, sampling_logprobs=sampling_logprobs)
+    call = _logits_call("grpo_loss", logits, target, process_group, normalizer,
+                        others=dict(advantages=advantages, **per_row), whole_sequences=True)
+    advantages = _per_row_input("grpo_loss", "advantages", advantages, call)
+    per_row = {name: _per_row_input("grpo_loss", name, value, call)
+               for name, value in per_row.items()}
+    valid = (torch.ones(call.target.shape, dtype=torch.bool, device=call.target.device)
+             if per_row["mask"] is None else per_row["mask"] != 0)
+    loss_type, scale = options.loss_type, None
+    if has_dtensor(normalizer):
+        normalizer = call.normalizer("sum", normalizer, -100)
+    if call.row_groups:
+        _check_row_local_options(options)
+        if loss_type in _PER_SEQUENCE_LOSS_TYPES:
+            scale = call.target.shape[0] / max(call.rows_shape[0], 1)
+        elif normalizer is None:  # bnpo's count is dapo's normalizer: the same weights
+            if loss_type == "bnpo":
+                options = _replace(options, loss_type="dapo")
+            normalizer = _summed(valid.sum(dtype=torch.int64), call.row_groups).float()
+    out = op(call.logits, call.target, advantages, options=options, normalizer=normalizer,
+             return_token_values=return_token_values, backend=backend,
+             process_group=call.vocab_group, check_consistency=check_consistency, **per_row)
+    loss, metrics, *values = out
+    if scale is not None:
+        loss = loss * scale
+    if call.row_groups:
+        count = valid.sum(dtype=torch.int64).float()
+        total = _summed(count, call.row_groups).clamp(min=1.0)
+        metrics = {name: _summed(value * count, call.row_groups) / total
+                   for name, value in metrics.items()}
+    from torch.distributed.tensor import DTensor
+
+    metrics = {name: DTensor.from_local(value, call.mesh, _replicated(call.mesh),
+                                        run_check=False) for name, value in metrics.items()}
+    return (call.reduced(loss), metrics, *(call.per_row(value) for value in values))
+
+
+def sequence_logprobs(op, logits, target, mask, *, average=False, temperature=1.0,
+                      backend="auto", sampling=None):
+    """``op`` (``ak.sequence_logprobs``) of DTensor logits (or target or mask): on whole
+    sequences (``Shard(0)``) the op on the local rows; on a vocabulary shard the masked sum (or
+    mean) of ``token_logprobs``' ``process_group=`` path. Results ``[B]``, sharded as the rows."""
+    from torch.distributed.tensor import DTensor
+
+    from .logprobs import reduce_sequence, token_logprobs
+
+    call = _logits_call("sequence_logprobs", logits, target, None, others=dict(mask=mask),
+                        whole_sequences=True)
+    mask = _per_row_input("sequence_logprobs", "mask", mask, call, full_shape=True)
+    if call.vocab_group is None:
+        out = op(call.logits, call.target, mask, average=average, temperature=temperature,
+                 backend=backend, sampling=sampling)
+    else:
+        if not isinstance(mask, torch.Tensor) or mask.shape != call.target.shape:
+            raise ValueError(f"mask must be a tensor of target's shape "
+                             f"{tuple(call.rows_shape)}")
+        keep = mask.bool()
+        masked_target = torch.where(keep, call.target, torch.full_like(call.target, -100))
+        logp = token_logprobs(call.logits, masked_target, temperature=temperature,
+                             ignore_index=-100, backend=backend, sampling=sampling,
+                             process_group=call.vocab_group)
+        out = reduce_sequence(logp, mask, average)
+    shape = call.rows_shape[:1]
+    return DTensor.from_local(out, call.mesh, call.row_placements, run_check=False,
+                              shape=shape, stride=_contiguous(shape))
+
+
+def _check_row_local_options(options):
+    """Refuse the GRPO options that read across sequences (row shards cannot make them exact)."""
+    refused = []
+    if options.rollout_is is not None or options.rollout_rs is not None:
+        refused.append("rollout_is/rollout_rs (the rollout correction's batch statistics and "
+                       "metrics)")
+    if options.top_entropy_quantile < 1.0:
+        refused.append("top_entropy_quantile < 1 (a quantile over the whole batch)")
+    if options.entropy_coef != 0.0 and options.loss_type in _PER_SEQUENCE_LOSS_TYPES:
+        refused.append(f"entropy_coef != 0 with loss_type={options.loss_type!r} (the bonus is "
+                       f"a mean over the batch's tokens, the loss a mean over sequences)")
+    if refused:
+        raise ValueError(f"grpo_loss: logits sharded over rows (Shard(0)) do not serve "
+                         f"{'; '.join(refused)}: redistribute the logits to Replicate() or "
+                         f"Shard(-1) (the vocabulary)")
+
+
+def _replace(options, **changes):
+    import dataclasses
+
+    return dataclasses.replace(options, **changes)
+
+
+def _summed(value, groups):
+    total = value.clone()
+    for group in groups:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total
+
+
+def _per_row_input(op_name, name, value, call, full_shape=False):
+    """A per-row input (``[B]`` or ``[B, T]``; ``full_shape``: ``[B, T]`` only): a plain tensor
+    (the full batch) sliced to this rank's rows, a DTensor redistributed to the rows' layout
+    (its local tensor either way); None as is."""
+    if value is None:
+        return None
+    value = _as_dtensor(value, call.mesh)
+    if not isinstance(value, torch.Tensor):
+        return value  # the op's own checks name what it is
+    shape = tuple(call.rows_shape)
+    if tuple(value.shape) not in ((shape,) if full_shape else (shape, shape[:1])):
+        wanted = f"{shape}" if full_shape else f"{shape} or {shape[:1]}"
+        raise ValueError(f"{op_name}: {name} must have shape {wanted}, got "
+                         f"{tuple(value.shape)}")
+    placements = tuple(call.row_placements)
+    for mesh_dim, placement in enumerate(value.placements):
+        if not (placement.is_replicate() or _is_shard_like(placement)):
+            raise _unserved(op_name, name, value, mesh_dim, placements[mesh_dim],
+                            "served: Replicate, Shard(d) (redistributed to the rows')")
+    if tuple(value.placements) != placements:
+        value = value.redistribute(call.mesh, placements)
+    return value.to_local()
 
 
 class _SumOverGroups(torch.autograd.Function):
@@ -179,11 +331,14 @@ class _LocalCall:
         return result
 
 
-def _logits_call(op_name, logits, target, process_group, normalizer=None) -> _LocalCall:
+def _logits_call(op_name, logits, target, process_group, normalizer=None, others=None,
+                 whole_sequences=False) -> _LocalCall:
+    """``others``: more arguments that may be DTensors (on the same mesh); ``whole_sequences``:
+    rows are served only as whole sequences (``Shard(0)`` of ``[B, T, V]``)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    mesh = _common_mesh(op_name, {"logits": logits, "target": target, "normalizer": normalizer},
-                        process_group)
+    mesh = _common_mesh(op_name, {"logits": logits, "target": target, "normalizer": normalizer,
+                                  **(others or {})}, process_group)
     logits = _as_dtensor(logits, mesh)
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
@@ -194,6 +349,11 @@ def _logits_call(op_name, logits, target, process_group, normalizer=None) -> _Lo
     for mesh_dim, placement in enumerate(logits.placements):
         if placement.is_replicate():
             continue
+        if whole_sequences and _is_row_shard(placement, logits.ndim) and (
+                placement.dim % logits.ndim != 0):
+            raise _unserved(op_name, "logits", logits, mesh_dim, Shard(0),
+                            f"served: Replicate, Shard({vocab_dim}) (the vocabulary, on one mesh "
+                            f"dimension), Shard(0) (whole sequences)")
         if _is_row_shard(placement, logits.ndim):
             row_mesh_dims.append(mesh_dim)
         elif _is_shard(placement, vocab_dim, logits.ndim) and vocab_mesh_dim is None:

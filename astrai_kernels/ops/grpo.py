@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional, Tuple, U
 import torch
 from torch import Tensor
 
-from . import _library, rollout_correction, vocab_parallel
+from . import _library, dtensor, rollout_correction, vocab_parallel
 from ._backend import resolve_backend
 from ._common import (
     AttachGrad,
@@ -446,6 +446,9 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
         rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
         rollout_rs_threshold=rollout_rs_threshold,
         rollout_rs_threshold_lower=rollout_rs_threshold_lower))
+    if dtensor.has_dtensor(logits, target, advantages, mask, old_logprobs, ref_logprobs,
+                           normalizer, importance_weights, sampling_logprobs):
+        return dtensor.grpo_loss(grpo_loss, **locals())  # locals(): every argument, options
     inputs = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                   normalizer=normalizer, importance_weights=importance_weights,
                   sampling_logprobs=sampling_logprobs, return_token_values=return_token_values)

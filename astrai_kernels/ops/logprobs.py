@@ -257,6 +257,8 @@ def sequence_logprobs(
     ``-inf`` (its probability under the sampler is 0), never a finite stand-in; its other
     tokens keep their gradients. ``token_logprobs(..., return_support=True)`` says which.
     """
+    if dtensor.has_dtensor(logits, target, mask):  # locals(): every argument
+        return dtensor.sequence_logprobs(sequence_logprobs, **locals())
     keep = checked_sequence_mask(logits, target, mask, average)
     backend = resolve_backend(backend, logits.device)
     if backend == "reference" and sampling is None:
