@@ -161,14 +161,13 @@ def grpo_loss(op, logits, target, advantages, *, options, mask=None, old_logprob
     return (call.reduced(loss), metrics, *(call.per_row(value) for value in values))
 
 
-def sequence_logprobs(op, logits, target, mask, *, average=False, temperature=1.0,
-                      backend="auto", sampling=None):
+def sequence_logprobs(op, token_logprobs, reduce_sequence, logits, target, mask, *,
+                      average=False, temperature=1.0, backend="auto", sampling=None):
     """``op`` (``ak.sequence_logprobs``) of DTensor logits (or target or mask): on whole
     sequences (``Shard(0)``) the op on the local rows; on a vocabulary shard the masked sum (or
-    mean) of ``token_logprobs``' ``process_group=`` path. Results ``[B]``, sharded as the rows."""
+    mean, ``reduce_sequence``) of ``token_logprobs``' ``process_group=`` path. Results ``[B]``,
+    sharded as the rows. The logprobs module hands in its functions (it imports this one)."""
     from torch.distributed.tensor import DTensor
-
-    from .logprobs import reduce_sequence, token_logprobs
 
     call = _logits_call("sequence_logprobs", logits, target, None, others=dict(mask=mask),
                         whole_sequences=True)

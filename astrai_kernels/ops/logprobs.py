@@ -258,7 +258,8 @@ def sequence_logprobs(
     tokens keep their gradients. ``token_logprobs(..., return_support=True)`` says which.
     """
     if dtensor.has_dtensor(logits, target, mask):  # locals(): every argument
-        return dtensor.sequence_logprobs(sequence_logprobs, **locals())
+        return dtensor.sequence_logprobs(sequence_logprobs, token_logprobs, reduce_sequence,
+                                         **locals())
     keep = checked_sequence_mask(logits, target, mask, average)
     backend = resolve_backend(backend, logits.device)
     if backend == "reference" and sampling is None:
