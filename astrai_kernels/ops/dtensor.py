@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from ._common import check_index
+from .grpo_options import GLOBAL_COUNT_LOSS_TYPES
 
 
 def has_dtensor(*values) -> bool:
@@ -104,12 +105,11 @@ def linear_token_logprobs(op, hidden, weight, target, *, bias=None, ignore_index
     return call.per_row(out)
 
 
-# grpo_loss's loss types by how a shard of whole sequences (Shard(0) of [B, T, V]) makes the
-# full batch's loss: a sum over the batch's sequences divided by B (scaled by B_local / B), or
-# a sum over its tokens divided by their global count (the count all-reduced as ``normalizer``;
-# bnpo's count of unmasked tokens is dapo's normalizer)
-_PER_SEQUENCE_LOSS_TYPES = ("grpo", "sapo", "dr_grpo", "luspo")
-_GLOBAL_COUNT_LOSS_TYPES = ("bnpo", "dapo", "cispo", "vespo")
+# grpo_loss's token means: on a shard of whole sequences (Shard(0) of [B, T, V]) the full
+# batch's loss is a sum over its tokens divided by their global count (all-reduced as
+# ``normalizer``; bnpo's count of unmasked tokens is dapo's normalizer). The other loss types
+# (grpo, sapo, dr_grpo, luspo) sum over sequences divided by B: scaled by B_local / B.
+_TOKEN_MEAN_LOSS_TYPES = ("bnpo",) + GLOBAL_COUNT_LOSS_TYPES
 _GRPO_PER_ROW = ("mask", "old_logprobs", "ref_logprobs", "importance_weights",
                  "sampling_logprobs")
 
@@ -137,7 +137,7 @@ def grpo_loss(op, logits, target, advantages, *, options, mask=None, old_logprob
         normalizer = call.normalizer("sum", normalizer, -100)
     if call.row_groups:
         _check_row_local_options(options)
-        if loss_type in _PER_SEQUENCE_LOSS_TYPES:
+        if loss_type not in _TOKEN_MEAN_LOSS_TYPES:
             scale = call.target.shape[0] / max(call.rows_shape[0], 1)
         elif normalizer is None:  # bnpo's count is dapo's normalizer: the same weights
             if loss_type == "bnpo":
@@ -198,7 +198,7 @@ def _check_row_local_options(options):
                        "metrics)")
     if options.top_entropy_quantile < 1.0:
         refused.append("top_entropy_quantile < 1 (a quantile over the whole batch)")
-    if options.entropy_coef != 0.0 and options.loss_type in _PER_SEQUENCE_LOSS_TYPES:
+    if options.entropy_coef != 0.0 and options.loss_type not in _TOKEN_MEAN_LOSS_TYPES:
         refused.append(f"entropy_coef != 0 with loss_type={options.loss_type!r} (the bonus is "
                        f"a mean over the batch's tokens, the loss a mean over sequences)")
     if refused:

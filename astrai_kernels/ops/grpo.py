@@ -39,7 +39,10 @@ from ._common import (
     rows_view,
 )
 from .grpo_options import (
+    CLIPPED_LOSS_TYPES,
     DEFAULT_OPTIONS,
+    GLOBAL_COUNT_LOSS_TYPES,
+    LOSS_TYPES,
     OPTION_NAMES,
     GRPOOptions,
     options_from,
@@ -51,9 +54,6 @@ from .primitives import SurrogateArgs
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the clipped surrogate
-GLOBAL_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")  # sum / normalizer (the global count)
 IMPORTANCE_SAMPLING = ("token", "sequence")
 LOG_RATIO_CLAMP = 20.0
 VESPO_LOG_FLOOR = math.log(1e-8)  # TRL's lower clamp of VESPO's log-ratios

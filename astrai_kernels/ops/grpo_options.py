@@ -11,6 +11,9 @@ import inspect
 from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the clipped surrogate
+GLOBAL_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")  # sum / normalizer (the global count)
 #: options beyond the clipped surrogate on token ratios: the fused single-pass kernel covers a
 #: call only when every one of them is at its default
 POLICY_EXTRAS = ("sapo_tau_pos", "sapo_tau_neg", "vespo_k_pos", "vespo_lambda_pos",
