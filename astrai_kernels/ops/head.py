@@ -183,12 +183,11 @@ class ChunkedHead:
                             if transformed and low_precision else None)
         self.tanh = (cached_empty(self.buffer.shape, torch.float32, device)
                      if self.softcap and any(needs_grad) else None)
-        # Low-precision matmuls without a float32-output GEMM: the chunk's logit gradient is
-        # upcast here for the weight's product (see the module docstring); a transformed head
-        # already has it in float32.
+        # 16-bit products with a float32 result: one GEMM where the device has it, else on the
+        # chunk's logit gradient upcast into ``upcast`` (see the module docstring). A transformed
+        # head already holds it in float32, unrounded, except where the bf16 units multiply
+        # (bf16_products): they need the rounded values in float32 to be exact.
         self.float32_product = low_precision and has_float32_product(device, self.work_dtype)
-        # bf16 operands upcast to float32, multiplied on bf16 units (see bf16_products): the
-        # upcast holds the rounded logit gradient, so the products are exact
         self.bf16_upcast_products = (self.work_dtype == torch.bfloat16
                                      and not self.float32_product
                                      and has_bf16_float32_gemm(device))
@@ -239,17 +238,22 @@ class ChunkedHead:
         unrounded = grad_logits  # float32 where the transform ran in a float32 buffer
         if self.transformed is not None:
             grad_logits = self.buffer[:stop - start].copy_(grad_logits)
-        # The chunk's logit gradient in float32, for products with a float32 result where the
-        # device has no float32-output GEMM of 16-bit operands.
-        float32_grads = grad_logits if self.work_dtype == torch.float32 else (
-            self.upcast[:stop - start].copy_(grad_logits) if self.upcast is not None
-            else unrounded if unrounded.dtype == torch.float32 else None)
+        float32_grads = self._float32_grads(start, stop, grad_logits, unrounded)
         if self.grad_hidden is not None:
             self._write_hidden_grad(start, stop, grad_logits, float32_grads)
         if self.grad_weight_acc is not None:
             self._accumulate_weight_grad(start, stop, grad_logits, float32_grads)
         if self.grad_bias_acc is not None:
             self.grad_bias_acc.add_(grad_logits.sum(0, dtype=torch.float32))
+
+    def _float32_grads(self, start, stop, grad_logits, unrounded):
+        """The chunk's logit gradient in float32 for the products with a float32 result where
+        the device has no float32-output GEMM of 16-bit operands; None where none is needed."""
+        if self.work_dtype == torch.float32:
+            return grad_logits
+        if self.upcast is not None:
+            return self.upcast[:stop - start].copy_(grad_logits)
+        return unrounded if unrounded.dtype == torch.float32 else None
 
     def _write_hidden_grad(self, start, stop, grad_logits, float32_grads):
         """The chunk's rows of ``grad_hidden``: one GEMM over the vocabulary, rounded once."""
