@@ -5,7 +5,6 @@ on the whole batch when the losses are normalized by ``ak.distributed.global_tok
 One spawn of 3 processes runs every case: on the world and on a 2-rank subgroup.
 """
 
-import traceback
 
 import pytest
 import torch
@@ -13,7 +12,11 @@ import torch.distributed as dist
 from torch import nn
 
 import astrai_kernels as ak
-from astrai_kernels.testing.multiprocess import spawn_ranks
+from astrai_kernels.testing.multiprocess import (
+    assert_ranks_passed,
+    case_outcome,
+    spawn_ranks,
+)
 from astrai_kernels.testing.tiny_lm import TinyCausalLM
 
 VOCAB, LENGTH = 32, 7
@@ -113,12 +116,8 @@ def _worker(rank, world_size):
             continue
         for loss_name in LOSSES:
             for wrapper in WRAPPERS:
-                key = f"{loss_name}-{wrapper}-{size}ranks"
-                try:
-                    _check(group, rank, size, loss_name, wrapper)
-                    outcome[key] = None
-                except Exception:  # reported by the test of this case
-                    outcome[key] = traceback.format_exc()
+                outcome[f"{loss_name}-{wrapper}-{size}ranks"] = case_outcome(
+                    _check, group, rank, size, loss_name, wrapper)
     return outcome
 
 
@@ -131,10 +130,7 @@ def outcomes():
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 @pytest.mark.parametrize("loss_name", LOSSES)
 def test_data_parallel_matches_one_process(outcomes, loss_name, wrapper, size):
-    key = f"{loss_name}-{wrapper}-{size}ranks"
-    failures = [f"rank {rank}:\n{result[key]}" for rank, result in enumerate(outcomes[:size])
-                if result[key] is not None]
-    assert not failures, "\n".join(failures)
+    assert_ranks_passed(outcomes, f"{loss_name}-{wrapper}-{size}ranks", size)
 
 
 def test_global_token_count_local():

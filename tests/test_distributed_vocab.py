@@ -7,7 +7,6 @@ One spawn of 3 processes runs every case: on the world (3 ranks, shards 5/2/4 of
 a 2-rank subgroup (shards 4/7). Each case's outcome per rank comes back to a test of its own.
 """
 
-import traceback
 import types
 
 import pytest
@@ -20,7 +19,11 @@ from astrai_kernels import reference
 from astrai_kernels.ops import grpo as grpo_op
 from astrai_kernels.ops import vocab_parallel
 from astrai_kernels.testing import assert_close, assert_close_elementwise, spec
-from astrai_kernels.testing.multiprocess import spawn_ranks
+from astrai_kernels.testing.multiprocess import (
+    assert_ranks_passed,
+    case_outcome,
+    spawn_ranks,
+)
 
 from cases import spec_cross_entropy, spec_expected_and_naive, spec_grpo, spec_logprobs
 
@@ -558,22 +561,15 @@ def _worker(rank, world_size):
     outcome = {}
     for size, group in groups.items():
         if rank >= size:
-            try:
-                not_a_member(group)
-                outcome[f"non_member-{size}ranks"] = None
-            except Exception:  # reported by test_non_member_rank
-                outcome[f"non_member-{size}ranks"] = traceback.format_exc()
+            outcome[f"non_member-{size}ranks"] = case_outcome(not_a_member, group)
             continue
         sizes = SHARDS[size]
         start = sum(sizes[:rank])
         stop = start + sizes[rank]
         for name, case in CASES.items():
             for dtype_id, dtype in DTYPES.items():
-                try:
-                    case(group, start, stop, dtype)
-                    outcome[f"{name}-{size}ranks-{dtype_id}"] = None
-                except Exception:  # reported by the test of this case
-                    outcome[f"{name}-{size}ranks-{dtype_id}"] = traceback.format_exc()
+                outcome[f"{name}-{size}ranks-{dtype_id}"] = case_outcome(case, group, start,
+                                                                         stop, dtype)
     return outcome
 
 
@@ -586,10 +582,7 @@ def outcomes():
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("name", list(CASES))
 def test_vocab_parallel(outcomes, name, size, dtype_id):
-    key = f"{name}-{size}ranks-{dtype_id}"
-    failures = [f"rank {rank}:\n{result[key]}" for rank, result in enumerate(outcomes[:size])
-                if result[key] is not None]
-    assert not failures, "\n".join(failures)
+    assert_ranks_passed(outcomes, f"{name}-{size}ranks-{dtype_id}", size)
 
 
 def test_non_member_rank(outcomes):
@@ -679,11 +672,8 @@ def _empty_shard_worker(rank, world_size):
         shards = layouts[layout]
         start = sum(shards[:rank])
         for dtype_id, dtype in DTYPES.items():
-            try:
-                case(dist.group.WORLD, start, start + shards[rank], dtype)
-                outcome[f"{name}-{layout}-{dtype_id}"] = None
-            except Exception:  # reported by the test of this run
-                outcome[f"{name}-{layout}-{dtype_id}"] = traceback.format_exc()
+            outcome[f"{name}-{layout}-{dtype_id}"] = case_outcome(
+                case, dist.group.WORLD, start, start + shards[rank], dtype)
     return outcome
 
 
@@ -695,7 +685,4 @@ def empty_shard_outcomes():
 @pytest.mark.parametrize("dtype_id", list(DTYPES))
 @pytest.mark.parametrize("name, layout", list(EMPTY_SHARD_RUNS))
 def test_empty_vocabulary_shard(empty_shard_outcomes, name, layout, dtype_id):
-    key = f"{name}-{layout}-{dtype_id}"
-    failures = [f"rank {rank}:\n{result[key]}" for rank, result in enumerate(empty_shard_outcomes)
-                if result[key] is not None]
-    assert not failures, "\n".join(failures)
+    assert_ranks_passed(empty_shard_outcomes, f"{name}-{layout}-{dtype_id}")

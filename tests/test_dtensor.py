@@ -18,7 +18,6 @@ runs every case; each case's outcome per rank comes back to a test of its own.
 import functools
 import subprocess
 import sys
-import traceback
 
 import pytest
 import torch
@@ -27,7 +26,11 @@ import torch.nn.functional as F
 import astrai_kernels as ak
 from astrai_kernels import reference
 from astrai_kernels.testing import assert_close, assert_close_elementwise, spec
-from astrai_kernels.testing.multiprocess import spawn_ranks
+from astrai_kernels.testing.multiprocess import (
+    assert_ranks_passed,
+    case_outcome,
+    spawn_ranks,
+)
 
 from cases import ROOT, subprocess_env
 
@@ -557,11 +560,7 @@ def _worker(rank, world_size):
     """Every case of ``CASE_DTYPES``; ``{case id: error or None}``."""
     outcome = {}
     for name, dtype_id in CASE_DTYPES:
-        try:
-            CASES[name](DTYPES[dtype_id])
-            outcome[f"{name}-{dtype_id}"] = None
-        except Exception:  # reported by the test of this case
-            outcome[f"{name}-{dtype_id}"] = traceback.format_exc()
+        outcome[f"{name}-{dtype_id}"] = case_outcome(CASES[name], DTYPES[dtype_id])
     return outcome
 
 
@@ -573,10 +572,7 @@ def outcomes():
 @pytest.mark.parametrize("name, dtype_id", CASE_DTYPES,
                          ids=[f"{name}-{dtype_id}" for name, dtype_id in CASE_DTYPES])
 def test_dtensor(outcomes, name, dtype_id):
-    key = f"{name}-{dtype_id}"
-    failures = [f"rank {rank}:\n{result[key]}" for rank, result in enumerate(outcomes)
-                if result[key] is not None]
-    assert not failures, "\n".join(failures)
+    assert_ranks_passed(outcomes, f"{name}-{dtype_id}")
 
 
 def test_plain_tensors_do_not_import_dtensor():

@@ -206,3 +206,21 @@ def spawn_ranks(worker: Callable, world_size: int, args: Sequence = (),
                     process.kill()
                 if process.pid is not None:
                     process.join()
+
+
+def case_outcome(case: Callable, *args) -> Optional[str]:
+    """One case of a spawn's worker: None when ``case(*args)`` returns, else its traceback (the
+    worker goes on with its other cases; the case's own test reports it)."""
+    try:
+        case(*args)
+    except Exception:
+        return traceback.format_exc()
+    return None
+
+
+def assert_ranks_passed(outcomes: Sequence[dict], key: str, ranks: Optional[int] = None):
+    """Fail with every rank's traceback of the case ``key`` (``outcomes``: ``spawn_ranks``'s
+    per-rank dicts of ``case_outcome``s; the first ``ranks`` of them when given)."""
+    failures = [f"rank {rank}:\n{result[key]}"
+                for rank, result in enumerate(outcomes[:ranks]) if result[key] is not None]
+    assert not failures, "\n".join(failures)
