@@ -69,9 +69,14 @@ def _entry(rank: int, world_size: int, workdir: str, worker: Callable, args: Seq
         os.replace(partial, _path(workdir, rank, "json"))
         dist.barrier()
     except BaseException:
+        # taken first: a peer fails only once this rank has left, so strictly later (a file's
+        # mtime is too coarse to order the two)
+        failed_ns = time.time_ns()
         exit_code = 1
         with open(_path(workdir, rank, "error"), "w") as error:
             error.write(traceback.format_exc())
+        with open(_path(workdir, rank, "failed_at"), "w") as failed_at:
+            failed_at.write(str(failed_ns))
     finally:
         # the worker may have destroyed it already
         if dist.is_available() and dist.is_initialized():
@@ -114,13 +119,15 @@ def _dump_stacks_and_kill(processes, workdir: str) -> dict:
 
 
 def _failure_time(workdir: str, rank: int) -> float:
-    """When the rank wrote its traceback (or faulthandler its stack, on a fatal signal), else
-    now: a peer failing because this rank left (its collective's connection closed) fails
-    later, so the cause is reported first."""
-    for kind in ("error", "stack"):
-        path = _path(workdir, rank, kind)
-        if os.path.exists(path) and os.path.getsize(path):
-            return os.stat(path).st_mtime
+    """When the rank raised (or faulthandler wrote its stack, on a fatal signal), else now: a
+    peer failing because this rank left (its collective's connection closed) fails later, so
+    the cause is reported first."""
+    failed_ns = _read(_path(workdir, rank, "failed_at"))
+    if failed_ns:
+        return int(failed_ns) / 1e9
+    path = _path(workdir, rank, "stack")
+    if os.path.exists(path) and os.path.getsize(path):
+        return os.stat(path).st_mtime
     return time.time()
 
 
