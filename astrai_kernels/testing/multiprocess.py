@@ -137,11 +137,15 @@ def _wait(processes, workdir: str, deadline: float) -> Optional[List[int]]:
     failed_at = {}
     grace_end = None
     while True:
-        for rank, process in enumerate(processes):
-            if process.exitcode not in (None, 0) and rank not in failed_at:
+        # one reading of the exit codes: a rank exiting between two readings would be neither
+        # failed nor running
+        exitcodes = [process.exitcode for process in processes]
+        for rank, exitcode in enumerate(exitcodes):
+            if exitcode not in (None, 0) and rank not in failed_at:
                 failed_at[rank] = _failure_time(workdir, rank)
         failed = sorted(failed_at, key=failed_at.get)
-        running = [process for process in processes if process.exitcode is None]
+        running = [process for process, exitcode in zip(processes, exitcodes)
+                   if exitcode is None]
         if not running:
             return failed
         now = time.monotonic()
