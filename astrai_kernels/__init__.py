@@ -1,7 +1,7 @@
 """astrai-kernels: fused, memory-lean LLM losses computed from the logits in vocabulary tiles."""
 
 from . import distributed, nn
-from .ops._backend import available_backends
+from .kernels.registry import available_backends
 from .ops.cross_entropy import cross_entropy
 from .ops.distill import distill_loss, linear_distill_loss
 from .ops.grpo import grpo_loss

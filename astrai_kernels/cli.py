@@ -13,7 +13,7 @@
   tolerance table; exit status 1 on any failure (see :mod:`astrai_kernels.testing.verify`, which
   also says why the other ops are not in it).
 * ``compile-check``: AOT-compile every Triton kernel for real GPU targets
-  (:mod:`astrai_kernels.triton.compile_check`; its own options).
+  (:mod:`astrai_kernels.kernels.triton.compile_check`; its own options).
 * ``build``: compile the cpp backend's C++ kernels now rather than on the first CPU call (a few
   minutes, once; the cached library loads in well under a second after); prints where it went and
   how long it took, exit status 1 with the compiler's error when it fails.
@@ -148,7 +148,7 @@ def add_verify_arguments(parser):
 def verify_plan(args):
     """The checked verify arguments as ``verify.report`` keywords (a UsageError when bad);
     nothing is run."""
-    from .ops._backend import BACKENDS, available_backends, unavailable_reason
+    from .kernels.registry import BACKENDS, available_backends, unavailable_reason
     from .testing import verify as vf
 
     ops = nonempty("--ops", _split(args.ops), vf.OPS)
@@ -274,7 +274,7 @@ def bench_plan(args):
     nothing is run."""
     from .bench import cases as bc
     from .bench.plot import have_matplotlib
-    from .ops._backend import available_backends
+    from .kernels.registry import available_backends
 
     for flag, value, low in (("--repeats", args.repeats, 1),
                              ("--min-repeats",
@@ -440,7 +440,7 @@ def bench(args, argv=None):
 
 def build_extension():
     """``build``: compile (or find cached) and load the cpp backend's extension; 0, else 1."""
-    from .cpu import cpp_backend
+    from .kernels.cpp import backend as cpp_backend
 
     cached = cpp_backend.cached_library()
     started = time.perf_counter()
@@ -497,7 +497,7 @@ def main(argv=None):
     _STARTED = time.perf_counter()  # an in-process caller (a test) may import this module early
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "compile-check":
-        from .triton.compile_check import main as compile_check_main
+        from .kernels.triton.compile_check import main as compile_check_main
 
         return compile_check_main(argv[1:])
     parser = build_parser()

@@ -8,7 +8,7 @@ an existing buffer (the copy floor):
 
 * ``clone``: ``logits.clone()``, a copy into a fresh buffer (the floor plus first touch);
 * ``op``: ``ak.cross_entropy`` forward + backward, as a training loop calls it: its gradient
-  comes from the CPU gradient cache (``astrai_kernels.cpu.memory``), so after the warm-up each
+  comes from the CPU gradient cache (``astrai_kernels.kernels.memory``), so after the warm-up each
   call reuses the pages of the last call's (released) gradient;
 * ``op_uncached``: the same with the cache off (each gradient a fresh huge-page buffer);
 * ``op_inplace``: the same with ``inplace_backward=True`` (the gradient overwrites the logits:
@@ -49,7 +49,7 @@ def run_variant(variant, rows, vocab, repeats, backend):
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     import astrai_kernels as ak
-    from astrai_kernels.cpu import memory
+    from astrai_kernels.kernels import memory
 
     if variant == "op_uncached":
         memory.set_gradient_cache_limit(0)

@@ -41,7 +41,7 @@ def run_case(patched, vocab=32768, hidden=64, n_layers=2, batch=4, seq_len=256, 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from astrai_kernels.integrations.transformers import patch
-    from astrai_kernels.ops._backend import resolve_backend
+    from astrai_kernels.kernels.registry import resolve_backend
 
     if threads:
         torch.set_num_threads(threads)

@@ -65,7 +65,7 @@ def bench_settings(config):
 
     from astrai_kernels.bench import cases as bc
     from astrai_kernels.cli import _split, parse_size
-    from astrai_kernels.ops._backend import available_backends
+    from astrai_kernels.kernels.registry import available_backends
 
     def value(name):
         env, default, _ = OPTIONS[name]

@@ -1,8 +1,9 @@
 // Shared helpers of the cpp backend: row geometry, dtype load/store, a vectorizable exp/tanh,
 // the online (max, sum-exp) row reduction, ISA dispatch and the OpenMP row loop.
 //
-// This header is torch-free: the kernels (logprobs.cpp, cross_entropy.cpp, grpo.cpp) see raw
-// pointers, element strides and float hyperparameters only; bindings.cpp unpacks tensors.
+// This header is torch-free: the kernels (logprobs.cpp, cross_entropy.cpp, grpo.cpp, distill.cpp,
+// vocab_shard.cpp) see raw pointers, element strides and float hyperparameters only; bindings.cpp
+// unpacks tensors.
 //
 // Vectorization: the inner loops are plain loops over always-inline helpers, written so the
 // compiler vectorizes them without -ffast-math (elementwise loops under `#pragma omp simd`;

@@ -1,4 +1,4 @@
-// cross_entropy_forward of ops/_backend.py, with the gradient fused into the same pass:
+// cross_entropy_forward of kernels/primitives.py, with the gradient fused into the same pass:
 //   z = c * tanh(a x / c) (softcap c, 0 = off; else z = a x), a the logit scale (1 = off),
 //   lse = logsumexp(z), p = softmax(z)
 //   loss   = (1 - eps) * (lse - z_y) + eps * (lse - mean_j z_j) + z_loss * lse^2

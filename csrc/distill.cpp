@@ -1,4 +1,4 @@
-// distill_forward / distill_backward of ops/_backend.py: TRL's generalized JSD between the
+// distill_forward / distill_backward of kernels/primitives.py: TRL's generalized JSD between the
 // student's and the teacher's softmax(z / T), a_j and b_j their log-probs, p = exp of them,
 //   beta = 0 (Fkl):  loss = sum_j p_t (b - a),              grad_j = g / T * (p_s - p_t)
 //   beta = 1 (Rkl):  m = b,  K = sum_j p_s (a - m),  loss = K

@@ -1,4 +1,4 @@
-// grpo_forward of ops/primitives.py: per-token clipped surrogate (+ beta * k3, times the ratio
+// grpo_forward of kernels/primitives.py: per-token clipped surrogate (+ beta * k3, times the ratio
 // with kl_ratio_correction) and its gradient, fused with the log-prob pass; with ENT also the
 // row's entropy from the same online walk. Rows with token_weight == 0 are masked (target not
 // read).

@@ -1,4 +1,4 @@
-// logprobs_forward / logprobs_backward of ops/_backend.py: s = z / T, p = softmax(s),
+// logprobs_forward / logprobs_backward of kernels/primitives.py: s = z / T, p = softmax(s),
 //   forward:  logp = s_y - lse, entropy = lse - sum_j p_j s_j, lse (ignored rows: all 0)
 //   backward: grad_j = (1/T) * (g_lp * (d_jy - p_j) - g_H * p_j * (s_j - lse + H))
 // with m the row max, logp = (z_y - m) / T - log sum_j exp((z_j - m) / T): exact however large

@@ -1,4 +1,4 @@
-// vocab_shard_backward of ops/primitives.py: one vocabulary shard's gradient from the group's lse,
+// vocab_shard_backward of kernels/primitives.py: one vocabulary shard's gradient from the group's lse,
 //   z = c * tanh(x / c) (softcap c, 0 = off), s = z / T, log p_j = s_j - lse (the whole
 //   vocabulary's lse), and per row
 //   grad_j = (1/T) * dz_j/dx_j * (p_j * (alpha + beta * log p_j) + gamma * d_jy + delta)

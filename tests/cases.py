@@ -211,7 +211,7 @@ def trl_generalized_jsd(student_logits, teacher_logits, labels=None, beta=0.5,
 
 
 # ---------------------------------------------------------------- reference.py as the primitives
-# Each takes a primitive's arguments (astrai_kernels/ops/primitives.py) and returns its outputs
+# Each takes a primitive's arguments (astrai_kernels/kernels/primitives.py) and returns its outputs
 # {name: tensor} by reference.py in ``precision`` (float64: the expected result; the result's
 # own dtype: the naive path, the yardstick of the tolerance model), with the gradient when an
 # upstream gradient is given, and in float64 the term sizes of testing/spec.py as ``*_terms``.

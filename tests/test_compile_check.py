@@ -30,7 +30,8 @@ def _triton_version():
 
 
 def test_every_kernel_compiles_without_spills():
-    cmd = [sys.executable, "-m", "astrai_kernels.triton.compile_check", "--arch", "sm_80,sm_90",
+    cmd = [sys.executable, "-m", "astrai_kernels.kernels.triton.compile_check",
+           "--arch", "sm_80,sm_90",
            "--json", "--quick"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(),
                           cwd=ROOT, timeout=600)
@@ -61,7 +62,7 @@ def test_every_kernel_compiles_without_spills():
 
 
 def test_refuses_under_the_interpreter():
-    cmd = [sys.executable, "-m", "astrai_kernels.triton.compile_check", "--arch", "sm_90"]
+    cmd = [sys.executable, "-m", "astrai_kernels.kernels.triton.compile_check", "--arch", "sm_90"]
     proc = subprocess.run(cmd, capture_output=True, text=True,
                           env=subprocess_env(TRITON_INTERPRET="1"), cwd=ROOT, timeout=300)
     assert proc.returncode == 2
@@ -69,7 +70,7 @@ def test_refuses_under_the_interpreter():
 
 
 def test_run_raises_in_process_under_the_interpreter(monkeypatch):
-    from astrai_kernels.triton import compile_check
+    from astrai_kernels.kernels.triton import compile_check
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(compile_check.CompileCheckError, match="TRITON_INTERPRET"):
@@ -77,14 +78,14 @@ def test_run_raises_in_process_under_the_interpreter(monkeypatch):
 
 
 def test_bad_arch_is_rejected():
-    from astrai_kernels.triton import compile_check
+    from astrai_kernels.kernels.triton import compile_check
 
     with pytest.raises(compile_check.CompileCheckError, match="sm_80"):
         compile_check._capability("ampere")
 
 
 def test_allow_spills_excuses_a_spill_not_a_failed_compile():
-    from astrai_kernels.triton.compile_check import spilled_only
+    from astrai_kernels.kernels.triton.compile_check import spilled_only
 
     assert spilled_only({"registers": 128, "spills": 8, "ok": False,
                          "error": "8 bytes of stack/local memory (register spills)"})

@@ -11,7 +11,7 @@ compile again: the Python code branches on it.
 
 The tests compile with AOTAutograd (``aot_eager``), which traces the custom ops and their
 backward as Inductor would; one case runs Inductor itself. The triton backend's ``triton_op``
-twins need CUDA to be compiled and take their floats as constants (``ops/_library.py``).
+twins need CUDA to be compiled and take their floats as constants (``kernels/library.py``).
 """
 
 import pytest

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from astrai_kernels.cpu import cpp_backend as cb
-from astrai_kernels.cpu import torch_backend as tb
-from astrai_kernels.ops.primitives import (
+from astrai_kernels.kernels import portable as tb
+from astrai_kernels.kernels.cpp import backend as cb
+from astrai_kernels.kernels.primitives import (
     CrossEntropyArgs,
     LogprobsArgs,
     ShardGradArgs,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-import astrai_kernels.cpu.cpp_backend as cb
-from astrai_kernels.ops._backend import resolve_backend
+import astrai_kernels.kernels.cpp.backend as cb
+from astrai_kernels.kernels.registry import resolve_backend
 
 from cases import subprocess_env
 
@@ -117,10 +117,10 @@ def refuse(*args, **kwargs):
 fcntl.flock = refuse
 cpp_extension.load = refuse
 
-import astrai_kernels.cpu.cpp_backend as cb
-from astrai_kernels.ops._backend import resolve_backend
-from astrai_kernels.cpu import torch_backend
-from astrai_kernels.ops.primitives import LogprobsArgs
+import astrai_kernels.kernels.cpp.backend as cb
+from astrai_kernels.kernels.registry import resolve_backend
+from astrai_kernels.kernels import portable as torch_backend
+from astrai_kernels.kernels.primitives import LogprobsArgs
 
 reason = cb.unavailable_reason("cpu")
 gen = torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from astrai_kernels.cpu import cpp_backend as cb
+from astrai_kernels.kernels.cpp import backend as cb
 
 DTYPES = ("F32T", "BF16T", "F16T")
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import astrai_kernels as ak
+from astrai_kernels.kernels.triton import config as triton_config
 from astrai_kernels.testing import assert_close
-from astrai_kernels.triton import config as triton_config
 
 from cases import KERNEL_BACKENDS, trl_generalized_jsd
 
@@ -219,7 +219,7 @@ def test_several_tiles(backend, beta, monkeypatch):
 def test_cpp_every_isa(dtype, beta):
     """Each compiled copy of the cpp kernels (generic, avx2, avx512), the mixture's forward with
     its kept exps and recomputing them: V = 2100, two blocks of the statistics pass."""
-    from astrai_kernels.cpu import cpp_backend
+    from astrai_kernels.kernels.cpp import backend as cpp_backend
 
     if cpp_backend.unavailable_reason("cpu") is not None:
         pytest.skip(cpp_backend.unavailable_reason("cpu"))
@@ -403,7 +403,7 @@ def test_linear_distill_bad_heads():
 def test_cpp_log_is_accurate():
     """The C++ distill kernels' log (``log_with_offset`` in csrc/common.h: the mixture's
     ``log m``) over positive normal floats, every binade and the sqrt(1/2) split: within 2 ulp."""
-    from astrai_kernels.cpu import cpp_backend
+    from astrai_kernels.kernels.cpp import backend as cpp_backend
 
     if cpp_backend.unavailable_reason("cpu") is not None:
         pytest.skip(cpp_backend.unavailable_reason("cpu"))

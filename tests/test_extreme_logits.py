@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import astrai_kernels as ak
 from astrai_kernels import reference
-from astrai_kernels.triton import config
+from astrai_kernels.kernels.triton import config
 
 BACKENDS = ["cpp", "torch", "triton"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

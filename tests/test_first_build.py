@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch.utils.cpp_extension as cpp_extension
 
-import astrai_kernels.cpu.cpp_backend as cb
+import astrai_kernels.kernels.cpp.backend as cb
 
 from cases import subprocess_env
 
@@ -32,7 +32,7 @@ import json, warnings
 import torch
 import torch.nn.functional as F
 import astrai_kernels as ak
-from astrai_kernels.ops._backend import resolve_backend
+from astrai_kernels.kernels.registry import resolve_backend
 
 gen = torch.Generator().manual_seed(0)
 logits = torch.randn(5, 37, generator=gen)

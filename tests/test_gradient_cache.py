@@ -1,4 +1,4 @@
-"""The CPU gradient cache (``astrai_kernels.cpu.memory``): reuse, limits, and that an op whose
+"""The CPU gradient cache (``astrai_kernels.kernels.memory``): reuse, limits, and that an op whose
 gradient lands on a reused (dirty) block gives the same result as on fresh memory."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 import astrai_kernels as ak
 from astrai_kernels.bench.peak import PeakRss
-from astrai_kernels.cpu import memory
+from astrai_kernels.kernels import memory
 
 from cases import KERNEL_BACKENDS, subprocess_env
 
@@ -124,7 +124,7 @@ def test_a_bad_environment_limit_is_refused(value):
     import subprocess
     import sys
 
-    code = ("import torch; from astrai_kernels.cpu import memory; "
+    code = ("import torch; from astrai_kernels.kernels import memory; "
             "memory.cached_empty((64, 33001), torch.float32, 'cpu')")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=subprocess_env(**{memory.CACHE_ENV: value}))
@@ -135,7 +135,7 @@ def test_the_environment_sets_the_limit():
     import subprocess
     import sys
 
-    code = ("from astrai_kernels.cpu import memory; print(memory.gradient_cache_limit())")
+    code = ("from astrai_kernels.kernels import memory; print(memory.gradient_cache_limit())")
     for value, expected in (("0", "0"), ("123456789", "123456789")):
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env=subprocess_env(**{memory.CACHE_ENV: value}), check=True)

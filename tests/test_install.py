@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-import astrai_kernels.cpu.cpp_backend as cb
+import astrai_kernels.kernels.cpp.backend as cb
 
 ROOT = Path(__file__).resolve().parents[1]
 # what a clone does not hold (.gitignore) or a build must not see (earlier build outputs)
@@ -37,7 +37,7 @@ import torch
 import astrai_kernels as ak
 import astrai_kernels.cli
 import astrai_kernels.testing.verify
-import astrai_kernels.cpu.cpp_backend as cb
+import astrai_kernels.kernels.cpp.backend as cb
 from astrai_kernels import reference
 from astrai_kernels.testing import assert_close
 

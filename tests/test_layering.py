@@ -158,3 +158,15 @@ def test_vocab_parallel_sits_below_the_ops():
     ops = {f"astrai_kernels.ops.{name}" for name in
            ("cross_entropy", "logprobs", "grpo", "linear", "distill")}
     assert not imported & ops
+
+
+def test_kernels_is_the_ground_floor():
+    upstairs = {module: sorted(m for m in imported if not m.startswith("astrai_kernels.kernels"))
+                for module, (imported, _) in SCANS.items()
+                if module.startswith("astrai_kernels.kernels")}
+    assert {module: found for module, found in upstairs.items() if found} == {}
+
+
+def test_the_registry_reaches_every_backend_by_an_import_statement():
+    assert {"astrai_kernels.kernels.triton.backend", "astrai_kernels.kernels.cpp.backend",
+            "astrai_kernels.kernels.portable"} <= SCANS["astrai_kernels.kernels.registry"][0]

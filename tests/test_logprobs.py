@@ -155,7 +155,7 @@ def test_available_backends_on_cpu():
 
 
 def test_auto_and_env_override(monkeypatch):
-    from astrai_kernels.ops._backend import resolve_backend
+    from astrai_kernels.kernels.registry import resolve_backend
 
     assert resolve_backend("auto", "cpu") == "cpp"
     monkeypatch.setenv("ASTRAI_KERNELS_BACKEND", "torch")

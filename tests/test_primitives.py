@@ -1,5 +1,6 @@
-"""The primitives' declarations (``ops/primitives.py``): every backend module satisfies the
-``Backend`` protocol, and the custom ops ``ops/_library.py`` generates follow the declarations."""
+"""The primitives' declarations (``kernels/primitives.py``): every backend module satisfies the
+``Backend`` protocol, and the custom ops ``kernels/library.py`` generates follow the
+declarations."""
 
 import inspect
 from dataclasses import fields
@@ -7,10 +8,11 @@ from dataclasses import fields
 import pytest
 import torch
 
-from astrai_kernels.cpu import cpp_backend, torch_backend
-from astrai_kernels.ops import _library, primitives
-from astrai_kernels.ops.cross_entropy import CrossEntropyParams
-from astrai_kernels.ops.primitives import (
+from astrai_kernels.kernels import library as _library
+from astrai_kernels.kernels import portable as torch_backend
+from astrai_kernels.kernels import primitives
+from astrai_kernels.kernels.cpp import backend as cpp_backend
+from astrai_kernels.kernels.primitives import (
     PRIMITIVES,
     SHARD_PRIMITIVE,
     Backend,
@@ -18,7 +20,8 @@ from astrai_kernels.ops.primitives import (
     VocabShardBackend,
     args_of,
 )
-from astrai_kernels.triton import backend as triton_backend
+from astrai_kernels.kernels.triton import backend as triton_backend
+from astrai_kernels.ops.cross_entropy import CrossEntropyParams
 
 MODULES = {"torch": torch_backend, "cpp": cpp_backend, "triton": triton_backend}
 

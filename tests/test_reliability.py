@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import astrai_kernels as ak
-from astrai_kernels.ops import _backend
+from astrai_kernels.kernels import registry as _backend
 from astrai_kernels.ops._common import rows_view
 
 FAST_BACKENDS = ["torch", "cpp"]
@@ -386,7 +386,7 @@ def test_bad_backend_environment_variable(monkeypatch):
 
 
 def test_auto_falls_back_to_torch_without_the_cpp_build(monkeypatch):
-    from astrai_kernels.cpu import cpp_backend
+    from astrai_kernels.kernels.cpp import backend as cpp_backend
 
     monkeypatch.setattr(cpp_backend, "unavailable_reason", lambda device: "no C++ compiler")
     assert _backend.resolve_backend("auto", "cpu") == "torch"

@@ -10,11 +10,11 @@ same-dtype path's error as the yardstick (``cases.assert_matches_spec``).
 import pytest
 import torch
 
-from astrai_kernels.cpu import torch_backend as tb
-from astrai_kernels.ops.primitives import CrossEntropyArgs, LogprobsArgs, SurrogateArgs
+from astrai_kernels.kernels import portable as tb
+from astrai_kernels.kernels.primitives import CrossEntropyArgs, LogprobsArgs, SurrogateArgs
+from astrai_kernels.kernels.triton import backend as kb
+from astrai_kernels.kernels.triton import config
 from astrai_kernels.testing import assert_close as check_close
-from astrai_kernels.triton import backend as kb
-from astrai_kernels.triton import config
 
 from cases import (
     assert_matches_spec,
@@ -393,7 +393,7 @@ def test_vocab_shard_backward(dtype, layout, softcap, with_beta, tile, few_progr
     """The shard gradient against its float64 statement (``cases.shard_grad_float64``): counted
     rows whose target another shard holds, an ignored row, several tiles, fewer programs than
     rows, in place."""
-    from astrai_kernels.ops.primitives import ShardGradArgs
+    from astrai_kernels.kernels.primitives import ShardGradArgs
 
     vocab, n = 37, 12
     x = make_logits(2, 6, vocab, dtype, layout)

@@ -23,8 +23,8 @@ SCRIPT = r"""
 import json, torch
 from torch._functorch.aot_autograd import aot_function
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-from astrai_kernels.ops import _library
-from astrai_kernels.ops.primitives import CrossEntropyArgs, LogprobsArgs, SurrogateArgs
+from astrai_kernels.kernels import library as _library
+from astrai_kernels.kernels.primitives import CrossEntropyArgs, LogprobsArgs, SurrogateArgs
 
 class Captured(Exception):
     pass

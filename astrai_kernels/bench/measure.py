@@ -138,7 +138,7 @@ def measure_copy(logits, repeats=5, cuda=False):
     if cuda:
         copy_s, times = median_time(src.clone)
         return {"copy_s": copy_s, "copy_kind": "clone", "copy_times_s": times}
-    from astrai_kernels.cpu.memory import cached_empty
+    from astrai_kernels.kernels.memory import cached_empty
 
     by_kind = {}
     for kind, make_dst in (("copy_", torch.empty_like),

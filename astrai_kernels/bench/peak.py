@@ -9,7 +9,7 @@ returned to the OS when freed, so RSS follows the live tensors (glibc would othe
 freed heap pages, and a reused page never raises RSS again). Where ``clear_refs`` is not
 writable the high-water mark cannot be reset: ``ru_maxrss`` is used instead, which is right for
 the first call only (:attr:`PeakRss.resettable` says which). Blocks the gradient cache
-(:mod:`astrai_kernels.cpu.memory`) holds unused at ``start()`` are resident but would have been
+(:mod:`astrai_kernels.kernels.memory`) holds unused at ``start()`` are resident but would have been
 freed without the cache: they are taken off the baseline, so a gradient the cache serves counts
 in the peak as a fresh one does.
 """
@@ -85,7 +85,7 @@ class PeakRss:
         gc.collect()
         _malloc_trim()
         _reset_high_water()
-        from astrai_kernels.cpu.memory import gradient_cache_free_bytes
+        from astrai_kernels.kernels.memory import gradient_cache_free_bytes
 
         self.baseline = status_bytes("VmRSS") - gradient_cache_free_bytes()
         return self.baseline

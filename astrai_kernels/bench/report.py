@@ -98,7 +98,7 @@ def machine_info(device="cpu"):
                     break
     except OSError:
         pass
-    from ..cpu.cpp_backend import ISA_ENV
+    from ..kernels.cpp.backend import ISA_ENV
 
     if os.environ.get(ISA_ENV):
         info["cpu_isa_cap"] = os.environ[ISA_ENV]

@@ -110,7 +110,7 @@ def run_case(strategy_name, method, vocab=32768, d_model=64, n_layers=2, backend
     if threads:
         torch.set_num_threads(threads)
 
-    from astrai_kernels.ops._backend import resolve_backend
+    from astrai_kernels.kernels.registry import resolve_backend
 
     model, strategy, batch, rows = _make_case(strategy_name, method, vocab, d_model, n_layers,
                                               backend)

@@ -1069,7 +1069,7 @@ def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None,
 
 
 def _resolve_backend(backend, device):
-    from ..ops._backend import resolve_backend
+    from ..kernels.registry import resolve_backend
 
     return resolve_backend(backend, device)
 

@@ -81,7 +81,7 @@ def check_real(value, name):
     reuses the graph, and one that fails them is traced again and raises the same error (with
     ``fullgraph=True`` Dynamo wraps it in its own error, which quotes the message). The
     message then leaves out the value, which a traced f-string cannot format; the custom ops
-    take these floats as tensors (``ops/_library.py``), so no value is baked into the graph.
+    take these floats as tensors (``kernels/library.py``), so no value is baked into the graph.
     """
     if _is_symbolic(value):
         return value
@@ -322,7 +322,7 @@ def scale_grad_inplace(grad, grad_output):
     device (no host sync); on CPU it is one scalar read.
     """
     if grad.is_cuda:
-        from ._backend import backend_module
+        from ..kernels.registry import backend_module
 
         backend_module("triton").scale_grad_(grad, grad_output)
     elif grad_output.item() != 1.0:

@@ -22,8 +22,10 @@ from .. import reference
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-from . import _library, dtensor, vocab_parallel
-from ._backend import backend_module, resolve_backend
+from ..kernels import library
+from ..kernels.primitives import CrossEntropyArgs, args_of
+from ..kernels.registry import backend_module, resolve_backend
+from . import dtensor, vocab_parallel
 from ._common import (
     AttachGrad,
     check_choice,
@@ -41,7 +43,6 @@ from ._common import (
     refuse_double_backward,
     rows_view,
 )
-from .primitives import CrossEntropyArgs, args_of
 from .reduction import (
     check_zero_normalizer,
     checked_normalizer,
@@ -57,7 +58,7 @@ TORCH_EQUIVALENT = "torch.nn.functional.cross_entropy(logits.float(), target, ..
 
 @dataclass(frozen=True)
 class CrossEntropyParams(CrossEntropyArgs):
-    """The kernel's parameters (``ops/primitives.py``) and the op's own."""
+    """The kernel's parameters (``kernels/primitives.py``) and the op's own."""
     reduction: str
     inplace_backward: bool
     backend: str
@@ -104,7 +105,7 @@ def _call(logits_rows, target_flat, params, grad_scale, grad_out=None):
         loss, lse = backend_module(params.backend).cross_entropy_forward(
             logits_rows, target_flat, grad_scale, args_of(params, CrossEntropyArgs), grad_out)
         return loss, lse, grad_out
-    return _library.cross_entropy_forward(logits_rows, target_flat, grad_scale, params,
+    return library.cross_entropy_forward(logits_rows, target_flat, grad_scale, params,
                                           grad_scale is not None, params.backend)
 
 

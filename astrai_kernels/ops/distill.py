@@ -21,8 +21,9 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from . import _library
-from ._backend import backend_module, resolve_backend
+from ..kernels import library
+from ..kernels.primitives import DistillArgs, args_of
+from ..kernels.registry import backend_module, resolve_backend
 from ._common import (
     AttachGrad,
     check_choice,
@@ -45,7 +46,6 @@ from .head import (
     logits_like,
     reference_logits,
 )
-from .primitives import DistillArgs, args_of
 from .reduction import check_zero_normalizer, checked_normalizer, inverse_or_zero
 
 REDUCTIONS = ("batchmean", "sum", "mean", "none")
@@ -53,7 +53,7 @@ REDUCTIONS = ("batchmean", "sum", "mean", "none")
 
 @dataclass(frozen=True)
 class DistillParams(DistillArgs):
-    """The kernel's parameters (``ops/primitives.py``) and the op's own."""
+    """The kernel's parameters (``kernels/primitives.py``) and the op's own."""
     reduction: str
     has_target: bool
     backend: str
@@ -117,7 +117,7 @@ class _DistillRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student, teacher, target_flat, params):
         student_rows, teacher_rows = matching_rows(student, teacher)
-        loss, *stats, _ = _library.distill_forward(student_rows, teacher_rows, target_flat,
+        loss, *stats, _ = library.distill_forward(student_rows, teacher_rows, target_flat,
                                                    None, params, False, params.backend)
         ctx.save_for_backward(student, teacher, target_flat, *stats)
         ctx.params = params
@@ -129,7 +129,7 @@ class _DistillRows(torch.autograd.Function):
         student, teacher, target_flat, *stats = ctx.saved_tensors
         params = ctx.params
         student_rows, teacher_rows = matching_rows(student, teacher)
-        grad = _library.distill_backward(
+        grad = library.distill_backward(
             student_rows, teacher_rows, target_flat, *stats,
             grad_loss.reshape(-1).float().contiguous(), params, params.backend)
         return grad.view(student.shape), None, None, None
@@ -228,14 +228,14 @@ def distill_loss(
         return reduce_rows(rows_loss, target_flat, params, normalizer_t, vocab, lead_shape)
     student_rows, teacher_rows = matching_rows(student_logits, teacher_logits)
     if not needs_grad:
-        rows_loss = _library.distill_forward(student_rows, teacher_rows, target_flat, None,
+        rows_loss = library.distill_forward(student_rows, teacher_rows, target_flat, None,
                                              params, False, params.backend)[0]
         return reduce_rows(rows_loss, target_flat, params, normalizer_t, vocab, lead_shape)
     # a scalar reduction: d loss / d row loss is known, so the forward writes the gradient too
     # (the backward only rescales it, as cross_entropy's)
     scale = row_grad_scale(target_flat, params, normalizer_t, vocab, lead_shape)
     with torch.no_grad():
-        rows_loss, *_, grad = _library.distill_forward(student_rows, teacher_rows, target_flat,
+        rows_loss, *_, grad = library.distill_forward(student_rows, teacher_rows, target_flat,
                                                        scale, params, True, params.backend)
         value = reduce_rows(rows_loss, target_flat, params, normalizer_t, vocab, lead_shape)
     return AttachGrad.apply(student_logits, value, grad.view(student_logits.shape),

@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional, Tuple, U
 import torch
 from torch import Tensor
 
-from . import _library, dtensor, rollout_correction, vocab_parallel
-from ._backend import resolve_backend
+from ..kernels import library
+from ..kernels.primitives import SurrogateArgs
+from ..kernels.registry import resolve_backend
+from . import dtensor, rollout_correction, vocab_parallel
 from ._common import (
     AttachGrad,
     check_bool,
@@ -49,7 +51,6 @@ from .grpo_options import (
     options_or_keywords,
 )
 from .logprobs import token_logprobs
-from .primitives import SurrogateArgs
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -61,7 +62,7 @@ VESPO_LOG_FLOOR = math.log(1e-8)  # TRL's lower clamp of VESPO's log-ratios
 
 @dataclass(frozen=True)
 class GRPOParams(SurrogateArgs):
-    """The surrogate kernel's parameters (``ops/primitives.py``) and the op's own."""
+    """The surrogate kernel's parameters (``kernels/primitives.py``) and the op's own."""
     loss_type: str
     importance_sampling: str
     backend: str
@@ -590,7 +591,7 @@ def _token_level(logits: Tensor, target: Tensor,
     params, flat = checked.params, checked.flat_rows()
     params = dataclasses.replace(params, with_entropy=checked.token_values)
     with torch.no_grad():
-        logp, token_loss, entropy, grad = _library.grpo_forward(
+        logp, token_loss, entropy, grad = library.grpo_forward(
             rows_view(logits), flat_target(target), flat.advantages, flat.old, flat.ref,
             flat.weight, params, needs_grad, params.backend)
         value, metrics, *values = token_level_result(logp, token_loss, entropy, checked)

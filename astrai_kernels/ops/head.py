@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from .. import reference
-from ..cpu.memory import cached_empty
+from ..kernels.memory import cached_empty
 from ._common import (
     FLOAT_DTYPES,
     check_in_range,
@@ -162,7 +162,7 @@ class ChunkedHead:
         n_rows, vocab = hidden.shape[0], weight.shape[0]
         self.chunk = chunk_rows(n_rows, vocab, hidden.device, chunk_size,
                                 weight_copy=self.work_dtype != weight.dtype)
-        # The large buffers come from the CPU gradient cache (cpu/memory.py): in a training loop
+        # The large buffers come from the CPU gradient cache (kernels/memory.py): in a training loop
         # each call reuses the last call's pages instead of faulting fresh ones.
         device = hidden.device
         self.buffer = cached_empty((min(self.chunk, n_rows), vocab), self.work_dtype, device)

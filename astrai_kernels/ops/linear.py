@@ -3,7 +3,7 @@
 Contract (docs/architecture.md, "Fused LM head"): each ``linear_*`` op equals its logits op
 applied to ``F.linear(hidden, weight, bias)``, up to the rounding of the logits. The rows are
 walked in chunks: a chunk's logits come from one matmul into a reused ``[chunk, V]`` buffer,
-the backend's logits primitive (``ops/primitives.py``) runs on it and writes the chunk's logit
+the backend's logits primitive (``kernels/primitives.py``) runs on it and writes the chunk's logit
 gradient over the same buffer, and three more matmuls fold that gradient into the gradients of
 ``hidden``, ``weight`` and ``bias``. Nothing ``[N, V]`` is ever allocated.
 
@@ -23,13 +23,14 @@ import torch
 from torch import Tensor
 
 from .. import reference
+from ..kernels.library import traceable_op
+from ..kernels.primitives import CrossEntropyArgs, LogprobsArgs, SurrogateArgs
+from ..kernels.registry import backend_module, resolve_backend
 from . import cross_entropy as ce_op
 from . import dtensor, vocab_parallel
 from . import grpo as grpo_op
 from . import logprobs as lp_op
-from ._backend import backend_module, resolve_backend
 from ._common import check_bool, check_in_range, dense_grad, flat_target, refuse_double_backward
-from ._library import traceable_op
 from .grpo_options import GRPOOptions, options_from, options_or_keywords
 from .head import (
     AttachHeadGrads,
@@ -45,7 +46,6 @@ from .head import (
     reference_logits,
     row_floats,
 )
-from .primitives import CrossEntropyArgs, LogprobsArgs, SurrogateArgs
 from .reduction import loss_grad_scale, reduce_loss
 from .sampling import (
     SamplingParams,

@@ -19,8 +19,10 @@ from .. import reference
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-from . import _library, dtensor, vocab_parallel
-from ._backend import backend_module, resolve_backend
+from ..kernels import library
+from ..kernels.primitives import LogprobsArgs, args_of
+from ..kernels.registry import backend_module, resolve_backend
+from . import dtensor, vocab_parallel
 from ._common import (
     check_bool,
     check_index,
@@ -37,7 +39,6 @@ from ._common import (
     refuse_double_backward,
     rows_view,
 )
-from .primitives import LogprobsArgs, args_of
 from .sampling import SamplingParams, checked_sampling, full_support, sampled_token_logprobs
 
 # named by the error of a double backward (refuse_double_backward)
@@ -47,7 +48,7 @@ TORCH_EQUIVALENT = ("torch.log_softmax(logits.float() / temperature, -1)"
 
 @dataclass(frozen=True)
 class LogprobsParams(LogprobsArgs):
-    """The kernel's parameters (``ops/primitives.py``) and the op's own."""
+    """The kernel's parameters (``kernels/primitives.py``) and the op's own."""
     inplace_backward: bool
     backend: str
 
@@ -71,7 +72,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, base, target_flat, params, starts):
-        logp, entropy, lse = _library.logprobs_forward(rows_view(logits), target_flat, params,
+        logp, entropy, lse = library.logprobs_forward(rows_view(logits), target_flat, params,
                                                        params.backend)
         ctx.save_for_backward(logits, target_flat, lse, entropy)
         ctx.params, ctx.starts = params, starts
@@ -96,7 +97,7 @@ class _TokenLogprobs(torch.autograd.Function):
                 return finish_inplace_grad(logits, None, logits.shape), None, None, None, None
             grad_base = finish_inplace_grad(logits._base, ctx.starts, logits.shape)
             return None, grad_base, None, None, None
-        grad = _library.logprobs_backward(logits_rows, *args, params, params.backend)
+        grad = library.logprobs_backward(logits_rows, *args, params, params.backend)
         grad = grad.view(logits.shape)
         if ctx.starts is None:
             return grad, None, None, None, None
@@ -104,7 +105,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
 
 def _forward_only(logits_rows, target_flat, params):
-    logp, entropy, _ = _library.logprobs_forward(logits_rows, target_flat, params,
+    logp, entropy, _ = library.logprobs_forward(logits_rows, target_flat, params,
                                                  params.backend)
     return logp, entropy
 

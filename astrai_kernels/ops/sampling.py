@@ -38,7 +38,8 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from ._backend import resolve_backend
+from ..kernels.library import traceable_op
+from ..kernels.registry import resolve_backend
 from ._common import (
     check_bool,
     check_in_range,
@@ -52,7 +53,6 @@ from ._common import (
     refuse_double_backward,
     rows_view,
 )
-from ._library import traceable_op
 from .head import (
     ChunkedHead,
     check_head,

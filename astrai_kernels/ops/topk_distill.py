@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from ..cpu.memory import cached_empty
-from ._backend import BACKENDS, ENV_VAR
+from ..kernels.memory import cached_empty
+from ..kernels.registry import BACKENDS, ENV_VAR
 from ._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,

@@ -23,8 +23,8 @@ so a row costs 4 bytes (the max) plus 8 to 16 (a sum of 2 floats; 3 with label s
 with entropy) on the wire, never a logits row; the ``linear_*`` backward adds the all-reduce of
 the hidden states' gradient (``H`` floats per row, as in Megatron). The gradient needs the
 group's ``lse`` and no collective: the backend primitive ``vocab_shard_backward``
-(``ops/primitives.py``) writes ``p_j (alpha + beta log p_j) + gamma d_jy + delta`` per row, times
-the chain rule of the temperature and the softcap. GRPO is the token log-probs followed by its
+(``kernels/primitives.py``) writes ``p_j (alpha + beta log p_j) + gamma d_jy + delta`` per row,
+times the chain rule of the temperature and the softcap. GRPO is the token log-probs followed by its
 per-token surrogate in torch (O(B*T)); the fused single-pass GRPO kernel cannot be used, since
 ``dL/dlogp`` needs the group's ``logp`` before the gradient pass.
 
@@ -59,7 +59,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._backend import backend_module
+from ..kernels.primitives import CrossEntropyArgs, LogprobsArgs, ShardGradArgs
+from ..kernels.registry import backend_module
 from ._common import (
     check_bool,
     check_index,
@@ -78,7 +79,6 @@ from .head import (
     head_needs,
     row_floats,
 )
-from .primitives import CrossEntropyArgs, LogprobsArgs, ShardGradArgs
 
 # Local targets handed to the primitives: a row ignored by the caller, and (backward only) a
 # counted row whose target lies in another rank's shard. Local ids are >= 0, so neither can

@@ -4,7 +4,7 @@ the ``scale`` of :mod:`astrai_kernels.testing.tolerances` for tests and ``astrai
 The values and gradients themselves come from ``reference.py``; this module only says how large
 the terms are that the kernels add up: entries that cancel (``p_j`` near ``eps / V`` under label
 smoothing, ``p_y`` near 1) are judged against their terms, not against their tiny difference.
-Each function takes a primitive's arguments (see ``astrai_kernels/ops/primitives.py``) with the
+Each function takes a primitive's arguments (see ``astrai_kernels/kernels/primitives.py``) with the
 logits as ``[N, V]`` rows or any ``[..., V]`` and returns tensors shaped like them.
 """
 

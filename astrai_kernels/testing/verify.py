@@ -265,7 +265,7 @@ def _interpreted(backend, device):
     if backend != "triton" or torch.device(device).type == "cuda":
         return False
     try:
-        from ..triton.backend import kernels_interpreted
+        from ..kernels.triton.backend import kernels_interpreted
     except Exception:
         return False
     return kernels_interpreted()

@@ -167,7 +167,7 @@ def run(archs=DEFAULT_ARCHS, quick=False, jobs=None):
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     procs = []
     for shard in range(jobs):
-        cmd = [sys.executable, "-m", "astrai_kernels.triton.compile_check", "--worker",
+        cmd = [sys.executable, "-m", "astrai_kernels.kernels.triton.compile_check", "--worker",
                f"{shard}/{jobs}", "--arch", ",".join(archs)] + (["--quick"] if quick else [])
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, env=env))

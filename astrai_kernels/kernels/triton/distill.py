@@ -1,5 +1,6 @@
 """Distillation (TRL's generalized JSD between student and teacher softmaxes): forward and
-backward kernels; the math is ``ops/primitives.py``'s ``distill_forward`` / ``distill_backward``.
+backward kernels; the math is ``kernels/primitives.py``'s ``distill_forward`` /
+``distill_backward``.
 
 One program walks rows (grid-stride). Forward, per row: ``helpers.row_stats`` over the student
 and over the teacher (their maxes and base-2 log-sums), then a pass over both tiles by tile for

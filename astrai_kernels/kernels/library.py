@@ -1,6 +1,6 @@
 """The backends' primitives as ``torch.library`` custom ops, so ``torch.compile`` traces through.
 
-Everything here is generated from the declarations in ``ops/primitives.py``: each primitive's
+Everything here is generated from the declarations in ``kernels/primitives.py``: each primitive's
 custom op (its schema: the declared tensors, then the fields of its params class, then
 ``compute_grad`` for a gradient the caller may skip, then ``backend``), its fake implementation
 (the declared output lengths), its ``triton_op`` twin and the eager wrapper the ops call,
@@ -39,9 +39,9 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ..cpu.memory import cached_empty
-from ._backend import backend_module
+from .memory import cached_empty
 from .primitives import ALWAYS, NONE, OPTIONAL, PRIMITIVES, args_of
+from .registry import backend_module
 
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 

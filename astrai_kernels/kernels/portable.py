@@ -1,4 +1,4 @@
-"""Pure-PyTorch chunked backend: the primitives of ``ops/primitives.py`` over blocks of rows.
+"""Pure-PyTorch chunked backend: the primitives of ``kernels/primitives.py`` over blocks of rows.
 
 Each block is upcast to float32 on its own, so the extra memory is bounded by a few float32
 copies of one block (``CHUNK_ELEMENTS`` elements each), never by ``N x V``.

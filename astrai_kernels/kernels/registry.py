@@ -1,14 +1,15 @@
-"""How a kernel backend is chosen: ``triton`` (CUDA), ``cpp`` (CPU), ``torch`` (any device) or
-``reference`` (the float64 spec, a test oracle).
+"""How a kernel backend is chosen: ``triton`` (CUDA), ``cpp`` (CPU), ``torch`` (the chunked
+``portable`` module, any device) or ``reference`` (the float64 spec, a test oracle).
 
-A backend is a module implementing the primitives declared in ``ops/primitives.py`` (its
+A backend is a module implementing the primitives declared in ``kernels/primitives.py`` (its
 ``Backend`` protocol, where their contract is stated) plus ``unavailable_reason(device)``:
-``None`` when it can serve tensors on ``device``, else a sentence saying why not.
+``None`` when it can serve tensors on ``device``, else a sentence saying why not. Each is
+imported by a statement of its own below (on first use: triton and the C++ build are costly),
+so the module graph, and ``tests/test_layering.py``, sees every backend the ops reach.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from types import ModuleType
 from typing import List, Optional, Union
@@ -16,17 +17,21 @@ from typing import List, Optional, Union
 import torch
 
 BACKENDS = ("triton", "cpp", "torch", "reference")
-_MODULES = {
-    "triton": "astrai_kernels.triton.backend",
-    "cpp": "astrai_kernels.cpu.cpp_backend",
-    "torch": "astrai_kernels.cpu.torch_backend",
-}
 ENV_VAR = "ASTRAI_KERNELS_BACKEND"
 
 
 def backend_module(name: str) -> ModuleType:
     """The module implementing the primitives of kernel backend ``name``."""
-    return importlib.import_module(_MODULES[name])
+    if name == "triton":
+        from .triton import backend as triton_backend
+        return triton_backend
+    if name == "cpp":
+        from .cpp import backend as cpp_backend
+        return cpp_backend
+    if name == "torch":
+        from . import portable
+        return portable
+    raise KeyError(f"backend {name!r} has no kernel module (one of 'triton', 'cpp', 'torch')")
 
 
 def _device(device: Union[str, torch.device]) -> torch.device:

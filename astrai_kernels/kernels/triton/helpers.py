@@ -1,6 +1,6 @@
 """Shared ``@triton.jit`` helpers: every kernel of the package builds on these, written once.
 
-Conventions (see ``ops/primitives.py``): a row ``n`` of an ``[A, B, V]`` tensor with arbitrary
+Conventions (see ``kernels/primitives.py``): a row ``n`` of an ``[A, B, V]`` tensor with arbitrary
 strides starts at ``(n // B) * stride0 + (n % B) * stride1``; all offsets are int64. Inside the
 kernels the scaled logits are kept in base 2 (``x2 = s * log2(e)``), so each element costs one
 ``exp2`` (the hardware instruction) and no extra multiply; per-row results are converted back to

@@ -1,7 +1,7 @@
 """The kernel primitives, each declared once: its tensors, its parameters, its outputs.
 
-Every kernel backend (``triton/backend.py``, ``cpu/cpp_backend.py``, ``cpu/torch_backend.py``)
-is a module with the functions that :class:`Backend` lists; ``ops/_library.py`` generates each
+Every kernel backend (``triton/backend.py``, ``kernels/cpp/backend.py``, ``kernels/portable.py``)
+is a module with the functions that :class:`Backend` lists; ``kernels/library.py`` generates each
 primitive's ``torch.library`` custom op, its fake implementation, its Triton twin and its eager
 wrapper from :data:`PRIMITIVES`. A primitive's non-tensor arguments travel as one frozen params
 object (:class:`LogprobsArgs`, :class:`CrossEntropyArgs`, :class:`SurrogateArgs`,
@@ -103,7 +103,7 @@ grad)``
     The forward statistics of a shard come from ``logprobs_forward`` and
     ``cross_entropy_forward`` above, so every backend serves forward-only calls.
 
-``reference.py`` states the same math naively in float64; ``cpu/torch_backend.py`` is the
+``reference.py`` states the same math naively in float64; ``kernels/portable.py`` is the
 readable chunked implementation of these primitives.
 """
 

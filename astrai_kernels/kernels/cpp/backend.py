@@ -1,4 +1,4 @@
-"""The ``cpp`` backend: the primitives of ``ops/primitives.py`` as C++ kernels from ``csrc/``.
+"""The ``cpp`` backend: the primitives of ``kernels/primitives.py`` as C++ kernels from ``csrc/``.
 
 The sources are the checkout's ``csrc/`` or, in an installed package, the copy the wheel carries
 as ``astrai_kernels/csrc/`` (setup.py puts it there). The extension is built on first use with
@@ -65,7 +65,7 @@ def source_dir():
     """The folder with the C++ sources, or None when it cannot be found: the installed package's
     own copy (``astrai_kernels/csrc``) first, else a checkout's ``csrc/`` beside the package."""
     here = Path(__file__).resolve()
-    for candidate in (here.parents[1] / "csrc", here.parents[2] / "csrc"):
+    for candidate in (here.parents[2] / "csrc", here.parents[3] / "csrc"):
         if all((candidate / name).is_file() for name in SOURCES):
             return candidate
     return None
@@ -430,7 +430,7 @@ def unavailable_reason(device):
         return None
     except BuildFailed as exc:
         first = str(exc).splitlines()[0]
-        reason = (f"{first}; call astrai_kernels.cpu.cpp_backend.load_extension() to see "
+        reason = (f"{first}; call astrai_kernels.kernels.cpp.backend.load_extension() to see "
                   f"the compiler output")
     except RuntimeError as exc:
         reason = str(exc).removeprefix("the cpp backend cannot be built: ")
@@ -449,7 +449,7 @@ def set_isa(name):
 
 
 # ------------------------------------------------------------------------------------------
-# The primitives (see ops/primitives.py for the contract)
+# The primitives (see kernels/primitives.py for the contract)
 # ------------------------------------------------------------------------------------------
 
 def _rows_f32(tensor):

@@ -1,4 +1,4 @@
-"""The ``triton`` backend: the primitives of ``ops/primitives.py`` as fused Triton kernels.
+"""The ``triton`` backend: the primitives of ``kernels/primitives.py`` as fused Triton kernels.
 
 Runs on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` was set before this module
 was imported (the kernels are then built for Triton's interpreter; that is how the tests run them).
@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from ..ops.primitives import (
+from ..primitives import (
     CrossEntropyArgs,
     DistillArgs,
     LogprobsArgs,
@@ -62,8 +62,8 @@ def unavailable_reason(device):
     if device.type == "cuda":
         return None if torch.cuda.is_available() else "CUDA is not available"
     if os.environ.get(INTERPRET_ENV) == "1":
-        return ("TRITON_INTERPRET=1 was set after astrai_kernels.triton was imported; set it "
-                "before importing astrai_kernels to run the triton backend on CPU")
+        return ("TRITON_INTERPRET=1 was set after astrai_kernels.kernels.triton was imported; "
+                "set it before importing astrai_kernels to run the triton backend on CPU")
     return "the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 to run on CPU"
 
 
@@ -78,7 +78,7 @@ def _identity(kernel):
 
 
 # ``wrap_triton`` makes a launch visible to tracing (torch.compile, make_fx) inside the
-# ``triton_op`` ops of ``ops/_library.py``; run eagerly it launches the kernel as is. torch < 2.6
+# ``triton_op`` ops of ``kernels/library.py``; run eagerly it launches the kernel as is. torch < 2.6
 # has none, and interpreted kernels cannot be traced, so both launch the kernel directly.
 _wrap_triton = getattr(torch.library, "wrap_triton", None)
 if _wrap_triton is None or kernels_interpreted():
@@ -117,7 +117,7 @@ def _tile_config(logits, grad=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# primitives (signatures and semantics: ops/primitives.py)
+# primitives (signatures and semantics: kernels/primitives.py)
 
 def logprobs_forward(logits, target, params):
     temperature, ignore_index, with_entropy = (

@@ -1,5 +1,5 @@
 """The vocabulary-parallel gradient of one shard (``vocab_shard_backward`` of
-``ops/primitives.py``), one program per row at a time::
+``kernels/primitives.py``), one program per row at a time::
 
     grad_j = (1/T) * dz_j/dx_j * (p_j * (alpha + beta * log p_j) + gamma * d_jy + delta)
 

@@ -1,5 +1,0 @@
-"""Fused Triton kernels (the ``triton`` backend).
-
-Importing this package never imports triton; ``astrai_kernels.triton.backend`` does, and reports
-through its ``unavailable_reason`` when triton is missing.
-"""
