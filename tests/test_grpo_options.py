@@ -115,3 +115,105 @@ def test_the_plan_refuses_a_keyword_beside_options():
     with pytest.raises(ValueError, match=r"\['beta'\] given beside options"):
         grpo_op.plan(logits, target, advantages, ak.GRPOOptions(beta=0.04), ref_logprobs=ref,
                      beta=0.0)
+
+
+def _keyword_defaults(function):
+    import inspect
+
+    return {name: parameter.default
+            for name, parameter in inspect.signature(function).parameters.items()
+            if parameter.default is not inspect.Parameter.empty}
+
+
+# the strategy's seed names for two options; its kl_coef default (0.01) is the seed's
+STRATEGY_NAMES = {"beta": "kl_coef", "clip_eps_low": "clip_eps"}
+
+
+@pytest.mark.parametrize("function", [ak.grpo_loss, ak.linear_grpo_loss, reference.grpo_loss],
+                         ids=["grpo_loss", "linear_grpo_loss", "reference.grpo_loss"])
+def test_the_public_keywords_are_the_options_fields_with_their_defaults(function):
+    from dataclasses import fields
+
+    defaults = _keyword_defaults(function)
+    for field in fields(ak.GRPOOptions):
+        assert field.name in defaults, field.name
+        assert defaults[field.name] == field.default, field.name
+
+
+def test_the_strategy_keywords_have_the_options_defaults():
+    from dataclasses import fields
+
+    from astrai_kernels.strategies.grpo import GRPOStrategy
+
+    defaults = _keyword_defaults(GRPOStrategy.__init__)
+    shared = [f for f in fields(ak.GRPOOptions)
+              if STRATEGY_NAMES.get(f.name, f.name) in defaults]
+    # the strategy takes every option of the seed's and TRL's loss, not the rollout correction
+    assert {f.name for f in fields(ak.GRPOOptions)} - {f.name for f in shared} == {
+        name for name in (f.name for f in fields(ak.GRPOOptions)) if name.startswith("rollout_")}
+    for field in shared:
+        if field.name not in STRATEGY_NAMES:
+            assert defaults[field.name] == field.default, field.name
+    assert defaults["clip_eps"] == ak.GRPOOptions().clip_eps_low
+
+
+def test_checked_options_resolve_the_kernel_arguments_and_check_again_to_themselves():
+    from astrai_kernels.ops.grpo_options import LOSS_TYPE_RECORDS
+
+    for name, record in LOSS_TYPE_RECORDS.items():
+        options = ak.GRPOOptions(loss_type=name, clip_eps_low=0.1,
+                                 clip_eps_high=5.0 if record.clip_high == "required" else None)
+        checked = options.checked()
+        assert checked.checked() == checked
+        args = checked.surrogate_args()
+        assert args.clip_eps_high == (5.0 if record.clip_high == "required" else 0.1)
+        assert args.delta == 0.0
+    args = ak.GRPOOptions(clip_eps_high=0.28, delta=2.0).checked().surrogate_args()
+    assert (args.clip_eps_low, args.clip_eps_high, args.delta) == (0.2, 0.28, 2.0)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(clip_eps_low=1.5), "clip_eps_low"),
+    (dict(loss_type="ppo"), "loss_type"),
+    (dict(loss_type="cispo"), "loss_type='cispo' needs clip_eps_high"),
+    (dict(loss_type="sapo", clip_eps_high=0.3), "clip_eps_high does not apply"),
+    (dict(loss_type="sapo", delta=2.0), "delta caps the clipped surrogate"),
+    (dict(vespo_k_pos=1.0), "vespo_k_pos applies to loss_type='vespo'"),
+    (dict(temperature=0.0), "temperature"),
+    (dict(rollout_is="token_truncate", rollout_is_max=None), "needs rollout_is_min or"),
+    (dict(rollout_rs_threshold=2.0), "rollout_rs_threshold applies with rollout_rs only"),
+])
+def test_the_options_check_themselves_without_tensors(options, match):
+    with pytest.raises(ValueError, match=match):
+        ak.GRPOOptions(**options).checked()
+
+
+def test_every_loss_type_has_a_record_the_ops_read():
+    from astrai_kernels.ops.grpo_options import (
+        CLIPPED_LOSS_TYPES,
+        GLOBAL_COUNT_LOSS_TYPES,
+        LOSS_TYPE_RECORDS,
+        LOSS_TYPES,
+    )
+
+    assert LOSS_TYPES == tuple(LOSS_TYPE_RECORDS)
+    assert set(CLIPPED_LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo", "luspo"}
+    assert set(GLOBAL_COUNT_LOSS_TYPES) == {"dapo", "cispo", "vespo"}
+    for record in LOSS_TYPE_RECORDS.values():
+        assert record.citation
+        assert record.policy in ("clipped", "cispo", "sapo", "vespo")
+        assert record.token_weight in ("sequence_mean", "token_mean", "max_length",
+                                       "sequence_sum", "global_count")
+
+
+def test_each_loss_type_reports_the_metrics_its_record_names():
+    from astrai_kernels.ops.grpo_options import LOSS_TYPE_RECORDS
+
+    logits, target, mask, advantages, _ = _batch()
+    for name, record in LOSS_TYPE_RECORDS.items():
+        _, metrics = ak.grpo_loss(logits, target, advantages, mask=mask, loss_type=name,
+                                  clip_eps_high=5.0 if record.clip_high == "required" else None,
+                                  backend="torch")
+        others = {m for r in LOSS_TYPE_RECORDS.values() for m in r.metrics} - set(record.metrics)
+        assert set(record.metrics) <= set(metrics), name
+        assert not others & set(metrics), name

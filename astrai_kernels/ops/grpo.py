@@ -30,23 +30,20 @@ from . import dtensor, rollout_correction, vocab_parallel
 from ._common import (
     AttachGrad,
     check_bool,
-    check_choice,
     check_in_range,
-    check_index,
     check_logits,
     check_per_row,
-    check_positive,
     check_target,
     flat_target,
     rows_view,
 )
 from .grpo_options import (
-    CLIPPED_LOSS_TYPES,
     DEFAULT_OPTIONS,
     GLOBAL_COUNT_LOSS_TYPES,
-    LOSS_TYPES,
+    LOSS_TYPE_RECORDS,
     OPTION_NAMES,
     GRPOOptions,
+    LossType,
     options_from,
     options_or_keywords,
 )
@@ -55,19 +52,27 @@ from .logprobs import token_logprobs
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-IMPORTANCE_SAMPLING = ("token", "sequence")
 LOG_RATIO_CLAMP = 20.0
 VESPO_LOG_FLOOR = math.log(1e-8)  # TRL's lower clamp of VESPO's log-ratios
 
 
 @dataclass(frozen=True)
 class GRPOParams(SurrogateArgs):
-    """The surrogate kernel's parameters (``kernels/primitives.py``) and the op's own."""
-    loss_type: str
-    importance_sampling: str
+    """The surrogate kernel's arguments (``GRPOOptions.surrogate_args``), the backend, and the
+    checked options they come from (every other option is read from ``options``)."""
     backend: str
     # no default: torch <= 2.11's Dynamo cannot wrap a dataclass instance as a default argument
     options: GRPOOptions  # as checked
+
+    @classmethod
+    def of(cls, options: GRPOOptions, backend: str) -> "GRPOParams":
+        args = options.surrogate_args()
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)},
+                   backend=backend, options=options)
+
+    @property
+    def record(self) -> LossType:
+        return self.options.record
 
 
 @dataclass
@@ -99,7 +104,7 @@ def _check_normalizer(normalizer, loss_type: str, device) -> Optional[Tensor]:
     :func:`_check_values`."""
     if normalizer is None:
         return None
-    if loss_type not in GLOBAL_COUNT_LOSS_TYPES:
+    if not LOSS_TYPE_RECORDS[loss_type].global_count:
         raise ValueError(f"normalizer applies to loss_type in {GLOBAL_COUNT_LOSS_TYPES} only "
                          f"(the global token count); loss_type={loss_type!r} normalizes by "
                          f"itself")
@@ -156,38 +161,21 @@ def _check_values(mask: Optional[Tensor], valid: Tensor, normalizer: Optional[Te
     return zero_weight is not None and not read[-1]
 
 
-def _checked_extras(options: GRPOOptions, ref: Optional[Tensor], sampling: Optional[Tensor],
-                    importance_weights: Optional[Tensor]) -> GRPOOptions:
-    """The GRPO-family options: each in its range, and none set where it would be unused."""
-    loss_type, checked = options.loss_type, {}
-    for name, family in (("sapo_tau_pos", "sapo"), ("sapo_tau_neg", "sapo"),
-                         ("vespo_k_pos", "vespo"), ("vespo_lambda_pos", "vespo"),
-                         ("vespo_k_neg", "vespo"), ("vespo_lambda_neg", "vespo")):
-        value = getattr(options, name)
-        if name.startswith("vespo_k"):
-            checked[name] = check_in_range(value, name, 0.0, float("inf"))
-        else:
-            checked[name] = check_positive(value, name)
-        if loss_type != family and checked[name] != getattr(DEFAULT_OPTIONS, name):
-            raise ValueError(f"{name} applies to loss_type={family!r} only, got "
-                             f"loss_type={loss_type!r}")
-    if check_bool(options.kl_ratio_correction, "kl_ratio_correction") and ref is None:
+def _check_option_inputs(options: GRPOOptions, ref: Optional[Tensor],
+                         sampling: Optional[Tensor], importance_weights: Optional[Tensor]):
+    """The checked options against the call's tensors: each tensor an option needs is given,
+    and none is given that no option reads."""
+    if options.beta > 0 and ref is None:
+        raise ValueError("beta > 0 needs ref_logprobs (the reference policy's token log-probs)")
+    if options.kl_ratio_correction and ref is None:
         raise ValueError("kl_ratio_correction=True needs ref_logprobs (it scales the k3 KL "
                          "term by the importance ratio)")
-    checked.update(rollout_correction.checked_options(options, sampling, importance_weights))
-    threshold = options.off_policy_threshold
-    if threshold is not None:
-        checked["off_policy_threshold"] = check_in_range(
-            threshold, "off_policy_threshold", 0.0, float("inf"))
-    elif sampling is not None and not rollout_correction.is_on(options):
+    rollout_correction.check_inputs(options, sampling, importance_weights)
+    if (sampling is not None and options.off_policy_threshold is None
+            and not options.rollout_correction_on):
         raise ValueError("sampling_logprobs is used by the off-policy sequence mask and the "
                          "rollout correction only: pass off_policy_threshold, rollout_is or "
                          "rollout_rs too")
-    checked["top_entropy_quantile"] = check_in_range(
-        options.top_entropy_quantile, "top_entropy_quantile", 0.0, 1.0)
-    checked["entropy_coef"] = check_in_range(options.entropy_coef, "entropy_coef",
-                                             -float("inf"), float("inf"))
-    return dataclasses.replace(options, **checked)
 
 
 def _check(logits, target, advantages, options: GRPOOptions, mask, old_logprobs, ref_logprobs,
@@ -195,10 +183,6 @@ def _check(logits, target, advantages, options: GRPOOptions, mask, old_logprobs,
            sampling_logprobs=None) -> Tuple[_Inputs, GRPOParams]:
     if not isinstance(options, GRPOOptions):
         raise TypeError(f"options must be a GRPOOptions, got {type(options).__name__}")
-    beta, clip_eps_low, clip_eps_high = options.beta, options.clip_eps_low, options.clip_eps_high
-    delta, loss_type, importance_sampling = (options.delta, options.loss_type,
-                                             options.importance_sampling)
-    temperature, max_completion_length = options.temperature, options.max_completion_length
     check_logits(logits)
     if logits.dim() != 3:
         raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
@@ -218,46 +202,16 @@ def _check(logits, target, advantages, options: GRPOOptions, mask, old_logprobs,
         advantages = advantages.unsqueeze(1).expand(shape)
     old = _check_logprobs_input(old_logprobs, "old_logprobs", shape, device)
     ref = _check_logprobs_input(ref_logprobs, "ref_logprobs", shape, device)
-    # check_in_range refuses inf and NaN (a traced beta cannot go through math.isfinite)
-    beta = check_in_range(beta, "beta", 0.0, float("inf"))
-    if beta > 0 and ref is None:
-        raise ValueError("beta > 0 needs ref_logprobs (the reference policy's token log-probs)")
-    clip_eps_low = check_in_range(clip_eps_low, "clip_eps_low", 0.0, 1.0)
-    check_choice(loss_type, "loss_type", LOSS_TYPES)
-    if loss_type == "cispo":
-        if clip_eps_high is None:
-            raise ValueError("loss_type='cispo' needs clip_eps_high, the cap on the importance "
-                             "ratio (e.g. 5.0); TRL would fall back to clip_eps_low")
-        clip_eps_high = check_positive(clip_eps_high, "clip_eps_high")
-    elif loss_type in ("sapo", "vespo") and clip_eps_high is not None:
-        raise ValueError(f"clip_eps_high does not apply to loss_type={loss_type!r} (no clip)")
-    clip_eps_high = (clip_eps_low if clip_eps_high is None
-                     else check_in_range(clip_eps_high, "clip_eps_high", 0.0, float("inf")))
-    delta = 0.0 if delta is None else check_positive(delta, "delta")
-    if delta and loss_type not in CLIPPED_LOSS_TYPES:
-        raise ValueError(f"delta caps the clipped surrogate's ratio: it applies to loss_type in "
-                         f"{CLIPPED_LOSS_TYPES}, got loss_type={loss_type!r}")
-    check_choice(importance_sampling, "importance_sampling", IMPORTANCE_SAMPLING)
-    if max_completion_length is not None:
-        check_index(max_completion_length, "max_completion_length")
-        if max_completion_length <= 0:
-            raise ValueError(f"max_completion_length must be > 0, got {max_completion_length}")
-    normalizer = _check_normalizer(normalizer, loss_type, device)
+    options = options.checked()
+    normalizer = _check_normalizer(normalizer, options.loss_type, device)
     weights = check_per_row(importance_weights, "importance_weights", shape, device,
                             allow_none=True)
     if weights is not None and not weights.is_floating_point():
         raise TypeError(f"importance_weights must be a floating tensor, got {weights.dtype}")
     sampling = _check_logprobs_input(sampling_logprobs, "sampling_logprobs", shape, device)
-    options = _checked_extras(dataclasses.replace(
-        options, beta=beta, clip_eps_low=clip_eps_low, temperature=check_positive(
-            temperature, "temperature")), ref, sampling, weights)
+    _check_option_inputs(options, ref, sampling, weights)
     weights_positive = _check_values(mask, valid, normalizer, weights)
-    params = GRPOParams(temperature=options.temperature,
-                        clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
-                        beta=beta, kl_ratio_correction=options.kl_ratio_correction,
-                        with_entropy=False, loss_type=loss_type,
-                        importance_sampling=importance_sampling,
-                        backend=resolve_backend(backend, device), options=options)
+    params = GRPOParams.of(options, resolve_backend(backend, device))
 
     def select(values: Optional[Tensor]) -> Optional[Tensor]:
         if values is None:
@@ -297,7 +251,7 @@ class GRPOPlan:
         fold into the token weights when there is no KL term for them to leave alone and none
         is 0 (the kernel reads a weight of 0 as a masked token: no log-prob for the metrics)."""
         params, options = self.params, self.params.options
-        return (params.loss_type in CLIPPED_LOSS_TYPES and params.importance_sampling == "token"
+        return (params.record.single_pass and options.importance_sampling == "token"
                 and options.extras_at_defaults and not self.correction_pending
                 # a token the rejection drops has weight 0 there: no log-prob to return
                 and not (options.rollout_rs is not None and self.token_values)
@@ -331,10 +285,9 @@ def plan(logits: Tensor, target: Tensor, advantages: Tensor,
     inputs, params = _check(logits, target, advantages, options, mask, old_logprobs,
                             ref_logprobs, normalizer, backend, importance_weights,
                             sampling_logprobs)
-    weight = _token_weight(inputs.valid, params.loss_type, options.max_completion_length,
-                           inputs.normalizer)
+    weight = _token_weight(inputs.valid, params.options, inputs.normalizer)
     checked = GRPOPlan(inputs, params, weight, return_token_values)
-    if not rollout_correction.is_on(params.options):
+    if not params.options.rollout_correction_on:
         return checked
     if inputs.old is None:
         return dataclasses.replace(checked, correction_pending=True)
@@ -357,8 +310,7 @@ def corrected(checked: GRPOPlan, old: Tensor) -> GRPOPlan:
     weights = inputs.importance_weights if correction.weights is None else correction.weights
     inputs = dataclasses.replace(inputs, valid=correction.kept, importance_weights=weights,
                                  weights_positive=positive)
-    weight = _token_weight(inputs.valid, params.loss_type, params.options.max_completion_length,
-                           inputs.normalizer)
+    weight = _token_weight(inputs.valid, params.options, inputs.normalizer)
     return dataclasses.replace(checked, inputs=inputs, weight=weight, correction_pending=False,
                                correction_metrics=correction.metrics)
 
@@ -475,8 +427,7 @@ def reference_loss(logits: Tensor, target: Tensor, checked: GRPOPlan):
     from .. import reference
 
     inputs, params = checked.inputs, checked.params
-    options = dataclasses.replace(params.options, clip_eps_high=params.clip_eps_high,
-                                  delta=params.delta or None)
+    options = params.options
     # the spec computes its own rollout correction from the mask as given (rollout_is and the
     # caller's importance_weights never come together)
     weights = None if options.rollout_is is not None else inputs.importance_weights
@@ -523,18 +474,19 @@ def _vocab_parallel_grpo_loss(logits, target, advantages, process_group, backend
     return from_logprobs(logprobs_of, target, checked)
 
 
-def _token_weight(valid: Tensor, loss_type: str, max_completion_length: Optional[int],
-                  normalizer: Optional[Tensor]) -> Tensor:
-    """Each token's factor in the aggregated loss (0 on masked tokens), float32 ``[B, T]``."""
+def _token_weight(valid: Tensor, options: GRPOOptions, normalizer: Optional[Tensor]) -> Tensor:
+    """Each token's factor in the aggregated loss (0 on masked tokens), float32 ``[B, T]``, by
+    the loss type's ``token_weight`` (``LossType``)."""
     batch, length = valid.shape
     mask = valid.to(torch.float32)
-    if loss_type in ("grpo", "sapo"):
+    kind = options.record.token_weight
+    if kind == "sequence_mean":
         return mask / (mask.sum(-1, keepdim=True).clamp(min=1.0) * batch)
-    if loss_type == "bnpo":
+    if kind == "token_mean":
         return mask / mask.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        return mask / float(batch * (max_completion_length or length))
-    if loss_type == "luspo":
+    if kind == "max_length":
+        return mask / float(batch * (options.max_completion_length or length))
+    if kind == "sequence_sum":
         # mean over sequences of the sum over its tokens: a sequence weighs by its length
         return mask / float(max(batch, 1))
     if normalizer is None:
@@ -572,13 +524,14 @@ def _metrics(ratio: Tensor, k3: Tensor, inputs: _Inputs, params: GRPOParams,
     then ``extra`` (already means)."""
     valid, advantages = inputs.valid, inputs.advantages
     metrics = {"kl": _masked_mean(k3, valid), "ratio/mean": _masked_mean(ratio, valid)}
-    if params.loss_type in CLIPPED_LOSS_TYPES:
+    policy = params.record.policy
+    if policy == "clipped":
         low = (ratio < 1.0 - params.clip_eps_low) & (advantages < 0)
         high = (ratio > 1.0 + params.clip_eps_high) & (advantages > 0)
         metrics.update({"clip_ratio/low": _masked_mean(low, valid),
                         "clip_ratio/high": _masked_mean(high, valid),
                         "clip_ratio/region": _masked_mean(low | high, valid)})
-    elif params.loss_type == "cispo":
+    elif policy == "cispo":
         capped = (ratio > params.clip_eps_high) & (advantages > 0)
         metrics["clip_ratio/cispo"] = _masked_mean(capped, valid)
     metrics.update(extra or {})
@@ -643,14 +596,14 @@ def _policy_loss(logp: Tensor, ratio: Tensor, token_log_ratio: Tensor, inputs: _
                  params: GRPOParams) -> Tuple[Tensor, Dict[str, Tensor]]:
     """Each token's policy term ``[B, T]`` of the loss type (before masks and weights), and
     the type's own metrics."""
-    advantages, options = inputs.advantages, params.options
-    if params.loss_type == "cispo":
+    advantages, options, policy = inputs.advantages, params.options, params.record.policy
+    if policy == "cispo":
         capped = ratio.clamp(max=params.clip_eps_high).detach()
         return -capped * advantages * logp, {}
-    if params.loss_type == "sapo":
+    if policy == "sapo":
         tau = torch.where(advantages > 0, options.sapo_tau_pos, options.sapo_tau_neg)
         return -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * advantages, {}
-    if params.loss_type == "vespo":
+    if policy == "vespo":
         phi = _vespo_weight(token_log_ratio.detach(), inputs, options)
         return -phi * advantages * logp, {"vespo/phi_mean": _masked_mean(phi, inputs.valid)}
     return _surrogate(ratio, advantages, params), {}
@@ -702,7 +655,7 @@ def from_logprobs(logprobs_of: Callable[[Tensor, bool], Tuple[Tensor, Optional[T
     options, valid = params.options, inputs.valid
     old = logp.detach() if inputs.old is None else inputs.old
     token_log_ratio = torch.where(valid, logp - old, 0.0)
-    if params.importance_sampling == "sequence":
+    if options.importance_sampling == "sequence":
         lengths = valid.sum(-1, keepdim=True).clamp(min=1).to(torch.float32)
         log_ratio = (token_log_ratio.sum(-1, keepdim=True) / lengths).expand_as(logp)
     else:
@@ -720,7 +673,7 @@ def from_logprobs(logprobs_of: Callable[[Tensor, bool], Tuple[Tensor, Optional[T
         entropy_keep = _top_entropy_keep(entropy, valid, options.top_entropy_quantile)
         keep = keep & entropy_keep
         extra["mask/entropy"] = _masked_mean(entropy_keep, valid)
-    if inputs.importance_weights is not None and params.loss_type != "vespo":
+    if inputs.importance_weights is not None and params.record.policy != "vespo":
         token_loss = token_loss * inputs.importance_weights  # VESPO has them inside phi
     token_loss = torch.where(keep, token_loss, 0.0)
     k3 = _k3(logp, inputs.ref)
@@ -741,7 +694,7 @@ def from_logprobs(logprobs_of: Callable[[Tensor, bool], Tuple[Tensor, Optional[T
 def _entropy_bonus(entropy: Tensor, keep: Tensor, checked: GRPOPlan) -> Tensor:
     """TRL's entropy term: the mean entropy over the kept tokens, or for the global-count loss
     types the sum over them divided by that count (each token's aggregation weight)."""
-    if checked.params.loss_type in GLOBAL_COUNT_LOSS_TYPES:
+    if checked.params.record.global_count:
         return torch.where(keep, entropy * checked.weight, 0.0).sum()
     count = keep.sum().clamp(min=1).to(torch.float32)
     return torch.where(keep, entropy, 0.0).sum() / count

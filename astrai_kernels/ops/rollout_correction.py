@@ -23,8 +23,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from ._common import check_bool, check_choice, check_in_range, check_positive
-from .grpo_options import DEFAULT_OPTIONS, ROLLOUT_IS_MODES, ROLLOUT_RS_OPTIONS, GRPOOptions
+from .grpo_options import GRPOOptions
 
 SAFETY_BOUND = 20.0  # verl rollout_corr_helper.SAFETY_BOUND: log-ratios clamped before exp
 MASKED_MEAN_EPS = 1e-8  # verl utils/torch_functional.masked_mean: sum / (count + 1e-8)
@@ -39,71 +38,17 @@ class RolloutCorrection:
     metrics: Dict[str, Tensor]
 
 
-def is_on(options: GRPOOptions) -> bool:
-    return options.rollout_is is not None or options.rollout_rs is not None
-
-
-def checked_options(options: GRPOOptions, sampling: Optional[Tensor],
-                    importance_weights: Optional[Tensor]) -> dict:
-    """The rollout-correction options, each in its range and none set where unused."""
-    mode, checked = options.rollout_is, {}
-    if mode is not None:
-        check_choice(mode, "rollout_is", ROLLOUT_IS_MODES)
-    for name in ("rollout_is_min", "rollout_is_max"):
-        value = getattr(options, name)
-        if value is not None:
-            checked[name] = check_in_range(value, name, 0.0, math.inf)
-    checked["rollout_is_batch_normalize"] = check_bool(options.rollout_is_batch_normalize,
-                                                       "rollout_is_batch_normalize")
-    if mode is None:
-        for name in ("rollout_is_min", "rollout_is_max", "rollout_is_batch_normalize"):
-            if getattr(options, name) != getattr(DEFAULT_OPTIONS, name):
-                raise ValueError(f"{name} applies with rollout_is only (one of "
-                                 f"{ROLLOUT_IS_MODES}), got rollout_is=None")
-    else:
-        low, high = checked.get("rollout_is_min"), checked.get("rollout_is_max")
-        if mode.endswith("_truncate") and low is None and high is None:
-            raise ValueError(f"rollout_is={mode!r} needs rollout_is_min or rollout_is_max (TRL "
-                             f"refuses a truncation without bounds)")
-        if low is not None and high is not None and not low < high:
-            raise ValueError(f"rollout_is_min must be < rollout_is_max, got {low} and {high}")
-        if importance_weights is not None:
-            raise ValueError("importance_weights are precomputed correction weights: pass them "
-                             "or rollout_is, not both")
-        if options.loss_type == "vespo" and not mode.startswith("token_"):
-            raise ValueError(f"loss_type='vespo' takes the token modes of rollout_is only (as "
-                             f"TRL's GRPOTrainer), got rollout_is={mode!r}")
-        if options.loss_type == "vespo" and checked["rollout_is_batch_normalize"]:
-            raise ValueError("rollout_is_batch_normalize is verl's and does not combine with "
-                             "loss_type='vespo' (TRL's, which has no batch normalisation)")
-    checked.update(_checked_rejection(options))
-    if is_on(options) and sampling is None:
+def check_inputs(options: GRPOOptions, sampling: Optional[Tensor],
+                 importance_weights: Optional[Tensor]) -> None:
+    """The call's tensors against the checked options (``GRPOOptions.checked`` checks the
+    options themselves): the correction needs the sampler's log-probs, and replaces
+    precomputed importance weights."""
+    if options.rollout_is is not None and importance_weights is not None:
+        raise ValueError("importance_weights are precomputed correction weights: pass them "
+                         "or rollout_is, not both")
+    if options.rollout_correction_on and sampling is None:
         raise ValueError("rollout_is and rollout_rs need sampling_logprobs, the sampler's "
                          "log-probs of the sampled tokens")
-    return checked
-
-
-def _checked_rejection(options: GRPOOptions) -> dict:
-    option, checked = options.rollout_rs, {}
-    threshold, lower = options.rollout_rs_threshold, options.rollout_rs_threshold_lower
-    if option is None:
-        for name, value in (("rollout_rs_threshold", threshold),
-                            ("rollout_rs_threshold_lower", lower)):
-            if value is not None:
-                raise ValueError(f"{name} applies with rollout_rs only (one of "
-                                 f"{ROLLOUT_RS_OPTIONS}), got rollout_rs=None")
-        return checked
-    check_choice(option, "rollout_rs", ROLLOUT_RS_OPTIONS)
-    if threshold is None:
-        raise ValueError(f"rollout_rs={option!r} needs rollout_rs_threshold")
-    checked["rollout_rs_threshold"] = check_positive(threshold, "rollout_rs_threshold")
-    if lower is not None:
-        if not option.endswith("k1"):
-            raise ValueError(f"rollout_rs_threshold_lower applies to the k1 options only (a "
-                             f"ratio interval), got rollout_rs={option!r}")
-        checked["rollout_rs_threshold_lower"] = check_positive(lower,
-                                                               "rollout_rs_threshold_lower")
-    return checked
 
 
 def _masked_mean(values: Tensor, valid: Tensor, dim=None) -> Tensor:

@@ -9,6 +9,7 @@ from torch import Tensor
 import astrai_kernels as ak
 
 from ..baselines import original
+from ..ops.grpo_options import DEFAULT_OPTIONS, OPTION_NAMES
 from .base import (
     BaseStrategy,
     Device,
@@ -111,26 +112,14 @@ class GRPOStrategy(BaseStrategy):
         self.max_completion_length = max_completion_length
         self.advantage_scale = advantage_scale
         self.advantage_eps = advantage_eps
-        # every scalar option of ak.grpo_loss, as one object
-        self.options = ak.GRPOOptions(
-            beta=float(kl_coef), clip_eps_low=clip_eps, clip_eps_high=clip_eps_high, delta=delta,
-            loss_type=loss_type, importance_sampling=importance_sampling,
-            temperature=temperature, max_completion_length=max_completion_length,
-            sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg, vespo_k_pos=vespo_k_pos,
-            vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-            vespo_lambda_neg=vespo_lambda_neg, kl_ratio_correction=kl_ratio_correction,
-            off_policy_threshold=off_policy_threshold,
-            top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef)
-        self._reference_only(
-            clip_eps_high=(clip_eps_high, None), loss_type=(loss_type, "bnpo"),
-            importance_sampling=(importance_sampling, "token"), delta=(delta, None),
-            temperature=(temperature, 1.0), advantage_scale=(advantage_scale, "group"),
-            sapo_tau_pos=(sapo_tau_pos, 1.0), sapo_tau_neg=(sapo_tau_neg, 1.05),
-            vespo_k_pos=(vespo_k_pos, 2.0), vespo_lambda_pos=(vespo_lambda_pos, 3.0),
-            vespo_k_neg=(vespo_k_neg, 3.0), vespo_lambda_neg=(vespo_lambda_neg, 2.0),
-            kl_ratio_correction=(kl_ratio_correction, False),
-            off_policy_threshold=(off_policy_threshold, None),
-            top_entropy_quantile=(top_entropy_quantile, 1.0), entropy_coef=(entropy_coef, 0.0))
+        # every scalar option of ak.grpo_loss, as one object: the signature's GRPOOptions
+        # fields by name (tests/test_grpo_options.py checks the two lists agree)
+        given = {name: value for name, value in locals().items() if name in OPTION_NAMES}
+        self.options = ak.GRPOOptions(beta=float(kl_coef), clip_eps_low=clip_eps, **given)
+        seed_defaults = {name: (getattr(self.options, name), getattr(DEFAULT_OPTIONS, name))
+                         for name in OPTION_NAMES if name in given
+                         and name != "max_completion_length"}
+        self._reference_only(advantage_scale=(advantage_scale, "group"), **seed_defaults)
 
     # ------------------------------------------------------------ old policy
 
