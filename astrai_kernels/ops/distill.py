@@ -12,17 +12,16 @@ loss pass keeps: no exp or log more) and the backward only rescales it, as ``cro
 with ``reduction="none"`` the backward reads both rows once more and writes it.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from .. import reference
 from ..kernels import library
-from ..kernels.primitives import DistillArgs, args_of
+from ..kernels.library import traceable_op
+from ..kernels.primitives import DistillArgs
 from ..kernels.registry import backend_module, resolve_backend
 from ._common import (
     AttachGrad,
@@ -41,10 +40,12 @@ from .head import (
     ChunkedHead,
     check_head,
     checked_transform,
+    fake_head_gradients,
     grad_or_none,
     head_needs,
     logits_like,
     reference_logits,
+    row_floats,
 )
 from .reduction import check_zero_normalizer, checked_normalizer, inverse_or_zero
 
@@ -242,17 +243,31 @@ def distill_loss(
                             "distill_loss", None)
 
 
-def _linear_distill_walk(student_head, teacher_head, target_flat, params, grad_rows):
-    """Walk both heads' chunks: per-row losses and, when ``grad_rows`` (float32, 1 or N
-    elements: d loss / d row loss) is given, the student head's gradients folded per chunk
-    (the chunk's logit gradient is written over its logits buffer)."""
-    kernels = backend_module(params.backend)
-    n_rows = target_flat.numel()
-    loss = torch.empty(n_rows, dtype=torch.float32, device=target_flat.device)
-    args = args_of(params, DistillArgs)
+@traceable_op("linear_distill", floats=("beta", "temperature", "logit_scale", "softcap",
+                                        "teacher_logit_scale", "teacher_softcap"))
+def _linear_distill(student_hidden: Tensor, student_weight: Tensor,
+                    student_bias: Optional[Tensor], teacher_hidden: Tensor,
+                    teacher_weight: Tensor, teacher_bias: Optional[Tensor], target: Tensor,
+                    beta: float, temperature: float, ignore_index: int, hard_weight: float,
+                    logit_scale: float, softcap: float, teacher_logit_scale: float,
+                    teacher_softcap: float, grad_rows: Optional[Tensor], needs_hidden: bool,
+                    needs_weight: bool, needs_bias: bool, chunk_size: Optional[int],
+                    backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-row losses and, when ``grad_rows`` (float32, 1 or N elements: d loss / d row loss)
+    is given, the student head's gradients: both heads walked in the same chunks, each
+    holding one chunk of logits; the chunk's logit gradient is written over its buffer."""
+    needs = (needs_hidden, needs_weight, needs_bias) if grad_rows is not None else (False,) * 3
+    student_head = ChunkedHead(student_hidden, student_weight, student_bias, chunk_size, needs,
+                               logit_scale, softcap)
+    teacher_head = ChunkedHead(teacher_hidden, teacher_weight, teacher_bias,
+                               student_head.chunk, (False,) * 3, teacher_logit_scale,
+                               teacher_softcap)
+    kernels = backend_module(backend)
+    args = DistillArgs(beta, temperature, ignore_index, hard_weight)
+    loss = row_floats(target.numel(), target.device)
     for (start, stop, student), (_, _, teacher) in zip(student_head.chunks(),
                                                        teacher_head.chunks()):
-        rows = target_flat[start:stop]
+        rows = target[start:stop]
         if grad_rows is None:
             loss[start:stop] = kernels.distill_forward(student, teacher, rows, None, args,
                                                        None)[0]
@@ -264,16 +279,25 @@ def _linear_distill_walk(student_head, teacher_head, target_flat, params, grad_r
     return (loss, *student_head.gradients())
 
 
-def _heads(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-           teacher_bias, chunk_size, needs, transforms=((1.0, 0.0), (1.0, 0.0))):
-    """The student's head (gradients as ``needs``) and the teacher's, walked in the same
-    chunks (each holds one chunk of logits); ``transforms``: each head's
-    ``(logit_scale, softcap)`` (``ChunkedHead``)."""
-    student_head = ChunkedHead(student_hidden, student_weight, student_bias,
-                                          chunk_size, needs, *transforms[0])
-    teacher_head = ChunkedHead(teacher_hidden, teacher_weight, teacher_bias,
-                                          student_head.chunk, (False,) * 3, *transforms[1])
-    return student_head, teacher_head
+@_linear_distill.register_fake
+def _(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+      teacher_bias, target, beta, temperature, ignore_index, hard_weight, logit_scale, softcap,
+      teacher_logit_scale, teacher_softcap, grad_rows, needs_hidden, needs_weight, needs_bias,
+      chunk_size, backend):
+    needs = (needs_hidden, needs_weight, needs_bias) if grad_rows is not None else (False,) * 3
+    return (row_floats(target.numel(), student_hidden.device),
+            *fake_head_gradients(student_hidden, student_weight, *needs))
+
+
+def _walk(student, teacher, target_flat, params, transforms, chunk_size, grad_rows=None,
+          needs=(False, False, False)):
+    """:func:`_linear_distill` on ``student``/``teacher`` ``(hidden, weight, bias)`` with
+    ``params``' scalars and each head's ``(logit_scale, softcap)``."""
+    (scale, softcap), (teacher_scale, teacher_softcap) = transforms
+    return _linear_distill(*student, *teacher, target_flat, params.beta, params.temperature,
+                           params.ignore_index, params.hard_weight, scale, softcap,
+                           teacher_scale, teacher_softcap, grad_rows, *needs, chunk_size,
+                           params.backend)
 
 
 class _LinearDistillRows(torch.autograd.Function):
@@ -281,11 +305,10 @@ class _LinearDistillRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, student_hidden, student_weight, student_bias, teacher_hidden,
-                teacher_weight, teacher_bias, target_flat, params, chunk_size,
-                transforms=((1.0, 0.0), (1.0, 0.0))):
-        heads = _heads(student_hidden, student_weight, student_bias, teacher_hidden,
-                       teacher_weight, teacher_bias, chunk_size, (False,) * 3, transforms)
-        loss = _linear_distill_walk(*heads, target_flat, params, None)[0]
+                teacher_weight, teacher_bias, target_flat, params, chunk_size, transforms):
+        loss = _walk((student_hidden, student_weight, student_bias),
+                     (teacher_hidden, teacher_weight, teacher_bias), target_flat, params,
+                     transforms, chunk_size)[0]
         ctx.save_for_backward(student_hidden, student_weight, student_bias, teacher_hidden,
                               teacher_weight, teacher_bias, target_flat)
         ctx.params, ctx.chunk_size, ctx.transforms = params, chunk_size, transforms
@@ -295,9 +318,9 @@ class _LinearDistillRows(torch.autograd.Function):
     def backward(ctx, grad_rows):
         refuse_double_backward("linear_distill_loss", None)
         *tensors, target_flat = ctx.saved_tensors
-        heads = _heads(*tensors, ctx.chunk_size, ctx.needs_input_grad[:3], ctx.transforms)
-        _, grad_hidden, grad_weight, grad_bias = _linear_distill_walk(
-            *heads, target_flat, ctx.params, grad_rows.reshape(-1).float().contiguous())
+        _, grad_hidden, grad_weight, grad_bias = _walk(
+            tensors[:3], tensors[3:], target_flat, ctx.params, ctx.transforms, ctx.chunk_size,
+            grad_rows.reshape(-1).float().contiguous(), tuple(ctx.needs_input_grad[:3]))
         return (grad_or_none(grad_hidden), grad_or_none(grad_weight),
                 grad_or_none(grad_bias), None, None, None, None, None, None, None)
 
@@ -371,22 +394,19 @@ def linear_distill_loss(
     vocab = student_weight.shape[0]
     needs = (head_needs(student_hidden, student_weight, student_bias)
              if torch.is_grad_enabled() else (False,) * 3)
+    student = (student_rows, student_weight, student_bias)
     if reduction == "none":
         if any(needs):
-            loss = _LinearDistillRows.apply(student_rows, student_weight, student_bias,
-                                            *teacher_args, target_flat, params, chunk_size,
-                                            transforms)
+            loss = _LinearDistillRows.apply(*student, *teacher_args, target_flat, params,
+                                            chunk_size, transforms)
         else:
-            heads = _heads(student_rows, student_weight, student_bias, *teacher_args,
-                           chunk_size, needs, transforms)
-            loss = _linear_distill_walk(*heads, target_flat, params, None)[0]
+            loss = _walk(student, teacher_args, target_flat, params, transforms, chunk_size)[0]
         return loss.view(lead_shape)
     scale = row_grad_scale(target_flat, params, normalizer_t, vocab, lead_shape)
     with torch.no_grad():
-        heads = _heads(student_rows, student_weight, student_bias, *teacher_args, chunk_size,
-                       needs, transforms)
-        loss, grad_hidden, grad_weight, grad_bias = _linear_distill_walk(
-            *heads, target_flat, params, scale if any(needs) else None)
+        loss, grad_hidden, grad_weight, grad_bias = _walk(
+            student, teacher_args, target_flat, params, transforms, chunk_size,
+            scale if any(needs) else None, needs)
         value = reduce_rows(loss, target_flat, params, normalizer_t, vocab, lead_shape)
     if not any(needs):
         return value

@@ -52,7 +52,6 @@ import torch
 import torch.distributed as dist
 
 from ._common import check_index
-from .grpo_options import GLOBAL_COUNT_LOSS_TYPES
 
 
 def has_dtensor(*values) -> bool:
@@ -109,7 +108,7 @@ def linear_token_logprobs(op, hidden, weight, target, *, bias=None, ignore_index
 # batch's loss is a sum over its tokens divided by their global count (all-reduced as
 # ``normalizer``; bnpo's count of unmasked tokens is dapo's normalizer). The other loss types
 # (grpo, sapo, dr_grpo, luspo) sum over sequences divided by B: scaled by B_local / B.
-_TOKEN_MEAN_LOSS_TYPES = ("bnpo",) + GLOBAL_COUNT_LOSS_TYPES
+_TOKEN_MEAN_WEIGHTS = ("token_mean", "global_count")  # LossType.token_weight
 _GRPO_PER_ROW = ("mask", "old_logprobs", "ref_logprobs", "importance_weights",
                  "sampling_logprobs")
 
@@ -137,7 +136,7 @@ def grpo_loss(op, logits, target, advantages, *, options, mask=None, old_logprob
         normalizer = call.normalizer("sum", normalizer, -100)
     if call.row_groups:
         _check_row_local_options(options)
-        if loss_type not in _TOKEN_MEAN_LOSS_TYPES:
+        if options.record.token_weight not in _TOKEN_MEAN_WEIGHTS:
             scale = call.target.shape[0] / max(call.rows_shape[0], 1)
         elif normalizer is None:  # bnpo's count is dapo's normalizer: the same weights
             if loss_type == "bnpo":
@@ -198,7 +197,8 @@ def _check_row_local_options(options):
                        "metrics)")
     if options.top_entropy_quantile < 1.0:
         refused.append("top_entropy_quantile < 1 (a quantile over the whole batch)")
-    if options.entropy_coef != 0.0 and options.loss_type not in _TOKEN_MEAN_LOSS_TYPES:
+    if (options.entropy_coef != 0.0
+            and options.record.token_weight not in _TOKEN_MEAN_WEIGHTS):
         refused.append(f"entropy_coef != 0 with loss_type={options.loss_type!r} (the bonus is "
                        f"a mean over the batch's tokens, the loss a mean over sequences)")
     if refused:
