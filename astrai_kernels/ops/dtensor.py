@@ -67,7 +67,7 @@ def cross_entropy(op, logits, target, *, reduction="mean", normalizer=None, igno
     call = _logits_call("cross_entropy", logits, target, process_group, normalizer)
     options = call.inplace_where_served(options)
     normalizer = call.normalizer(reduction, normalizer, ignore_index)
-    loss = op(call.logits, call.target, reduction=reduction, normalizer=normalizer,
+    loss = call.run(op, call.logits, call.target, reduction=reduction, normalizer=normalizer,
               ignore_index=ignore_index, process_group=call.vocab_group, **options)
     return call.per_row(loss) if reduction == "none" else call.reduced(loss)
 
@@ -76,7 +76,7 @@ def token_logprobs(op, logits, target, *, ignore_index=-100, process_group=None,
     """``op`` (``ak.token_logprobs``) of DTensor logits (or a DTensor target)."""
     call = _logits_call("token_logprobs", logits, target, process_group)
     options = call.inplace_where_served(options)
-    out = op(call.logits, call.target, ignore_index=ignore_index,
+    out = call.run(op, call.logits, call.target, ignore_index=ignore_index,
              process_group=call.vocab_group, **options)
     return call.per_row(out)
 
@@ -88,7 +88,8 @@ def linear_cross_entropy(op, hidden, weight, target, *, bias=None, reduction="me
     call = _head_call("linear_cross_entropy", hidden, weight, bias, target, process_group,
                       normalizer)
     normalizer = call.normalizer(reduction, normalizer, ignore_index)
-    loss = op(call.hidden, call.weight, call.target, bias=call.bias, reduction=reduction,
+    loss = call.run(op, call.hidden, call.weight, call.target, bias=call.bias,
+                    reduction=reduction,
               normalizer=normalizer, ignore_index=ignore_index, process_group=call.vocab_group,
               **options)
     return call.per_row(loss) if reduction == "none" else call.reduced(loss)
@@ -99,7 +100,8 @@ def linear_token_logprobs(op, hidden, weight, target, *, bias=None, ignore_index
     """``op`` (``ak.linear_token_logprobs``) of a DTensor head (hidden states, weight, bias or
     target)."""
     call = _head_call("linear_token_logprobs", hidden, weight, bias, target, process_group)
-    out = op(call.hidden, call.weight, call.target, bias=call.bias, ignore_index=ignore_index,
+    out = call.run(op, call.hidden, call.weight, call.target, bias=call.bias,
+                   ignore_index=ignore_index,
              process_group=call.vocab_group, **options)
     return call.per_row(out)
 
@@ -142,7 +144,8 @@ def grpo_loss(op, logits, target, advantages, *, options, mask=None, old_logprob
             if loss_type == "bnpo":
                 options = _replace(options, loss_type="dapo")
             normalizer = _summed(valid.sum(dtype=torch.int64), call.row_groups).float()
-    out = op(call.logits, call.target, advantages, options=options, normalizer=normalizer,
+    out = call.run(op, call.logits, call.target, advantages, options=options,
+                   normalizer=normalizer,
              return_token_values=return_token_values, backend=backend,
              process_group=call.vocab_group, check_consistency=check_consistency, **per_row)
     loss, metrics, *values = out
@@ -172,7 +175,8 @@ def sequence_logprobs(op, token_logprobs, reduce_sequence, logits, target, mask,
                         whole_sequences=True)
     mask = _per_row_input("sequence_logprobs", "mask", mask, call, full_shape=True)
     if call.vocab_group is None:
-        out = op(call.logits, call.target, mask, average=average, temperature=temperature,
+        out = call.run(op, call.logits, call.target, mask, average=average,
+                       temperature=temperature,
                  backend=backend, sampling=sampling)
     else:
         if not isinstance(mask, torch.Tensor) or mask.shape != call.target.shape:
@@ -280,6 +284,30 @@ class _LocalCall:
     hidden: Optional[torch.Tensor] = None
     weight: Optional[torch.Tensor] = None
     bias: Optional[torch.Tensor] = None
+    #: the arguments given as plain tensors, read as replicated over the mesh
+    plain: Tuple[str, ...] = ()
+
+    def run(self, op, *args, **kwargs):
+        """``op(*args, **kwargs)`` on the local tensors. When plain tensors were read as
+        replicated beside a vocabulary shard and the ranks find their rows differ, the error
+        names the likely cause: FSDP2's sharded parameters outside the module's forward."""
+        from .vocab_parallel import RanksDisagree
+
+        try:
+            return op(*args, **kwargs)
+        except RanksDisagree as error:
+            if self.vocab_group is None or not self.plain:
+                raise
+            raise RanksDisagree(
+                f"{getattr(op, '__name__', 'the op')}: {', '.join(self.plain)} "
+                f"{'is a plain tensor' if len(self.plain) == 1 else 'are plain tensors'}, "
+                f"read as replicated over the mesh beside a vocabulary-sharded DTensor "
+                f"(Shard(0) of the weight, as ColwiseParallel makes it), yet the ranks' rows "
+                f"differ ({error}). This is what a weight sharded by FSDP2's fully_shard "
+                f"looks like outside the module's forward, where each rank holds its own "
+                f"batch: call the loss inside the module's forward (where FSDP2 has gathered "
+                f"the weight), or call module.unshard() first; for tensor parallelism pass "
+                f"the same rows on every rank of the vocabulary group") from None
 
     def normalizer(self, reduction, normalizer, ignore_index):
         """The caller's normalizer (its local value when a Replicate DTensor); for ``mean`` over
@@ -336,8 +364,8 @@ def _logits_call(op_name, logits, target, process_group, normalizer=None, others
     rows are served only as whole sequences (``Shard(0)`` of ``[B, T, V]``)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    mesh = _common_mesh(op_name, {"logits": logits, "target": target, "normalizer": normalizer,
-                                  **(others or {})}, process_group)
+    named = {"logits": logits, "target": target, **(others or {})}
+    mesh = _common_mesh(op_name, dict(named, normalizer=normalizer), process_group)
     logits = _as_dtensor(logits, mesh)
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
@@ -369,7 +397,7 @@ def _logits_call(op_name, logits, target, process_group, normalizer=None, others
                       row_groups=tuple(mesh.get_group(d) for d in row_mesh_dims),
                       target=target.to_local(), rows_shape=target.shape,
                       row_placements=row_placements, result_placements=row_placements,
-                      logits=logits.to_local())
+                      logits=logits.to_local(), plain=_plain(named))
 
 
 def _head_call(op_name, hidden, weight, bias, target, process_group,
@@ -378,8 +406,8 @@ def _head_call(op_name, hidden, weight, bias, target, process_group,
 
     from .vocab_parallel import SumGradOverGroup
 
-    mesh = _common_mesh(op_name, {"hidden": hidden, "weight": weight, "bias": bias,
-                                  "target": target, "normalizer": normalizer}, process_group)
+    named = {"hidden": hidden, "weight": weight, "bias": bias, "target": target}
+    mesh = _common_mesh(op_name, dict(named, normalizer=normalizer), process_group)
     hidden, weight = _as_dtensor(hidden, mesh), _as_dtensor(weight, mesh)
     for name, value in (("hidden", hidden), ("weight", weight)):
         if not isinstance(value, torch.Tensor):
@@ -427,7 +455,8 @@ def _head_call(op_name, hidden, weight, bias, target, process_group,
     return _LocalCall(mesh=mesh, vocab_group=_group(mesh, vocab_mesh_dim), row_groups=row_groups,
                       target=target.to_local(), rows_shape=target.shape,
                       row_placements=row_placements, result_placements=result_placements,
-                      hidden=hidden.to_local(), weight=weight_local, bias=bias_local)
+                      hidden=hidden.to_local(), weight=weight_local, bias=bias_local,
+                      plain=_plain(named))
 
 
 def _common_mesh(op_name, named: Dict[str, Any], process_group):
@@ -445,6 +474,14 @@ def _common_mesh(op_name, named: Dict[str, Any], process_group):
             raise ValueError(f"{op_name}: {name} is on {other} but {first_name} on {mesh}: "
                              f"every DTensor argument must be on one device mesh")
     return mesh
+
+
+def _plain(named: Dict[str, Any]) -> Tuple[str, ...]:
+    """The names of the plain tensors (not DTensors) among ``named``."""
+    from torch.distributed.tensor import DTensor
+
+    return tuple(name for name, value in named.items()
+                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor))
 
 
 def _as_dtensor(value, mesh):

@@ -102,6 +102,10 @@ def _not_a_member(process_group) -> bool:
     return sentinel is not None and process_group is sentinel
 
 
+class RanksDisagree(ValueError):
+    """The ranks of a vocabulary group pass different rows or targets (``shard_layout``)."""
+
+
 def check_consistency_flag(check_consistency) -> bool:
     return check_bool(check_consistency, "check_consistency")
 
@@ -146,18 +150,18 @@ def shard_layout(process_group, vocab_local: int, device: torch.device,
     sizes = [values[0] for values in per_rank]
     rows = [values[1] for values in per_rank]
     if len(set(rows)) > 1:
-        raise ValueError(f"the ranks of process_group pass different numbers of rows "
-                         f"(target.numel() per rank: {rows}): every rank must pass the same "
-                         f"rows, only the vocabulary shard differs")
+        raise RanksDisagree(f"the ranks of process_group pass different numbers of rows "
+                            f"(target.numel() per rank: {rows}): every rank must pass the same "
+                            f"rows, only the vocabulary shard differs")
     if sum(sizes) < 1:
         raise ValueError(f"every rank of process_group holds an empty vocabulary shard (shard "
                          f"sizes per rank: {sizes}): the vocabulary needs V >= 1")
     fingerprints = [tuple(values[2:]) for values in per_rank]
     if len(set(fingerprints)) > 1:
-        raise ValueError(f"the ranks of process_group pass different targets (sum and count of "
-                         f"the counted targets per rank: {fingerprints}): every rank must pass "
-                         f"the same targets (and ignore_index); check_consistency=False skips "
-                         f"this check")
+        raise RanksDisagree(f"the ranks of process_group pass different targets (sum and "
+                            f"count of the counted targets per rank: {fingerprints}): every "
+                            f"rank must pass the same targets (and ignore_index); "
+                            f"check_consistency=False skips this check")
     return ShardLayout(process_group, sum(sizes[:rank]), vocab_local, sum(sizes), max(sizes))
 
 
