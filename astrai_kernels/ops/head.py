@@ -382,7 +382,14 @@ def check_head(hidden, weight, bias, chunk_size):
     if hidden.dim() < 1:
         raise ValueError("hidden must have shape [..., H], got a 0-d tensor")
     if weight.dim() != 2:
-        raise ValueError(f"weight must have shape [V, H], got {tuple(weight.shape)}")
+        # DeepSpeed ZeRO-3 leaves each parameter an empty 1-D tensor outside the forward
+        partitioned = (" (an empty weight: DeepSpeed ZeRO-3's partitioned parameter outside "
+                       "the module's forward looks like this; call the loss inside the "
+                       "forward, or gather the weight with "
+                       "deepspeed.zero.GatheredParameters(weight))"
+                       if weight.numel() == 0 else "")
+        raise ValueError(f"weight must have shape [V, H], got {tuple(weight.shape)}"
+                         f"{partitioned}")
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must have shape [V, H] with H = hidden.shape[-1] = "
                          f"{hidden.shape[-1]}, got {tuple(weight.shape)}")
