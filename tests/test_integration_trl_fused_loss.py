@@ -12,6 +12,8 @@ given inputs: old and reference log-probs away from the current ones (so ratios 
 importance-sampling ratios, tool masks, padded completions, several accumulation steps.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -139,10 +141,27 @@ def _grpo_trainer(tmp_path, dtype=torch.float32, **overrides):
                **trainer_kwargs)
 
 
-def _inputs(policy, sequence_ratios, batch=4, prompt=3, completion=6, seed=0):
-    """What ``_generate_and_score_completions`` hands ``_compute_loss``, with vLLM's ratios
-    (``exp`` of the masked log-prob gap per token, or of its sum per sequence, as TRL forms
-    them), a tool mask and padded completions (float64)."""
+def _trl_importance_ratio(old, sampling, mask, mode, clip_min, clip_max):
+    """TRL 1.16's ``importance_sampling_ratio``, transcribed from
+    ``GRPOTrainer._generate_and_score_completions`` (grpo_trainer.py, lines 2660-2706): the
+    masked gap ``old - sampling`` (NaN: 0), per token or summed per sequence, exponentiated,
+    then clamped (``*_truncate``) or zeroed outside ``[clip_min, clip_max]`` (``*_mask``)."""
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    if mode in ("sequence_mask", "sequence_truncate"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def _inputs(policy, vllm=None, batch=4, prompt=3, completion=6, seed=0):
+    """What ``_generate_and_score_completions`` hands ``_compute_loss``, with a tool mask and
+    padded completions (float64); with ``vllm = (mode, clip_min, clip_max)``, vLLM's sampling
+    log-probs (one token it could not score: NaN; 0 on padding, as TRL pads them) and TRL's
+    importance-sampling ratios formed from them."""
     g = torch.Generator().manual_seed(seed)
     completion_mask = torch.ones(batch, completion, dtype=torch.long)
     completion_mask[0, 4:] = 0
@@ -157,50 +176,78 @@ def _inputs(policy, sequence_ratios, batch=4, prompt=3, completion=6, seed=0):
     def noise(scale):
         return scale * torch.randn(batch, completion, generator=g, dtype=torch.float64)
 
-    gap = noise(0.1) * completion_mask * tool_mask
-    return dict(
+    mask = completion_mask * tool_mask
+    gap = noise(0.1) * mask
+    old = current + noise(0.05)
+    inputs = dict(
         prompt_ids=input_ids[:, :prompt], prompt_mask=torch.ones(batch, prompt, dtype=torch.long),
         completion_ids=input_ids[:, prompt:], completion_mask=completion_mask,
         tool_mask=tool_mask, advantages=torch.randn(batch, generator=g, dtype=torch.float64),
-        old_per_token_logps=current + noise(0.05), ref_per_token_logps=current + noise(0.1),
-        importance_sampling_ratio=torch.exp(gap.sum(-1, keepdim=True) if sequence_ratios
-                                            else gap),
+        old_per_token_logps=old, ref_per_token_logps=current + noise(0.1),
         num_items_in_batch=completion_mask.sum().double())
+    if vllm is not None:
+        sampling = torch.where(mask > 0, old - gap, 0.0)
+        sampling[1, 0] = float("nan")
+        mode, low, high = vllm
+        # no ratio within float32's reach of a mask bound (a token there may fall either way)
+        raw = _trl_importance_ratio(old, sampling, mask, mode.replace("truncate", "mask"),
+                                    None, None)
+        for bound in (low, high):
+            assert bound is None or mode.endswith("truncate") or bool(
+                ((raw - bound).abs() > 1e-4 * bound).all())
+        inputs.update(sampling_per_token_logps=sampling,
+                      importance_sampling_ratio=_trl_importance_ratio(old, sampling, mask,
+                                                                      *vllm))
+    return inputs
 
 
-COMPUTE_CASES = [  # (loss type, config, vLLM ratios: None, "token" or "sequence")
-    ("dapo", {}, "token"),
-    ("grpo", {}, "sequence"),
+#: TRL's defaults: bounds (None, 3.0) (and sequence_mask)
+TOKEN, SEQUENCE = ("token_truncate", None, 3.0), ("sequence_mask", None, 3.0)
+COMPUTE_CASES = [  # (loss type, config, vLLM: None or (mode, clip_min, clip_max))
+    ("dapo", {}, TOKEN),
+    ("grpo", {}, SEQUENCE),
     ("grpo", {"use_bias_correction_kl": False}, None),
-    ("bnpo", {"delta": 1.05}, "token"),
+    ("bnpo", {"delta": 1.05}, TOKEN),
     ("dr_grpo", {}, None),
-    ("luspo", {"importance_sampling_level": "sequence"}, "sequence"),
+    ("luspo", {"importance_sampling_level": "sequence"}, SEQUENCE),
     ("grpo", {"importance_sampling_level": "sequence"}, None),
-    ("cispo", {"epsilon_high": 1.05}, "token"),
-    ("sapo", {}, "token"),
-    ("vespo", {}, "token"),
+    ("cispo", {"epsilon_high": 1.05}, TOKEN),
+    ("sapo", {}, TOKEN),
+    ("vespo", {}, TOKEN),
     ("dapo", {"off_policy_mask_threshold": 0.01, "top_entropy_quantile": 0.5}, None),
+    # each of TRL's vllm_importance_sampling_mode values, with bounds that the ratios cross
+    ("dapo", {}, ("token_truncate", 0.9, 1.1)),
+    ("grpo", {}, ("token_mask", 0.9, 1.1)),
+    ("bnpo", {}, ("sequence_truncate", 0.8, 1.25)),
+    ("dapo", {}, ("sequence_mask", 0.8, 1.25)),
+    ("cispo", {"epsilon_high": 1.05}, ("token_truncate", 0.95, None)),
+    ("luspo", {"importance_sampling_level": "sequence"}, ("sequence_mask", 0.8, None)),
+    ("vespo", {}, ("token_mask", 0.9, 1.1)),
+    ("vespo", {}, ("token_truncate", 0.9, 1.1)),
 ]
 
 
-@pytest.mark.parametrize("loss_type, overrides, vllm_ratios", COMPUTE_CASES,
-                         ids=lambda v: str(v) if not isinstance(v, dict) else "-".join(
-                             f"{k}={x}" for k, x in v.items()) or "defaults")
-def test_fused_loss_compute_loss_off_policy(loss_type, overrides, vllm_ratios, tmp_path):
+@pytest.mark.parametrize("loss_type, overrides, vllm", COMPUTE_CASES,
+                         ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) or "defaults"
+                         if isinstance(v, dict) else "-".join(map(str, v))
+                         if isinstance(v, tuple) else str(v))
+def test_fused_loss_compute_loss_off_policy(loss_type, overrides, vllm, tmp_path):
     """One ``_compute_loss`` of ours against TRL's on the same inputs (TRL's on the float64
     model the expected values, on the float32 one the yardstick): loss, TRL's metrics and every
     gradient, off-policy, with a tool mask, padded completions and 3 accumulation steps; with
-    vLLM's importance-sampling correction (per-token or per-sequence ratios) where given."""
+    vLLM's importance-sampling correction where given (each of TRL's modes and bounds; ours
+    forms the ratios in the loss from the sampler's log-probs)."""
     config = dict(loss_type=loss_type, beta=0.05, gradient_accumulation_steps=3, epsilon=0.02,
                   **overrides)
     trainers = [_grpo_trainer(tmp_path / str(i), dtype, **config)
                 for i, dtype in enumerate((torch.float64, torch.float32, torch.float32))]
-    inputs = _inputs(trainers[0].model, vllm_ratios == "sequence")
-    if vllm_ratios is None:
-        del inputs["importance_sampling_ratio"]
+    inputs = _inputs(trainers[0].model, vllm)
     for trainer in trainers:
         # what the correction needs; no generation runs here
-        trainer.use_vllm = trainer.vllm_importance_sampling_correction = vllm_ratios is not None
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = vllm is not None
+        if vllm is not None:
+            (trainer.vllm_importance_sampling_mode, trainer.vllm_importance_sampling_clip_min,
+             trainer.vllm_importance_sampling_clip_max) = vllm
         trainer.current_gradient_accumulation_steps = 3
         trainer.model.train()
     expected_trainer, naive_trainer, ours = trainers
@@ -285,6 +332,20 @@ def test_fused_loss_refusals(monkeypatch, tmp_path):
     ak_trl.uninstall(trainer)
     assert "_compute_loss" not in trainer.__dict__
 
+    # with vLLM's correction the ratio is formed in the loss, as TRL's generation forms it
+    class Regenerating(type(trainer)):
+        def _generate_and_score_completions(self, inputs):
+            return super()._generate_and_score_completions(inputs)
+
+    trainer.__class__ = Regenerating
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    with pytest.raises(ak_trl.TRLHeadError, match="_generate_and_score_completions"):
+        ak_trl.install(trainer, fused_loss=True)
+    trainer.use_vllm = False
+    ak_trl.install(trainer, fused_loss=True)
+    ak_trl.uninstall(trainer)
+    trainer.__class__ = Regenerating.__mro__[1]
+
     # RLOO's sequence ratio is a sum; other trainers have no GRPO loss
     cls, config_cls, config_kwargs, trainer_kwargs = _case("rloo")
     rloo = cls(model=_model_dir("llama"), processing_class=_tokenizer(),
@@ -308,8 +369,7 @@ def test_fused_loss_after_the_model_is_replaced(tmp_path):
     for t in (trainer, other):
         t.current_gradient_accumulation_steps = 1
         t.model.train()
-    inputs = _inputs(other.model, sequence_ratios=False)
-    del inputs["importance_sampling_ratio"]
+    inputs = _inputs(other.model)
     inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
     expected = other._compute_loss(other.model, inputs).detach()  # TRL's, on TRL's head
     old_model = trainer.model
@@ -324,3 +384,18 @@ def test_fused_loss_after_the_model_is_replaced(tmp_path):
     torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
     assert all(p.grad is None for p in old_model.parameters())
     assert other.model.get_output_embeddings().weight.grad.abs().sum() > 0
+
+
+def test_fused_loss_vllm_needs_the_sampling_logprobs(tmp_path):
+    """With vLLM's correction, inputs without the sampler's log-probs are an error naming them
+    (TRL's ratio is formed from them), never a loss without the correction."""
+    trainer = _grpo_trainer(tmp_path)
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    inputs = _inputs(trainer.model, ("sequence_mask", None, 3.0))
+    del inputs["sampling_per_token_logps"]
+    inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
+    ak_trl.install(trainer, fused_loss=True)
+    with pytest.raises(ValueError, match="sampling_per_token_logps"):
+        trainer._compute_loss(trainer.model, inputs)
