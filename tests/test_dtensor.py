@@ -535,8 +535,121 @@ def _grpo_refused(dtype):
         ak.grpo_loss(rows, target, advantages[:2], mask=mask)
 
 
+def _linear_grpo_inputs():
+    """``_grpo_inputs``' targets and per-row inputs, with hidden states ``[3, 5, H]`` and a
+    head ``[V, H]`` in place of the logits."""
+    _, target, mask, advantages, old, ref = _grpo_inputs()
+    g = torch.Generator().manual_seed(12)
+    hidden = torch.randn(GRPO_BATCH, LENGTH, HIDDEN, generator=g)
+    weight = torch.randn(VOCAB, HIDDEN, generator=g) * HIDDEN ** -0.5 * 2
+    return hidden, weight, target, mask, advantages, old, ref
+
+
+def _head_grad_scales(logits, hidden, weight):
+    """The size of the terms summed into each entry of the hidden states' and the weight's
+    gradients (``|dL/dlogits| @ |weight|`` and its transpose against ``|hidden|``): a matmul's
+    rounding follows them, not the entry, which cancellation can make small."""
+    terms = logits.grad.abs().reshape(-1, logits.shape[-1])
+    return ((terms @ weight.detach().abs()).reshape(hidden.shape),
+            terms.t() @ hidden.detach().abs().reshape(-1, hidden.shape[-1]))
+
+
+def _linear_grpo_case(loss_type, hidden_places, weight_places, **extra):
+    """``ak.linear_grpo_loss`` of a DTensor head (rows ``Shard(0)``, the weight ``Shard(0)``
+    (ColwiseParallel), or both: sequence parallel) against the single-process op and the
+    float64 spec: loss, metrics, the hidden states' and the weight's gradients."""
+    def case(dtype):
+        from torch.distributed.tensor import DTensor
+
+        mesh = _mesh((2,))
+        hidden, weight, target, mask, advantages, old, ref = _linear_grpo_inputs()
+        options = dict(loss_type=loss_type, beta=0.04, **extra)
+        leaves = (_leaf(hidden, mesh, _placements(*hidden_places)),
+                  _leaf(weight, mesh, _placements(*weight_places)))
+        loss, metrics, values = ak.linear_grpo_loss(
+            *leaves, target, advantages, mask=mask, old_logprobs=old, ref_logprobs=ref,
+            return_token_values=True, chunk_size=4, **options)
+        assert isinstance(loss, DTensor) and loss.placements == _placements("R")
+        assert values["logprobs"].placements == _placements(
+            0 if hidden_places[0] == 0 else "R")
+        loss.backward()
+        for leaf in leaves:
+            assert leaf.grad.placements == leaf.placements
+        singles = (hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True))
+        single, single_metrics, single_values = ak.linear_grpo_loss(
+            *singles, target, advantages, mask=mask, old_logprobs=old, ref_logprobs=ref,
+            return_token_values=True, **options)
+        single.backward()
+        exacts = (hidden.double().requires_grad_(True), weight.double().requires_grad_(True))
+        logits64 = F.linear(*exacts)
+        logits64.retain_grad()
+        exact, _ = reference.grpo_loss(logits64, target, advantages.double(), mask,
+                                       old.double(), ref.double(), **options)
+        exact.backward()
+        assert_close(loss.full_tensor(), exact, "value", dtype, f"linear grpo {loss_type}",
+                     naive=single.detach())
+        for name, leaf, exact_leaf, single_leaf, scale in zip(
+                ("hidden", "weight"), leaves, exacts, singles,
+                _head_grad_scales(logits64, *exacts)):
+            assert_close_elementwise(leaf.grad.full_tensor(), exact_leaf.grad, single_leaf.grad,
+                                     scale=scale, dtype=dtype,
+                                     name=f"linear grpo {loss_type} grad {name}")
+        torch.testing.assert_close(values["logprobs"].full_tensor(), single_values["logprobs"],
+                                   rtol=1e-5, atol=1e-6)
+        assert set(metrics) == set(single_metrics)
+        for name, value in metrics.items():
+            torch.testing.assert_close(value.full_tensor(), single_metrics[name],
+                                       rtol=1e-5, atol=1e-6, msg=name)
+    case.fp32_only = True
+    return case
+
+
+def _linear_sequence_case(hidden_places, weight_places):
+    """``ak.linear_sequence_logprobs`` of a DTensor head: ``[B]`` sharded as the hidden rows."""
+    def case(dtype):
+        from torch.distributed.tensor import distribute_tensor
+
+        mesh = _mesh((2,))
+        hidden, weight, target, mask, *_ = _linear_grpo_inputs()
+        leaves = (_leaf(hidden, mesh, _placements(*hidden_places)),
+                  _leaf(weight, mesh, _placements(*weight_places)))
+        out = ak.linear_sequence_logprobs(*leaves, target, mask, temperature=TEMPERATURE)
+        rows = _placements(0 if hidden_places[0] == 0 else "R")
+        assert out.placements == rows, out.placements
+        upstream = _upstream(out.shape, 4)
+        out.backward(distribute_tensor(upstream, mesh, rows))
+        singles = (hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True))
+        single = ak.linear_sequence_logprobs(*singles, target, mask, temperature=TEMPERATURE)
+        single.backward(upstream)
+        exacts = (hidden.double().requires_grad_(True), weight.double().requires_grad_(True))
+        logits64 = F.linear(*exacts)
+        logits64.retain_grad()
+        exact = reference.sequence_logprobs(logits64, torch.where(mask.bool(), target, -100),
+                                            mask, False, TEMPERATURE)
+        exact.backward(upstream.double())
+        assert_close(out.full_tensor(), exact, "value", dtype, "linear_sequence_logprobs",
+                     naive=single.detach())
+        for name, leaf, exact_leaf, single_leaf, scale in zip(
+                ("hidden", "weight"), leaves, exacts, singles,
+                _head_grad_scales(logits64, *exacts)):
+            assert_close_elementwise(leaf.grad.full_tensor(), exact_leaf.grad, single_leaf.grad,
+                                     scale=scale, dtype=dtype,
+                                     name=f"linear_sequence_logprobs grad {name}")
+    case.fp32_only = True
+    return case
+
+
 _grpo_refused.fp32_only = True
 CASES.update({
+    "linear_grpo_rows_grpo": _linear_grpo_case("grpo", (0,), ("R",)),
+    "linear_grpo_rows_bnpo": _linear_grpo_case("bnpo", (0,), ("R",)),
+    "linear_grpo_vocab_dapo": _linear_grpo_case("dapo", ("R",), (0,)),
+    "linear_grpo_vocab_gspo": _linear_grpo_case("grpo", ("R",), (0,),
+                                                importance_sampling="sequence"),
+    "linear_grpo_sequence_parallel": _linear_grpo_case("grpo", (0,), (0,)),
+    "linear_sequence_logprobs_rows": _linear_sequence_case((0,), ("R",)),
+    "linear_sequence_logprobs_vocab": _linear_sequence_case(("R",), (0,)),
+    "linear_sequence_logprobs_sequence_parallel": _linear_sequence_case((0,), (0,)),
     "grpo_rows_grpo": _grpo_case("grpo", (0,)),
     "grpo_rows_bnpo": _grpo_case("bnpo", (0,), sharded_row_inputs=False),
     "grpo_rows_dr_grpo": _grpo_case("dr_grpo", (0,), max_completion_length=7),

@@ -1,7 +1,8 @@
 """DTensor front door: a DTensor argument stands for its ``full_tensor()``, served without it.
 
 Each public op served here (``cross_entropy``, ``token_logprobs``, ``linear_cross_entropy``,
-``linear_token_logprobs``, ``grpo_loss``, ``sequence_logprobs``) first asks
+``linear_token_logprobs``, ``grpo_loss``, ``linear_grpo_loss``, ``sequence_logprobs``,
+``linear_sequence_logprobs``) first asks
 :func:`has_dtensor` and, on a DTensor, hands itself and every argument to its namesake below,
 which calls it back on this rank's local tensors (so this module imports no op module at import
 time; ``sequence_logprobs``' vocabulary path imports ``token_logprobs`` when called;
@@ -20,8 +21,8 @@ placements on each mesh dimension choose the path:
   parallel): the hidden rows are all-gathered (``[N, H]``, small next to ``[N, V]``), the
   vocabulary path runs, and per-row results come back sharded as the hidden states were.
 * ``Replicate``, and a plain tensor (read as replicated over the mesh): the op as it is.
-* ``grpo_loss`` and ``sequence_logprobs`` serve rows as whole sequences only (``Shard(0)`` of
-  ``[B, T, V]``; ``Shard(1)`` is refused): per-row inputs come as plain full-batch tensors
+* ``grpo_loss`` and ``sequence_logprobs`` (and their ``linear_`` forms) serve rows as whole
+  sequences only (``Shard(0)`` of ``[B, T, V]`` or ``[B, T, H]``; ``Shard(1)`` is refused): per-row inputs come as plain full-batch tensors
   (sliced) or DTensors (redistributed to the rows'). The per-sequence loss types (``grpo``,
   ``sapo``, ``dr_grpo``, ``luspo``) are scaled by ``B_local / B``; the global-count ones
   (``bnpo`` as ``dapo``, ``dapo``, ``cispo``, ``vespo``) get the all-reduced unmasked count as
@@ -128,27 +129,52 @@ def grpo_loss(op, logits, target, advantages, *, options, mask=None, old_logprob
                    importance_weights=importance_weights, sampling_logprobs=sampling_logprobs)
     call = _logits_call("grpo_loss", logits, target, process_group, normalizer,
                         others=dict(advantages=advantages, **per_row), whole_sequences=True)
-    advantages = _per_row_input("grpo_loss", "advantages", advantages, call)
-    per_row = {name: _per_row_input("grpo_loss", name, value, call)
+    return _grpo(call, (call.logits,), {}, op, advantages, options, normalizer, per_row,
+                 dict(return_token_values=return_token_values, backend=backend,
+                      check_consistency=check_consistency))
+
+
+def linear_grpo_loss(op, hidden, weight, target, advantages, *, options, bias=None, mask=None,
+                     old_logprobs=None, ref_logprobs=None, normalizer=None,
+                     importance_weights=None, sampling_logprobs=None, softcap=None,
+                     logit_scale=1.0, return_token_values=False, chunk_size=None,
+                     backend="auto", process_group=None, check_consistency=True, **keywords):
+    """``op`` (``ak.linear_grpo_loss``) of a DTensor head (or any DTensor argument): the
+    placements of ``_head_call``, rows as whole sequences, the rest as :func:`grpo_loss`."""
+    per_row = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                   importance_weights=importance_weights, sampling_logprobs=sampling_logprobs)
+    call = _head_call("linear_grpo_loss", hidden, weight, bias, target, process_group,
+                      normalizer, others=dict(advantages=advantages, **per_row),
+                      whole_sequences=True)
+    return _grpo(call, (call.hidden, call.weight), dict(bias=call.bias, softcap=softcap,
+                                                       logit_scale=logit_scale,
+                                                       chunk_size=chunk_size),
+                 op, advantages, options, normalizer, per_row,
+                 dict(return_token_values=return_token_values, backend=backend,
+                      check_consistency=check_consistency))
+
+
+def _grpo(call, head, head_keywords, op, advantages, options, normalizer, per_row, keywords):
+    """The GRPO family on ``call``'s local tensors: ``op(*head, target, advantages, ...)``."""
+    advantages = _per_row_input(call.op_name, "advantages", advantages, call)
+    per_row = {name: _per_row_input(call.op_name, name, value, call)
                for name, value in per_row.items()}
     valid = (torch.ones(call.target.shape, dtype=torch.bool, device=call.target.device)
              if per_row["mask"] is None else per_row["mask"] != 0)
-    loss_type, scale = options.loss_type, None
+    scale = None
     if has_dtensor(normalizer):
         normalizer = call.normalizer("sum", normalizer, -100)
     if call.row_groups:
-        _check_row_local_options(options)
+        _check_row_local_options(call.op_name, options)
         if options.record.token_weight not in _TOKEN_MEAN_WEIGHTS:
             scale = call.target.shape[0] / max(call.rows_shape[0], 1)
         elif normalizer is None:  # bnpo's count is dapo's normalizer: the same weights
-            if loss_type == "bnpo":
+            if options.loss_type == "bnpo":
                 options = _replace(options, loss_type="dapo")
             normalizer = _summed(valid.sum(dtype=torch.int64), call.row_groups).float()
-    out = call.run(op, call.logits, call.target, advantages, options=options,
-                   normalizer=normalizer,
-             return_token_values=return_token_values, backend=backend,
-             process_group=call.vocab_group, check_consistency=check_consistency, **per_row)
-    loss, metrics, *values = out
+    loss, metrics, *values = call.run(op, *head, call.target, advantages, options=options,
+                                      normalizer=normalizer, process_group=call.vocab_group,
+                                      **head_keywords, **keywords, **per_row)
     if scale is not None:
         loss = loss * scale
     if call.row_groups:
@@ -169,31 +195,51 @@ def sequence_logprobs(op, token_logprobs, reduce_sequence, logits, target, mask,
     sequences (``Shard(0)``) the op on the local rows; on a vocabulary shard the masked sum (or
     mean, ``reduce_sequence``) of ``token_logprobs``' ``process_group=`` path. Results ``[B]``,
     sharded as the rows. The logprobs module hands in its functions (it imports this one)."""
-    from torch.distributed.tensor import DTensor
-
     call = _logits_call("sequence_logprobs", logits, target, None, others=dict(mask=mask),
                         whole_sequences=True)
-    mask = _per_row_input("sequence_logprobs", "mask", mask, call, full_shape=True)
+    return _sequence(call, (call.logits,), {}, op, token_logprobs, reduce_sequence, mask,
+                     dict(average=average, temperature=temperature, backend=backend,
+                          sampling=sampling))
+
+
+def linear_sequence_logprobs(op, token_logprobs, reduce_sequence, hidden, weight, target, mask,
+                             *, bias=None, average=False, temperature=1.0, softcap=None,
+                             logit_scale=1.0, chunk_size=None, backend="auto", sampling=None):
+    """``op`` (``ak.linear_sequence_logprobs``) of a DTensor head: as :func:`sequence_logprobs`
+    on ``_head_call``'s placements (``token_logprobs``: ``linear_token_logprobs``)."""
+    call = _head_call("linear_sequence_logprobs", hidden, weight, bias, target, None,
+                      others=dict(mask=mask), whole_sequences=True)
+    return _sequence(call, (call.hidden, call.weight),
+                     dict(bias=call.bias, softcap=softcap, logit_scale=logit_scale,
+                          chunk_size=chunk_size), op, token_logprobs, reduce_sequence, mask,
+                     dict(average=average, temperature=temperature, backend=backend,
+                          sampling=sampling))
+
+
+def _sequence(call, head, head_keywords, op, token_logprobs, reduce_sequence, mask, keywords):
+    from torch.distributed.tensor import DTensor
+
+    mask = _per_row_input(call.op_name, "mask", mask, call, full_shape=True)
     if call.vocab_group is None:
-        out = call.run(op, call.logits, call.target, mask, average=average,
-                       temperature=temperature,
-                 backend=backend, sampling=sampling)
+        out = call.run(op, *head, call.target, mask, **head_keywords, **keywords)
     else:
         if not isinstance(mask, torch.Tensor) or mask.shape != call.target.shape:
             raise ValueError(f"mask must be a tensor of target's shape "
                              f"{tuple(call.rows_shape)}")
-        keep = mask.bool()
-        masked_target = torch.where(keep, call.target, torch.full_like(call.target, -100))
-        logp = token_logprobs(call.logits, masked_target, temperature=temperature,
-                             ignore_index=-100, backend=backend, sampling=sampling,
-                             process_group=call.vocab_group)
+        average = keywords.pop("average")
+        masked_target = torch.where(mask.bool(), call.target,
+                                    torch.full_like(call.target, -100))
+        logp = call.run(token_logprobs, *head, masked_target, ignore_index=-100,
+                        process_group=call.vocab_group, **head_keywords, **keywords)
         out = reduce_sequence(logp, mask, average)
-    shape = call.rows_shape[:1]
-    return DTensor.from_local(out, call.mesh, call.row_placements, run_check=False,
-                              shape=shape, stride=_contiguous(shape))
+    per_row = DTensor.from_local(out, call.mesh, call.row_placements, run_check=False,
+                                 shape=call.rows_shape[:1], stride=_contiguous(call.rows_shape[:1]))
+    if call.result_placements != call.row_placements:  # sequence parallel: back to Shard(0)
+        per_row = per_row.redistribute(call.mesh, call.result_placements)
+    return per_row
 
 
-def _check_row_local_options(options):
+def _check_row_local_options(op_name, options):
     """Refuse the GRPO options that read across sequences (row shards cannot make them exact)."""
     refused = []
     if options.rollout_is is not None or options.rollout_rs is not None:
@@ -206,9 +252,10 @@ def _check_row_local_options(options):
         refused.append(f"entropy_coef != 0 with loss_type={options.loss_type!r} (the bonus is "
                        f"a mean over the batch's tokens, the loss a mean over sequences)")
     if refused:
-        raise ValueError(f"grpo_loss: logits sharded over rows (Shard(0)) do not serve "
-                         f"{'; '.join(refused)}: redistribute the logits to Replicate() or "
-                         f"Shard(-1) (the vocabulary)")
+        rows = "logits" if op_name == "grpo_loss" else "hidden"
+        raise ValueError(f"{op_name}: {rows} sharded over rows (Shard(0)) do not serve "
+                         f"{'; '.join(refused)}: redistribute the {rows} to Replicate()"
+                         f"{' or Shard(-1) (the vocabulary)' if rows == 'logits' else ''}")
 
 
 def _replace(options, **changes):
@@ -273,6 +320,7 @@ class _LocalCall:
     results are summed over them). ``row_placements``: the local per-row results' placements (the
     local target's); ``result_placements``: the per-row results' placements as returned."""
 
+    op_name: str
     mesh: Any
     vocab_group: Optional[dist.ProcessGroup]
     row_groups: Tuple[dist.ProcessGroup, ...]
@@ -299,7 +347,7 @@ class _LocalCall:
             if self.vocab_group is None or not self.plain:
                 raise
             raise RanksDisagree(
-                f"{getattr(op, '__name__', 'the op')}: {', '.join(self.plain)} "
+                f"{self.op_name}: {', '.join(self.plain)} "
                 f"{'is a plain tensor' if len(self.plain) == 1 else 'are plain tensors'}, "
                 f"read as replicated over the mesh beside a vocabulary-sharded DTensor "
                 f"(Shard(0) of the weight, as ColwiseParallel makes it), yet the ranks' rows "
@@ -393,20 +441,22 @@ def _logits_call(op_name, logits, target, process_group, normalizer=None, others
             raise _unserved(op_name, "logits", logits, mesh_dim, Shard(vocab_dim), served)
     row_placements = _row_placements(logits.placements, row_mesh_dims, logits.ndim)
     target = _rows_of(op_name, target, mesh, row_placements, tuple(logits.shape[:-1]), "logits")
-    return _LocalCall(mesh=mesh, vocab_group=_group(mesh, vocab_mesh_dim),
+    return _LocalCall(op_name=op_name, mesh=mesh, vocab_group=_group(mesh, vocab_mesh_dim),
                       row_groups=tuple(mesh.get_group(d) for d in row_mesh_dims),
                       target=target.to_local(), rows_shape=target.shape,
                       row_placements=row_placements, result_placements=row_placements,
                       logits=logits.to_local(), plain=_plain(named))
 
 
-def _head_call(op_name, hidden, weight, bias, target, process_group,
-               normalizer=None) -> _LocalCall:
+def _head_call(op_name, hidden, weight, bias, target, process_group, normalizer=None,
+               others=None, whole_sequences=False) -> _LocalCall:
+    """As :func:`_logits_call`, for the fused head's hidden states, weight and bias."""
     from torch.distributed.tensor import Replicate, Shard
 
     from .vocab_parallel import SumGradOverGroup
 
-    named = {"hidden": hidden, "weight": weight, "bias": bias, "target": target}
+    named = {"hidden": hidden, "weight": weight, "bias": bias, "target": target,
+             **(others or {})}
     mesh = _common_mesh(op_name, dict(named, normalizer=normalizer), process_group)
     hidden, weight = _as_dtensor(hidden, mesh), _as_dtensor(weight, mesh)
     for name, value in (("hidden", hidden), ("weight", weight)):
@@ -426,6 +476,10 @@ def _head_call(op_name, hidden, weight, bias, target, process_group,
                             "makes it, on one mesh dimension)")
         if hidden_placement.is_replicate():
             continue
+        if whole_sequences and _is_row_shard(hidden_placement, hidden.ndim) and (
+                hidden_placement.dim % hidden.ndim != 0):
+            raise _unserved(op_name, "hidden", hidden, mesh_dim, Shard(0),
+                            "served: Replicate, Shard(0) (whole sequences)")
         if not _is_row_shard(hidden_placement, hidden.ndim):
             instead = (Shard(hidden_placement.dim) if _is_strided(hidden_placement)
                        else Replicate())
@@ -452,7 +506,8 @@ def _head_call(op_name, hidden, weight, bias, target, process_group,
         weight_local = SumGradOverGroup.apply(weight_local, group)
         if bias_local is not None:
             bias_local = SumGradOverGroup.apply(bias_local, group)
-    return _LocalCall(mesh=mesh, vocab_group=_group(mesh, vocab_mesh_dim), row_groups=row_groups,
+    return _LocalCall(op_name=op_name, mesh=mesh, vocab_group=_group(mesh, vocab_mesh_dim),
+                      row_groups=row_groups,
                       target=target.to_local(), rows_shape=target.shape,
                       row_placements=row_placements, result_placements=result_placements,
                       hidden=hidden.to_local(), weight=weight_local, bias=bias_local,

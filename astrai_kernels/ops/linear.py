@@ -491,6 +491,9 @@ def linear_sequence_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, mas
     """Per-sequence sum (or mean over ``mask``) of token log-probs; hidden ``[B, T, H]``;
     ``softcap`` and ``logit_scale`` as in ``linear_token_logprobs``; ``sampling`` as in
     ``sequence_logprobs`` (a sequence with a token outside the support gets ``-inf``)."""
+    if dtensor.has_dtensor(hidden, weight, target, mask, bias):  # locals(): every argument
+        return dtensor.linear_sequence_logprobs(linear_sequence_logprobs, linear_token_logprobs,
+                                                lp_op.reduce_sequence, **locals())
     check_head(hidden, weight, bias, chunk_size)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
@@ -543,7 +546,6 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
     ``linear_cross_entropy`` (no softcap or logit scale there). ``return_token_values`` as in
     ``ak.grpo_loss``: the token log-probs and entropies come out of the same walk.
     """
-    logit_scale, softcap_value = checked_transform(logit_scale, softcap)
     options = options_from(options, dict(
         beta=beta, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
         loss_type=loss_type, importance_sampling=importance_sampling, temperature=temperature,
@@ -556,6 +558,10 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
         rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
         rollout_rs_threshold=rollout_rs_threshold,
         rollout_rs_threshold_lower=rollout_rs_threshold_lower))
+    if dtensor.has_dtensor(hidden, weight, target, advantages, bias, mask, old_logprobs,
+                           ref_logprobs, normalizer, importance_weights, sampling_logprobs):
+        return dtensor.linear_grpo_loss(linear_grpo_loss, **locals())  # locals(): every argument
+    logit_scale, softcap_value = checked_transform(logit_scale, softcap)
     inputs = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                   normalizer=normalizer, importance_weights=importance_weights,
                   sampling_logprobs=sampling_logprobs, return_token_values=return_token_values)
