@@ -22,8 +22,9 @@ placements on each mesh dimension choose the path:
   vocabulary path runs, and per-row results come back sharded as the hidden states were.
 * ``Replicate``, and a plain tensor (read as replicated over the mesh): the op as it is.
 * ``grpo_loss`` and ``sequence_logprobs`` (and their ``linear_`` forms) serve rows as whole
-  sequences only (``Shard(0)`` of ``[B, T, V]`` or ``[B, T, H]``; ``Shard(1)`` is refused): per-row inputs come as plain full-batch tensors
-  (sliced) or DTensors (redistributed to the rows'). The per-sequence loss types (``grpo``,
+  sequences only (``Shard(0)`` of ``[B, T, V]`` or ``[B, T, H]``; ``Shard(1)`` is refused):
+  per-row inputs come as plain full-batch tensors (sliced) or DTensors (redistributed to the
+  rows'). The per-sequence loss types (``grpo``,
   ``sapo``, ``dr_grpo``, ``luspo``) are scaled by ``B_local / B``; the global-count ones
   (``bnpo`` as ``dapo``, ``dapo``, ``cispo``, ``vespo``) get the all-reduced unmasked count as
   ``normalizer=``; the metrics are the full batch's masked means (count-weighted, summed).
