@@ -17,9 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .kernels.primitives import LOG_RATIO_CLAMP
 from .ops.grpo_options import GRPOOptions, options_from, options_or_keywords
-
-LOG_RATIO_CLAMP = 20.0
 
 
 def token_logprobs(logits: Tensor, target: Tensor, temperature: float = 1.0,

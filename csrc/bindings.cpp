@@ -1,11 +1,13 @@
-// Python bindings of the cpp backend: unpack tensors into the torch-free kernel arguments of
-// common.h, allocate the per-row outputs, run the kernels without the GIL.
+// Python bindings of the cpp backend: read the params objects of kernels/primitives.py, unpack
+// tensors into the torch-free kernel arguments of common.h, allocate the per-row outputs, run
+// the kernels without the GIL.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "common.h"
 
@@ -80,8 +82,6 @@ GradView grad_of(const Tensor& grad, const Tensor& logits) {
 
 int kernel_threads() { return at::in_parallel_region() ? 1 : at::get_num_threads(); }
 
-Tensor new_rows(int64_t n) { return at::zeros({n}, at::TensorOptions().dtype(at::kFloat)); }
-
 void raise_if_bad(const BadRow& bad, int64_t vocab, const char* what) {
   const int64_t row = bad.row.load();
   if (row >= 0) {
@@ -92,58 +92,159 @@ void raise_if_bad(const BadRow& bad, int64_t vocab, const char* what) {
   }
 }
 
-py::tuple logprobs_forward(const Tensor& logits, const Tensor& target, double temperature,
-                           int64_t ignore_index, bool with_entropy) {
-  TORCH_CHECK(temperature > 0, "temperature must be > 0, got ", temperature);
-  LogprobsFwdArgs a{};
-  a.x = rows_of(logits);
-  a.dtype = dtype_of(logits, "logits");
-  const int64_t n = a.x.rows();
-  a.y = targets_of(target, n);
-  a.inv_t = static_cast<float>(1.0 / temperature);
-  a.ignore_index = ignore_index;
-  Tensor logp = new_rows(n), lse = new_rows(n);
-  Tensor entropy = with_entropy ? new_rows(n) : new_rows(0);
-  a.logp = logp.data_ptr<float>();
-  a.lse = lse.data_ptr<float>();
-  a.entropy = with_entropy ? entropy.data_ptr<float>() : nullptr;
-  BadRow bad;
-  a.bad = &bad;
-  {
-    py::gil_scoped_release no_gil;
-    logprobs_forward_kernel(a, kernel_threads());
+// ---------------------------------------------------------------------------------------------
+// The params objects of kernels/primitives.py: one struct per class, filled by one reader that
+// takes the Python object's fields by name and checks them (the type casters after this
+// namespace hand the struct to the bindings, so a binding's signature is that of the Backend
+// protocol: tensors, params, grad).
+// ---------------------------------------------------------------------------------------------
+
+template <class V>
+V cast_field(py::handle params, const char* name, py::handle value) {
+  try {
+    return value.cast<V>();
+  } catch (const py::cast_error&) {
+    const char* kind = std::is_same_v<V, bool> ? "a bool"
+                       : std::is_integral_v<V> ? "an int"
+                                               : "a float";
+    throw py::type_error(std::string(py::str(py::type::of(params).attr("__qualname__"))) + "." +
+                         name + " must be " + kind + ", got " +
+                         std::string(py::repr(value)));
   }
-  raise_if_bad(bad, a.x.V, "logprobs_forward");
-  return py::make_tuple(logp, entropy, lse);
 }
 
-void logprobs_backward(const Tensor& logits, const Tensor& target, const Tensor& lse,
-                       const Tensor& entropy, const Tensor& grad_logp,
-                       const Tensor& grad_entropy, double temperature, int64_t ignore_index,
-                       const Tensor& grad) {
-  TORCH_CHECK(temperature > 0, "temperature must be > 0, got ", temperature);
-  LogprobsBwdArgs a{};
+template <class V>
+V field(py::handle params, const char* name) {
+  return cast_field<V>(params, name, params.attr(name));  // AttributeError names a missing one
+}
+
+// A float field whose None means off, like 0.0 (softcap, delta).
+double off_field(py::handle params, const char* name) {
+  py::object value = params.attr(name);
+  return value.is_none() ? 0.0 : cast_field<double>(params, name, value);
+}
+
+double temperature_field(py::handle params) {
+  const double t = field<double>(params, "temperature");
+  TORCH_CHECK(t > 0, "temperature must be > 0, got ", t);
+  return t;
+}
+
+struct LogprobsParams {  // LogprobsArgs
+  static constexpr char py_name[] = "LogprobsArgs";
+  double temperature;
+  int64_t ignore_index;
+  bool with_entropy;
+
+  static LogprobsParams read(py::handle p) {
+    return {temperature_field(p), field<int64_t>(p, "ignore_index"),
+            field<bool>(p, "with_entropy")};
+  }
+};
+
+struct CrossEntropyParams {  // CrossEntropyArgs
+  static constexpr char py_name[] = "CrossEntropyArgs";
+  int64_t ignore_index;
+  double label_smoothing, z_loss, softcap, logit_scale;
+
+  static CrossEntropyParams read(py::handle p) {
+    return {field<int64_t>(p, "ignore_index"), field<double>(p, "label_smoothing"),
+            field<double>(p, "z_loss"), off_field(p, "softcap"), field<double>(p, "logit_scale")};
+  }
+};
+
+struct SurrogateParams {  // SurrogateArgs
+  static constexpr char py_name[] = "SurrogateArgs";
+  double temperature, clip_eps_low, clip_eps_high, delta, beta;
+  bool kl_ratio_correction, with_entropy;
+
+  static SurrogateParams read(py::handle p) {
+    return {temperature_field(p), field<double>(p, "clip_eps_low"),
+            field<double>(p, "clip_eps_high"), off_field(p, "delta"), field<double>(p, "beta"),
+            field<bool>(p, "kl_ratio_correction"), field<bool>(p, "with_entropy")};
+  }
+};
+
+struct DistillParams {  // DistillArgs, with its mixture weights (DistillArgs.weights)
+  static constexpr char py_name[] = "DistillArgs";
+  double beta, temperature;
+  int64_t ignore_index;
+  double hard_weight;
+  double w_t, w_s, log_w_s, log_w_t;
+
+  static DistillParams read(py::handle p) {
+    const double beta = field<double>(p, "beta");
+    TORCH_CHECK(beta >= 0 && beta <= 1, "beta must be in [0, 1], got ", beta);
+    py::object w = p.attr("weights");
+    return {beta, temperature_field(p), field<int64_t>(p, "ignore_index"),
+            field<double>(p, "hard_weight"), field<double>(w, "w_t"), field<double>(w, "w_s"),
+            field<double>(w, "log_w_s"), field<double>(w, "log_w_t")};
+  }
+};
+
+struct ShardGradParams {  // ShardGradArgs
+  static constexpr char py_name[] = "ShardGradArgs";
+  double temperature, softcap;
+  int64_t ignore_index;
+
+  static ShardGradParams read(py::handle p) {
+    const double softcap = off_field(p, "softcap");
+    TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: off), got ", softcap);
+    return {temperature_field(p), softcap, field<int64_t>(p, "ignore_index")};
+  }
+};
+
+}  // namespace
+
+namespace pybind11::detail {
+
+// A params struct from its Python object, read in either of pybind11's passes (with or without
+// implicit conversions): each binding has one overload, and the reader raises its own errors.
+template <class P>
+struct params_caster {
+  PYBIND11_TYPE_CASTER(P, const_name(P::py_name));
+  bool load(handle src, bool) {
+    value = P::read(src);
+    return true;
+  }
+};
+
+template <> struct type_caster<LogprobsParams> : params_caster<LogprobsParams> {};
+template <> struct type_caster<CrossEntropyParams> : params_caster<CrossEntropyParams> {};
+template <> struct type_caster<SurrogateParams> : params_caster<SurrogateParams> {};
+template <> struct type_caster<DistillParams> : params_caster<DistillParams> {};
+template <> struct type_caster<ShardGradParams> : params_caster<ShardGradParams> {};
+
+}  // namespace pybind11::detail
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// The setup every binding shares
+// ---------------------------------------------------------------------------------------------
+
+// The logits' row view and dtype, and the targets, into the kernel arguments `a`; returns N.
+template <class A>
+int64_t bind_rows(A& a, const Tensor& logits, const Tensor& target, const char* name) {
   a.x = rows_of(logits);
-  a.dtype = dtype_of(logits, "logits");
-  const int64_t n = a.x.rows();
-  a.y = targets_of(target, n);
-  a.inv_t = static_cast<float>(1.0 / temperature);
-  a.ignore_index = ignore_index;
-  a.lse = rows_f32(lse, n, "lse");
-  a.grad_logp = rows_f32(grad_logp, n, "grad_logp");
-  const bool with_entropy = grad_entropy.numel() > 0;
-  if (with_entropy) {
-    a.grad_entropy = rows_f32(grad_entropy, n, "grad_entropy");
-    a.entropy = rows_f32(entropy, n, "entropy");
-  }
-  a.grad = grad_of(grad, logits);
-  BadRow bad;
-  a.bad = &bad;
-  {
-    py::gil_scoped_release no_gil;
-    logprobs_backward_kernel(a, kernel_threads());
-  }
-  raise_if_bad(bad, a.x.V, "logprobs_backward");
+  a.dtype = dtype_of(logits, name);
+  a.y = targets_of(target, a.x.rows());
+  return a.x.rows();
+}
+
+float inverse(double temperature) { return static_cast<float>(1.0 / temperature); }
+
+// A per-row float32 input, or nullptr when absent.
+const float* optional_rows_f32(const std::optional<Tensor>& t, int64_t n, const char* name) {
+  return t.has_value() ? rows_f32(*t, n, name) : nullptr;
+}
+
+// A new zeroed float32 output of n elements (of none when `on` is false), its data in *dst
+// (nullptr when off).
+Tensor output_rows(float** dst, int64_t n, bool on = true) {
+  Tensor t = at::zeros({on ? n : 0}, at::TensorOptions().dtype(at::kFloat));
+  *dst = on ? t.data_ptr<float>() : nullptr;
+  return t;
 }
 
 // The gradient scale of a forward that writes the gradient: 1 or n float32 elements (its
@@ -157,188 +258,175 @@ const float* grad_scale_of(const std::optional<Tensor>& grad_scale, int64_t n, i
   return rows_f32(gs, gs.numel(), "grad_scale");
 }
 
-py::tuple cross_entropy_forward(const Tensor& logits, const Tensor& target, int64_t ignore_index,
-                                double label_smoothing, double z_loss, double softcap,
-                                double logit_scale, const std::optional<Tensor>& grad_scale,
-                                const std::optional<Tensor>& grad) {
+// Run `kernel` without the GIL on all threads (one inside a parallel region), then raise for
+// the first out-of-range target it met (kernel arguments without a `bad` have none).
+template <class A>
+void run(void (*kernel)(const A&, int), A& a, const char* what) {
+  BadRow bad;
+  if constexpr (requires { a.bad; }) a.bad = &bad;
+  {
+    py::gil_scoped_release no_gil;
+    kernel(a, kernel_threads());
+  }
+  raise_if_bad(bad, a.x.V, what);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The primitives (kernels/primitives.py states their math and arguments)
+// ---------------------------------------------------------------------------------------------
+
+py::tuple logprobs_forward(const Tensor& logits, const Tensor& target, const LogprobsParams& p) {
+  LogprobsFwdArgs a{};
+  const int64_t n = bind_rows(a, logits, target, "logits");
+  a.inv_t = inverse(p.temperature);
+  a.ignore_index = p.ignore_index;
+  Tensor logp = output_rows(&a.logp, n), lse = output_rows(&a.lse, n);
+  Tensor entropy = output_rows(&a.entropy, n, p.with_entropy);
+  run(logprobs_forward_kernel, a, "logprobs_forward");
+  return py::make_tuple(logp, entropy, lse);
+}
+
+// `entropy` and `grad_entropy` are None when entropy was not requested.
+void logprobs_backward(const Tensor& logits, const Tensor& target, const Tensor& lse,
+                       const std::optional<Tensor>& entropy, const Tensor& grad_logp,
+                       const std::optional<Tensor>& grad_entropy, const LogprobsParams& p,
+                       const Tensor& grad) {
+  LogprobsBwdArgs a{};
+  const int64_t n = bind_rows(a, logits, target, "logits");
+  a.inv_t = inverse(p.temperature);
+  a.ignore_index = p.ignore_index;
+  a.lse = rows_f32(lse, n, "lse");
+  a.grad_logp = rows_f32(grad_logp, n, "grad_logp");
+  a.grad_entropy = optional_rows_f32(grad_entropy, n, "grad_entropy");
+  if (a.grad_entropy) {
+    TORCH_CHECK(entropy.has_value(), "entropy is required with grad_entropy");
+    a.entropy = rows_f32(*entropy, n, "entropy");
+  }
+  a.grad = grad_of(grad, logits);
+  run(logprobs_backward_kernel, a, "logprobs_backward");
+}
+
+py::tuple cross_entropy_forward(const Tensor& logits, const Tensor& target,
+                                const std::optional<Tensor>& grad_scale,
+                                const CrossEntropyParams& p, const std::optional<Tensor>& grad) {
   CrossEntropyArgs a{};
-  a.x = rows_of(logits);
-  a.dtype = dtype_of(logits, "logits");
-  const int64_t n = a.x.rows();
-  a.y = targets_of(target, n);
-  a.ignore_index = ignore_index;
-  a.label_smoothing = static_cast<float>(label_smoothing);
-  a.one_minus_eps = static_cast<float>(1.0 - label_smoothing);
-  a.eps_minus_one = static_cast<float>(label_smoothing - 1.0);
-  a.smoothing_over_v =
-      a.x.V > 0 ? static_cast<float>(label_smoothing / static_cast<double>(a.x.V)) : 0.0f;
-  a.z_loss = static_cast<float>(z_loss);
-  a.softcap = static_cast<float>(softcap);
-  a.logit_scale = static_cast<float>(logit_scale);
+  const int64_t n = bind_rows(a, logits, target, "logits");
+  const double eps = p.label_smoothing;
+  a.ignore_index = p.ignore_index;
+  a.label_smoothing = static_cast<float>(eps);
+  a.one_minus_eps = static_cast<float>(1.0 - eps);
+  a.eps_minus_one = static_cast<float>(eps - 1.0);
+  a.smoothing_over_v = a.x.V > 0 ? static_cast<float>(eps / static_cast<double>(a.x.V)) : 0.0f;
+  a.z_loss = static_cast<float>(p.z_loss);
+  a.softcap = static_cast<float>(p.softcap);
+  a.logit_scale = static_cast<float>(p.logit_scale);
   if (grad.has_value()) {
     a.grad_scale = grad_scale_of(grad_scale, n, &a.grad_scale_numel);
     a.grad = grad_of(*grad, logits);
   }
-  Tensor loss = new_rows(n), lse = new_rows(n);
-  a.loss = loss.data_ptr<float>();
-  a.lse = lse.data_ptr<float>();
-  BadRow bad;
-  a.bad = &bad;
-  {
-    py::gil_scoped_release no_gil;
-    cross_entropy_forward_kernel(a, kernel_threads());
-  }
-  raise_if_bad(bad, a.x.V, "cross_entropy_forward");
+  Tensor loss = output_rows(&a.loss, n), lse = output_rows(&a.lse, n);
+  run(cross_entropy_forward_kernel, a, "cross_entropy_forward");
   return py::make_tuple(loss, lse);
 }
 
-py::tuple grpo_forward(const Tensor& logits, const Tensor& target, double temperature,
-                       const Tensor& advantages, const std::optional<Tensor>& old_logprobs,
+py::tuple grpo_forward(const Tensor& logits, const Tensor& target, const Tensor& advantages,
+                       const std::optional<Tensor>& old_logprobs,
                        const std::optional<Tensor>& ref_logprobs, const Tensor& token_weight,
-                       double clip_low, double clip_high, double delta, double beta,
-                       bool kl_ratio_correction, bool with_entropy,
-                       const std::optional<Tensor>& grad) {
-  TORCH_CHECK(temperature > 0, "temperature must be > 0, got ", temperature);
+                       const SurrogateParams& p, const std::optional<Tensor>& grad) {
   GrpoArgs a{};
-  a.x = rows_of(logits);
-  a.dtype = dtype_of(logits, "logits");
-  const int64_t n = a.x.rows();
-  a.y = targets_of(target, n);
-  a.inv_t = static_cast<float>(1.0 / temperature);
+  const int64_t n = bind_rows(a, logits, target, "logits");
+  a.inv_t = inverse(p.temperature);
   a.advantages = rows_f32(advantages, n, "advantages");
   a.token_weight = rows_f32(token_weight, n, "token_weight");
-  if (old_logprobs.has_value()) a.old_logprobs = rows_f32(*old_logprobs, n, "old_logprobs");
-  if (ref_logprobs.has_value()) a.ref_logprobs = rows_f32(*ref_logprobs, n, "ref_logprobs");
-  TORCH_CHECK_VALUE(!(beta > 0) || ref_logprobs.has_value(),
+  a.old_logprobs = optional_rows_f32(old_logprobs, n, "old_logprobs");
+  a.ref_logprobs = optional_rows_f32(ref_logprobs, n, "ref_logprobs");
+  TORCH_CHECK_VALUE(!(p.beta > 0) || ref_logprobs.has_value(),
                     "ref_logprobs is required when beta > 0");
-  a.ratio_lo = static_cast<float>(1.0 - clip_low);
-  a.ratio_hi = static_cast<float>(1.0 + clip_high);
-  a.delta = static_cast<float>(delta);
-  a.beta = static_cast<float>(beta);
-  a.kl_ratio_correction = kl_ratio_correction;
+  a.ratio_lo = static_cast<float>(1.0 - p.clip_eps_low);
+  a.ratio_hi = static_cast<float>(1.0 + p.clip_eps_high);
+  a.delta = static_cast<float>(p.delta);
+  a.beta = static_cast<float>(p.beta);
+  a.kl_ratio_correction = p.kl_ratio_correction;
   if (grad.has_value()) a.grad = grad_of(*grad, logits);
-  Tensor logp = new_rows(n), loss = new_rows(n);
-  Tensor entropy = with_entropy ? new_rows(n) : new_rows(0);
-  a.logp = logp.data_ptr<float>();
-  a.loss = loss.data_ptr<float>();
-  a.entropy = with_entropy ? entropy.data_ptr<float>() : nullptr;
-  BadRow bad;
-  a.bad = &bad;
-  {
-    py::gil_scoped_release no_gil;
-    grpo_forward_kernel(a, kernel_threads());
-  }
-  raise_if_bad(bad, a.x.V, "grpo_forward");
+  Tensor logp = output_rows(&a.logp, n), loss = output_rows(&a.loss, n);
+  Tensor entropy = output_rows(&a.entropy, n, p.with_entropy);
+  run(grpo_forward_kernel, a, "grpo_forward");
   return py::make_tuple(logp, loss, entropy);
-}
-
-void vocab_shard_backward(const Tensor& logits, const Tensor& target, const Tensor& lse,
-                          const Tensor& alpha, const std::optional<Tensor>& beta,
-                          const Tensor& gamma, const std::optional<Tensor>& delta,
-                          double temperature, double softcap, int64_t ignore_index,
-                          const Tensor& grad) {
-  TORCH_CHECK(temperature > 0, "temperature must be > 0, got ", temperature);
-  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: off), got ", softcap);
-  VocabShardArgs a{};
-  a.x = rows_of(logits);
-  a.dtype = dtype_of(logits, "logits");
-  const int64_t n = a.x.rows();
-  a.y = targets_of(target, n);
-  a.inv_t = static_cast<float>(1.0 / temperature);
-  a.softcap = static_cast<float>(softcap);
-  a.ignore_index = ignore_index;
-  a.lse = rows_f32(lse, n, "lse");
-  a.alpha = rows_f32(alpha, n, "alpha");
-  a.gamma = rows_f32(gamma, n, "gamma");
-  if (beta.has_value()) a.beta = rows_f32(*beta, n, "beta");
-  if (delta.has_value()) a.delta = rows_f32(*delta, n, "delta");
-  a.grad = grad_of(grad, logits);
-  py::gil_scoped_release no_gil;
-  vocab_shard_backward_kernel(a, kernel_threads());
 }
 
 // The shared part of the distill kernels' arguments: both row views, targets, hyperparameters.
 DistillArgs distill_args(const Tensor& student, const Tensor& teacher, const Tensor& target,
-                         int64_t ignore_index, double beta, double temperature,
-                         double hard_weight) {
-  TORCH_CHECK(temperature > 0, "temperature must be > 0, got ", temperature);
-  TORCH_CHECK(beta >= 0 && beta <= 1, "beta must be in [0, 1], got ", beta);
+                         const DistillParams& p) {
   DistillArgs a{};
-  a.x = rows_of(student);
+  bind_rows(a, student, target, "student");
   a.t = rows_of(teacher);
   TORCH_CHECK(a.t.A == a.x.A && a.t.B == a.x.B && a.t.V == a.x.V,
               "teacher must be an [A, B, V] view of the student's sizes ", student.sizes(),
               ", got ", teacher.sizes());
-  a.dtype = dtype_of(student, "student");
   a.teacher_dtype = dtype_of(teacher, "teacher");
-  a.y = targets_of(target, a.x.rows());
-  a.inv_t = static_cast<float>(1.0 / temperature);
-  a.ignore_index = ignore_index;
-  a.forward_kl = beta == 0.0;
-  if (beta == 1.0) {  // reverse KL: m = b
-    a.w_t = 0.0f;
-    a.w_s = 1.0f;
-    a.log_w_s = -kInf;
-    a.log_w_t = 0.0f;
-  } else if (beta > 0.0) {
-    a.w_t = static_cast<float>(beta);
-    a.w_s = static_cast<float>(1.0 - beta);
-    a.log_w_s = static_cast<float>(std::log1p(-beta));
-    a.log_w_t = static_cast<float>(std::log(beta));
-  }
-  a.hard_weight = static_cast<float>(hard_weight);
+  a.inv_t = inverse(p.temperature);
+  a.ignore_index = p.ignore_index;
+  a.forward_kl = p.beta == 0.0;
+  a.w_t = static_cast<float>(p.w_t);
+  a.w_s = static_cast<float>(p.w_s);
+  a.log_w_s = static_cast<float>(p.log_w_s);
+  a.log_w_t = static_cast<float>(p.log_w_t);
+  a.hard_weight = static_cast<float>(p.hard_weight);
   return a;
 }
 
 py::tuple distill_forward(const Tensor& student, const Tensor& teacher, const Tensor& target,
-                          int64_t ignore_index, double beta, double temperature,
-                          double hard_weight, const std::optional<Tensor>& grad_scale,
+                          const std::optional<Tensor>& grad_scale, const DistillParams& p,
                           const std::optional<Tensor>& grad) {
-  DistillArgs a = distill_args(student, teacher, target, ignore_index, beta, temperature,
-                               hard_weight);
+  DistillArgs a = distill_args(student, teacher, target, p);
   const int64_t n = a.x.rows();
   if (grad.has_value()) {
     a.grad_loss = grad_scale_of(grad_scale, n, &a.grad_loss_numel);
     a.grad = grad_of(*grad, student);
   }
-  Tensor loss = new_rows(n), lse_s = new_rows(n), lse_t = new_rows(n), kl_s = new_rows(n);
-  Tensor hard_lse = new_rows(hard_weight > 0 ? n : 0);
-  a.loss = loss.data_ptr<float>();
-  a.lse_s = lse_s.data_ptr<float>();
-  a.lse_t = lse_t.data_ptr<float>();
-  a.kl_s = kl_s.data_ptr<float>();
-  a.hard_lse = hard_weight > 0 ? hard_lse.data_ptr<float>() : nullptr;
-  BadRow bad;
-  a.bad = &bad;
-  {
-    py::gil_scoped_release no_gil;
-    distill_forward_kernel(a, kernel_threads());
-  }
-  raise_if_bad(bad, a.x.V, "distill_forward");
+  Tensor loss = output_rows(&a.loss, n), lse_s = output_rows(&a.lse_s, n);
+  Tensor lse_t = output_rows(&a.lse_t, n), kl_s = output_rows(&a.kl_s, n);
+  Tensor hard_lse = output_rows(&a.hard_lse, n, p.hard_weight > 0);
+  run(distill_forward_kernel, a, "distill_forward");
   return py::make_tuple(loss, lse_s, lse_t, kl_s, hard_lse);
 }
 
+// `hard_lse` is None without the hard term.
 void distill_backward(const Tensor& student, const Tensor& teacher, const Tensor& target,
-                      int64_t ignore_index, double beta, double temperature, double hard_weight,
                       const Tensor& lse_s, const Tensor& lse_t, const Tensor& kl_s,
-                      const Tensor& hard_lse, const Tensor& grad_loss, const Tensor& grad) {
-  DistillArgs a = distill_args(student, teacher, target, ignore_index, beta, temperature,
-                               hard_weight);
+                      const std::optional<Tensor>& hard_lse, const Tensor& grad_loss,
+                      const DistillParams& p, const Tensor& grad) {
+  DistillArgs a = distill_args(student, teacher, target, p);
   const int64_t n = a.x.rows();
   a.saved_lse_s = rows_f32(lse_s, n, "student_lse");
   a.saved_lse_t = rows_f32(lse_t, n, "teacher_lse");
   a.saved_kl_s = rows_f32(kl_s, n, "student_kl");
-  if (hard_weight > 0) a.saved_hard_lse = rows_f32(hard_lse, n, "hard_lse");
+  if (p.hard_weight > 0) {
+    TORCH_CHECK(hard_lse.has_value(), "hard_lse is required when hard_weight > 0");
+    a.saved_hard_lse = rows_f32(*hard_lse, n, "hard_lse");
+  }
   a.grad_loss = rows_f32(grad_loss, n, "grad_loss");
   a.grad_loss_numel = n;
   a.grad = grad_of(grad, student);
-  BadRow bad;
-  a.bad = &bad;
-  {
-    py::gil_scoped_release no_gil;
-    distill_backward_kernel(a, kernel_threads());
-  }
-  raise_if_bad(bad, a.x.V, "distill_backward");
+  run(distill_backward_kernel, a, "distill_backward");
+}
+
+void vocab_shard_backward(const Tensor& logits, const Tensor& target, const Tensor& lse,
+                          const Tensor& alpha, const std::optional<Tensor>& beta,
+                          const Tensor& gamma, const std::optional<Tensor>& delta,
+                          const ShardGradParams& p, const Tensor& grad) {
+  VocabShardArgs a{};
+  const int64_t n = bind_rows(a, logits, target, "logits");
+  a.inv_t = inverse(p.temperature);
+  a.softcap = static_cast<float>(p.softcap);
+  a.ignore_index = p.ignore_index;
+  a.lse = rows_f32(lse, n, "lse");
+  a.alpha = rows_f32(alpha, n, "alpha");
+  a.gamma = rows_f32(gamma, n, "gamma");
+  a.beta = optional_rows_f32(beta, n, "beta");
+  a.delta = optional_rows_f32(delta, n, "delta");
+  a.grad = grad_of(grad, logits);
+  run(vocab_shard_backward_kernel, a, "vocab_shard_backward");
 }
 
 // Elementwise fast_exp / fast_tanh of a float32 tensor, for accuracy tests.
@@ -368,29 +456,15 @@ Isa parse_isa(const std::string& name) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "astrai_kernels cpp backend: fused log-softmax-gather kernels for CPU tensors";
-  m.def("logprobs_forward", &logprobs_forward, py::arg("logits"), py::arg("target"),
-        py::arg("temperature"), py::arg("ignore_index"), py::arg("with_entropy"));
-  m.def("logprobs_backward", &logprobs_backward, py::arg("logits"), py::arg("target"),
-        py::arg("lse"), py::arg("entropy"), py::arg("grad_logp"), py::arg("grad_entropy"),
-        py::arg("temperature"), py::arg("ignore_index"), py::arg("grad"));
-  m.def("cross_entropy_forward", &cross_entropy_forward, py::arg("logits"), py::arg("target"),
-        py::arg("ignore_index"), py::arg("label_smoothing"), py::arg("z_loss"),
-        py::arg("softcap"), py::arg("logit_scale"), py::arg("grad_scale"), py::arg("grad"));
-  m.def("grpo_forward", &grpo_forward, py::arg("logits"), py::arg("target"),
-        py::arg("temperature"), py::arg("advantages"), py::arg("old_logprobs"),
-        py::arg("ref_logprobs"), py::arg("token_weight"), py::arg("clip_low"),
-        py::arg("clip_high"), py::arg("delta"), py::arg("beta"),
-        py::arg("kl_ratio_correction"), py::arg("with_entropy"), py::arg("grad"));
-  m.def("distill_forward", &distill_forward, py::arg("student"), py::arg("teacher"),
-        py::arg("target"), py::arg("ignore_index"), py::arg("beta"), py::arg("temperature"),
-        py::arg("hard_weight"), py::arg("grad_scale"), py::arg("grad"));
-  m.def("distill_backward", &distill_backward, py::arg("student"), py::arg("teacher"),
-        py::arg("target"), py::arg("ignore_index"), py::arg("beta"), py::arg("temperature"),
-        py::arg("hard_weight"), py::arg("student_lse"), py::arg("teacher_lse"),
-        py::arg("student_kl"), py::arg("hard_lse"), py::arg("grad_loss"), py::arg("grad"));
-  m.def("vocab_shard_backward", &vocab_shard_backward, py::arg("logits"), py::arg("target"),
-        py::arg("lse"), py::arg("alpha"), py::arg("beta"), py::arg("gamma"), py::arg("delta"),
-        py::arg("temperature"), py::arg("softcap"), py::arg("ignore_index"), py::arg("grad"));
+  // the primitives, each with the Backend protocol's arguments (tensors, params, grad)
+  m.def("logprobs_forward", &logprobs_forward);
+  m.def("logprobs_backward", &logprobs_backward);
+  m.def("cross_entropy_forward", &cross_entropy_forward);
+  m.def("grpo_forward", &grpo_forward);
+  m.def("distill_forward", &distill_forward);
+  m.def("distill_backward", &distill_backward);
+  m.def("vocab_shard_backward", &vocab_shard_backward);
+  m.attr("LOG_RATIO_CLAMP") = kLogRatioClamp;  // held equal to kernels/primitives.py's by a test
   m.def("_log", &elementwise<log_fn>, "log_with_offset(x, 0) elementwise (for tests)");
   m.def("_fast_exp", &elementwise<exp_fn>, "fast_exp elementwise (for tests)");
   m.def("_fast_tanh", &elementwise<tanh_fn>, "fast_tanh elementwise (for tests)");

@@ -46,6 +46,11 @@ namespace astrai {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+// GRPO's log-ratios are clamped to [-kLogRatioClamp, kLogRatioClamp] before exp: the value of
+// kernels/primitives.py's LOG_RATIO_CLAMP (a test reads it through the `_log_ratio_clamp`
+// binding and holds the two equal).
+constexpr float kLogRatioClamp = 20.0f;
+
 // ---------------------------------------------------------------------------------------------
 // Instruction-set dispatch
 // ---------------------------------------------------------------------------------------------
@@ -598,6 +603,37 @@ ASTRAI_INLINE void write_logprob_grad_from_exps(typename T::storage* g, int64_t 
   }
   const float p = e[y] * kept_to_prob(keep.shifts[y / kBlock], st, inv_t, log_sum);
   g[C ? y : y * sg] = T::store((-p * coef + coef) * inv_t);
+}
+
+// vocab_shard_backward floors log p before it multiplies beta: a p = 0 entry (an all -inf shard
+// row) then gives 0 * beta * floor, never 0 * inf (portable.py's LOG_P_FLOOR).
+constexpr float kShardLogPFloor = -1e4f;
+
+// vocab_shard_backward's gradient of one row, every column in the non-target form (the caller
+// then writes the target's column): z_j = c * tanh(x_j / c) when SOFTCAP (inv_cap = 1 / c),
+// else x_j; log p_j = max(z_j * inv_t - lse, kShardLogPFloor);
+//   grad_j = dz_j/dx_j * (p_j * (alpha + beta * log p_j) + delta)
+// with alpha, beta, delta already divided by T. Plain arithmetic and selects only (no branch on
+// a float), so the loop vectorizes; every scalar is a by-value argument: a float read through
+// the arguments struct inside the loop may alias a float32 `g`, and GCC then left the loop
+// scalar ("latch block not empty"; float32 ran 10x slower than bfloat16, issue 32). Reads x_j
+// before writing g_j, so `g` may be `x` (in place).
+template <class T, bool C, bool SOFTCAP>
+ASTRAI_INLINE void write_shard_grad(const typename T::storage* x, int64_t sv,
+                                    typename T::storage* g, int64_t sg, int64_t V, float inv_t,
+                                    float cap, float inv_cap, float lse, float alpha, float beta,
+                                    float delta) {
+#pragma omp simd
+  for (int64_t j = 0; j < V; ++j) {
+    const float xj = T::load(x[C ? j : j * sv]);
+    const float t = SOFTCAP ? fast_tanh(xj * inv_cap) : 0.0f;
+    const float d = (SOFTCAP ? cap * t : xj) * inv_t - lse;
+    const float log_p = select(d < kShardLogPFloor, kShardLogPFloor, d);
+    const float p = log_prob_exp(log_p);
+    float v = p * (alpha + beta * log_p) + delta;
+    if (SOFTCAP) v *= 1.0f - t * t;
+    g[C ? j : j * sg] = T::store(v);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

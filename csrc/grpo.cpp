@@ -7,14 +7,12 @@
 namespace astrai {
 namespace {
 
-constexpr float kLogRatioClamp = 20.0f;
-
 struct TokenTerms {
   float loss;
   float dloss;  // d loss / d logp
 };
 
-// The per-token formula of torch_backend.grpo_token_terms, in float32.
+// The per-token formula of portable.grpo_token_terms, in float32.
 inline TokenTerms token_terms(float logp, const float* old, const float* ref, float adv,
                               float lo, float hi, float delta, float beta,
                               bool kl_ratio_correction) {

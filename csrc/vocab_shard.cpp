@@ -9,15 +9,11 @@
 namespace astrai {
 namespace {
 
-// log p is floored here before it multiplies beta: a p = 0 entry (an all -inf shard row) then
-// gives 0 * beta * floor, never 0 * inf (the torch backend's LOG_P_FLOOR).
-constexpr float kLogPFloor = -1e4f;
-
 template <class T, bool C, bool SOFTCAP>
 ASTRAI_INLINE void shard_rows(const VocabShardArgs& a, int64_t n0, int64_t n1) {
   using S = typename T::storage;
   const int64_t V = a.x.V, sv = a.x.sV, sg = a.grad.sV;
-  const float cap = a.softcap, inv_cap = SOFTCAP ? 1.0f / a.softcap : 0.0f;
+  const float inv_t = a.inv_t, cap = a.softcap, inv_cap = SOFTCAP ? 1.0f / a.softcap : 0.0f;
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t y = a.y[n];
     S* g = a.grad.row<S>(n);
@@ -27,31 +23,20 @@ ASTRAI_INLINE void shard_rows(const VocabShardArgs& a, int64_t n0, int64_t n1) {
     }
     const S* row = a.x.row<S>(n);
     const bool owned = y >= 0 && y < V;
-    // read before the loop: grad may be the logits themselves (written in place)
+    // read before the row is written: grad may be the logits themselves (in place)
     const float x_y = owned ? T::load(row[C ? y : y * sv]) : 0.0f;
-    const float alpha = a.alpha[n] * a.inv_t;
-    const float beta = a.beta ? a.beta[n] * a.inv_t : 0.0f;
-    const float delta = a.delta ? a.delta[n] * a.inv_t : 0.0f;
+    const float alpha = a.alpha[n] * inv_t;
+    const float beta = a.beta ? a.beta[n] * inv_t : 0.0f;
+    const float delta = a.delta ? a.delta[n] * inv_t : 0.0f;
     const float lse = a.lse[n];
-    // Plain arithmetic and selects only (no branch on a float), so the loop vectorizes.
-#pragma omp simd
-    for (int64_t j = 0; j < V; ++j) {
-      const float x = T::load(row[C ? j : j * sv]);
-      const float t = SOFTCAP ? fast_tanh(x * inv_cap) : 0.0f;
-      const float s = (SOFTCAP ? cap * t : x) * a.inv_t;
-      const float d = s - lse;
-      const float log_p = select(d < kLogPFloor, kLogPFloor, d);
-      const float p = log_prob_exp(log_p);
-      float v = p * (alpha + beta * log_p) + delta;
-      if (SOFTCAP) v *= 1.0f - t * t;
-      g[C ? j : j * sg] = T::store(v);
-    }
+    write_shard_grad<T, C, SOFTCAP>(row, sv, g, sg, V, inv_t, cap, inv_cap, lse, alpha, beta,
+                                    delta);
     if (owned) {
       const float t = SOFTCAP ? fast_tanh(x_y * inv_cap) : 0.0f;
-      const float d = (SOFTCAP ? cap * t : x_y) * a.inv_t - lse;
-      const float log_p = d < kLogPFloor ? kLogPFloor : d;
+      const float d = (SOFTCAP ? cap * t : x_y) * inv_t - lse;
+      const float log_p = d < kShardLogPFloor ? kShardLogPFloor : d;
       const float p = log_prob_exp(log_p);
-      float v = p * (alpha + beta * log_p) + delta + a.gamma[n] * a.inv_t;
+      float v = p * (alpha + beta * log_p) + delta + a.gamma[n] * inv_t;
       if (SOFTCAP) v *= 1.0f - t * t;
       g[C ? y : y * sg] = T::store(v);
     }

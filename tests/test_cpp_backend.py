@@ -8,6 +8,7 @@ naive same-dtype path's error as the yardstick. A failed build fails these tests
 """
 
 import contextlib
+import dataclasses
 import math
 import shutil
 import warnings
@@ -17,12 +18,15 @@ import pytest
 import torch
 
 from astrai_kernels.kernels import portable as tb
+from astrai_kernels.kernels import primitives
 from astrai_kernels.kernels.cpp import backend as cb
 from astrai_kernels.kernels.primitives import (
     CrossEntropyArgs,
+    DistillArgs,
     LogprobsArgs,
     ShardGradArgs,
     SurrogateArgs,
+    mixture_weights,
 )
 from astrai_kernels.testing import assert_close as check_close
 
@@ -669,3 +673,55 @@ def test_vocab_shard_backward_all_inf_shard_row():
         cb.vocab_shard_backward(x, target, ones, ones, ones, ones, 0.5 * ones,
                                 ShardGradArgs(1.0, 0.0, IGNORE), grad)
         assert torch.equal(grad, torch.full_like(x, 0.5)), isa
+
+
+# ------------------------------------------------------------------------------------------
+# The params objects at the boundary (bindings.cpp reads their fields by name)
+# ------------------------------------------------------------------------------------------
+
+def test_log_ratio_clamp_is_the_contracts():
+    assert cb.load_extension().LOG_RATIO_CLAMP == primitives.LOG_RATIO_CLAMP
+
+
+@dataclasses.dataclass(frozen=True)
+class _OpParams(CrossEntropyArgs):  # an op's params class: the kernel's fields and its own
+    reduction: str
+
+
+def test_params_are_read_by_field_name():
+    x = make_logits((1, 4, 10), torch.float32)
+    target = torch.tensor([0, 1, IGNORE, 3])
+    expected = cb.cross_entropy_forward(x, target, None, CrossEntropyArgs(IGNORE, 0.1, 0.0, 0.0),
+                                        None)
+    # a subclass with more fields, ints for floats, None for an option that is off
+    for params in (_OpParams(IGNORE, 0.1, 0.0, 0.0, reduction="sum"),
+                   CrossEntropyArgs(IGNORE, 0.1, 0, None)):
+        for got, want in zip(cb.cross_entropy_forward(x, target, None, params, None), expected):
+            assert torch.equal(got, want)
+    with pytest.raises(TypeError, match=r"CrossEntropyArgs\.z_loss must be a float, got 'x'"):
+        cb.cross_entropy_forward(x, target, None, CrossEntropyArgs(IGNORE, 0.1, "x", 0.0), None)
+    with pytest.raises(AttributeError, match="label_smoothing"):
+        cb.cross_entropy_forward(x, target, None, LogprobsArgs(1.0, IGNORE, False), None)
+    with pytest.raises(RuntimeError, match="temperature must be > 0"):
+        cb.logprobs_forward(x, target, LogprobsArgs(0.0, IGNORE, False))
+
+
+def test_distill_takes_the_mixture_weights_of_its_params():
+    """The kernels use DistillArgs.weights as given (computed once, in Python): params whose
+    weights are those of another beta give that beta's results."""
+    student = make_logits((1, 5, 33), torch.float32)
+    teacher = make_logits((1, 5, 33), torch.float32, seed=1)
+    target = make_target(5, 33)
+
+    @dataclasses.dataclass(frozen=True)
+    class Reweighted(DistillArgs):
+        @property
+        def weights(self):
+            return mixture_weights(0.3)
+
+    expected = cb.distill_forward(student, teacher, target, None,
+                                  DistillArgs(0.3, 1.0, IGNORE, 0.0), None)
+    got = cb.distill_forward(student, teacher, target, None, Reweighted(0.6, 1.0, IGNORE, 0.0),
+                             None)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)

@@ -15,18 +15,53 @@ from astrai_kernels.kernels.cpp import backend as cb
 
 DTYPES = ("F32T", "BF16T", "F16T")
 
-# write_logprob_grad's main loop (its other loops, the tail and the lane sum, vectorize too, so
-# "some loop vectorized" would not notice this one turning scalar)
-MAIN_LOOPS = {"write_logprob_grad": "others_lanes[l] += write_non_target(j + l);"}
+# The loop each case holds to vectorizing, as (the line opening its helper in csrc/common.h, the
+# text of the first line after it where GCC's report places the loop: its first statement):
+# write_logprob_grad's other loops (the tail and the lane sum) vectorize too, so "some loop
+# vectorized" would not notice its main loop turning scalar.
+MAIN_LOOPS = {
+    "write_logprob_grad": ("void write_logprob_grad(",
+                           "others_lanes[l] += write_non_target(j + l);"),
+    "write_shard_grad": ("void write_shard_grad(", "const float xj = T::load(x[C ? j : j * sv]);"),
+}
 
 # (name, body): the loop under test is the only vectorizable loop of the body's function, or the
-# one MAIN_LOOPS names
+# one MAIN_LOOPS names. write_shard_grad is vocab_shard_backward's loop (reading its scalars
+# through the arguments struct, the float32 loop once stayed scalar, 10x slower than bfloat16:
+# issue 32); its other loop, zero_row on an ignored row, is a memset when contiguous.
 LOOPS = {
     "write_logprob_grad": "write_logprob_grad<{T}, true, {ENT}>(x, 1, g, 1, V, 0, 1.0f, 0.0f, "
                           "a, b, c, d, 0.5f);",
+    "write_shard_grad": "write_shard_grad<{T}, {C}, {SOFTCAP}>(x, 3, g, 2, V, a, b, c, d, a, b, "
+                        "c);",
     "store": "for (int64_t j = 0; j < V; ++j) g[j] = {T}::store(f[j] * a);",
     "load": "for (int64_t j = 0; j < V; ++j) f[j] = {T}::load(x[j]) * a;",
 }
+
+# the template arguments each case is compiled with (every combination)
+VARIANTS = {
+    "write_logprob_grad": {"ENT": ("false", "true")},
+    "write_shard_grad": {"C": ("true", "false"), "SOFTCAP": ("false", "true")},
+}
+
+
+def variants(loop):
+    combos = [{}]
+    for name, values in VARIANTS.get(loop, {}).items():
+        combos = [dict(combo, **{name: value}) for combo in combos for value in values]
+    return combos
+
+
+def loop_line(loop):
+    """The line of csrc/common.h holding the loop MAIN_LOOPS names for ``loop``."""
+    opening, text = MAIN_LOOPS[loop]
+    header = (cb.source_dir() / "common.h").read_text().splitlines()
+    starts = [i for i, line in enumerate(header) if opening in line]
+    assert len(starts) == 1, f"csrc/common.h has no single line {opening!r}"
+    after = [i for i in range(starts[0], len(header)) if text in header[i]]
+    assert after, f"csrc/common.h has no line {text!r} after {opening!r}"
+    return after[0] + 1
+
 
 SOURCE = """
 #include "common.h"
@@ -54,10 +89,10 @@ def test_gradient_loops_vectorize(tmp_path, loop, dtype):
     compiler = gcc()
     if compiler is None:  # -fopt-info is GCC's; the cpp backend's own tests still run
         pytest.skip("needs GCC (its -fopt-info-vec report)")
-    ents = ("false", "true") if loop == "write_logprob_grad" else ("false",)
-    for ent in ents:
-        body = LOOPS[loop].format(T=dtype, ENT=ent)
-        src = tmp_path / f"{loop}_{ent}.cpp"
+    for variant in variants(loop):
+        body = LOOPS[loop].format(T=dtype, **variant)
+        name = f"{loop}<{dtype}{''.join(f', {k}={v}' for k, v in variant.items())}>"
+        src = tmp_path / f"{loop}_{'_'.join(variant.values()) or 'plain'}.cpp"
         src.write_text(SOURCE.format(T=dtype, body=body))
         proc = subprocess.run(
             [compiler, "-O3", "-fopenmp", "-ffp-contract=fast", "-std=c++17",
@@ -65,13 +100,9 @@ def test_gradient_loops_vectorize(tmp_path, loop, dtype):
              "-fopt-info-vec-optimized"],
             capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
-        assert "loop vectorized" in proc.stderr, (
-            f"{loop}<{dtype}, ENT={ent}> did not vectorize:\n{proc.stderr}")
+        assert "loop vectorized" in proc.stderr, f"{name} did not vectorize:\n{proc.stderr}"
         if loop in MAIN_LOOPS:
-            header = (cb.source_dir() / "common.h").read_text().splitlines()
-            lines = [i for i, text in enumerate(header, 1) if MAIN_LOOPS[loop] in text]
-            assert len(lines) == 1, f"csrc/common.h has no single line {MAIN_LOOPS[loop]!r}"
-            assert any(f"common.h:{lines[0]}:" in line and "loop vectorized" in line
-                       for line in proc.stderr.splitlines()), (
-                f"{loop}<{dtype}, ENT={ent}>: its main loop (common.h:{lines[0]}) did not "
-                f"vectorize:\n{proc.stderr}")
+            line = loop_line(loop)
+            assert any(f"common.h:{line}:" in report and "loop vectorized" in report
+                       for report in proc.stderr.splitlines()), (
+                f"{name}: its main loop (common.h:{line}) did not vectorize:\n{proc.stderr}")

@@ -3,6 +3,7 @@
 declarations."""
 
 import inspect
+import math
 from dataclasses import fields
 
 import pytest
@@ -17,8 +18,11 @@ from astrai_kernels.kernels.primitives import (
     SHARD_PRIMITIVE,
     Backend,
     CrossEntropyArgs,
+    DistillArgs,
+    MixtureWeights,
     VocabShardBackend,
     args_of,
+    mixture_weights,
 )
 from astrai_kernels.kernels.triton import backend as triton_backend
 from astrai_kernels.ops.cross_entropy import CrossEntropyParams
@@ -98,3 +102,24 @@ def test_generated_op_matches_the_eager_call():
     traced = generated.op(logits, target, scale, *floats, True, "torch")
     for a, b in zip(eager, traced):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("beta, expected", [
+    (0.0, MixtureWeights(1.0, 0.0, 0.0, 0.0)),  # forward KL: no mixture, read by no kernel
+    (1.0, MixtureWeights(0.0, 1.0, -math.inf, 0.0)),  # reverse KL: m = b
+    (0.25, MixtureWeights(0.25, 0.75, math.log(0.75), math.log(0.25))),
+])
+def test_mixture_weights_are_computed_once_for_every_backend(beta, expected):
+    assert mixture_weights(beta) == expected
+    assert DistillArgs(beta, 0.7, -100, 0.0).weights == expected
+    for module in MODULES.values():  # no backend keeps its own copy of the formula
+        assert not hasattr(module, "distill_weights") and not hasattr(module, "_distill_weights")
+
+
+def test_log_ratio_clamp_is_declared_once():
+    """The kernels' clamp is the contract's: the torch backend imports it, the Triton helpers
+    and the C++ header state the same value (the C++ one is checked in test_cpp_backend)."""
+    assert torch_backend.LOG_RATIO_CLAMP is primitives.LOG_RATIO_CLAMP
+    if triton_backend.import_error() is None:
+        from astrai_kernels.kernels.triton import helpers
+        assert float(helpers.LOG_RATIO_CLAMP.value) == primitives.LOG_RATIO_CLAMP

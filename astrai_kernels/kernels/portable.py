@@ -16,8 +16,9 @@ import math
 
 import torch
 
+from .primitives import LOG_RATIO_CLAMP
+
 CHUNK_ELEMENTS = 1 << 21
-LOG_RATIO_CLAMP = 20.0
 # log-probs below this are clamped before they multiply p: p is exactly 0 there in float32
 # (p <= exp(LOG_P_FLOOR + log V)), and the clamp keeps ``0 * -inf`` from making a NaN.
 LOG_P_FLOOR = -1e4
@@ -431,16 +432,6 @@ def vocab_shard_backward(logits, target, lse, alpha, beta, gamma, delta, params,
         _store_grad(_grad_block(grad, n0, n1), g, y[n0:n1], None, valid[n0:n1])
 
 
-def distill_weights(beta):
-    """``(w_t, w_s, log_w_s, log_w_t)`` of TRL's generalized JSD at ``beta`` (``beta`` in
-    (0, 1]): ``loss = w_t * sum p_t (b - m) + w_s * sum p_s (a - m)`` with
-    ``m = logaddexp(a + log_w_s, b + log_w_t)``; ``beta = 1`` (reverse KL) is ``m = b``,
-    ``w_t = 0``. ``beta = 0`` (forward KL) has no mixture and is not described here."""
-    if beta == 1.0:
-        return 0.0, 1.0, float("-inf"), 0.0
-    return beta, 1.0 - beta, math.log1p(-beta), math.log(beta)
-
-
 def _log_softmax_block(block, temperature, y, out):
     """``(log_softmax(block / T), lse)`` of one float32 block, written into ``out``."""
     s, offset = _tempered(block, temperature, out)
@@ -472,7 +463,7 @@ def _distill_grad_block(block, y, a, b, m, row_kl, row_upstream, params, exp_buf
     if params.beta == 0:
         g = torch.exp(a).sub_(torch.exp(b, out=exp_buf)).mul_(coef)
     else:
-        w_s = distill_weights(params.beta)[1]
+        w_s = params.weights.w_s
         p = torch.exp(a)
         diff = (a - m).sub_(row_kl.unsqueeze(1))
         g = torch.where(p == 0, 0.0, p * diff).mul_(coef * w_s)
@@ -499,7 +490,7 @@ def distill_forward(student, teacher, target, grad_scale, params, grad):
     safe_y = _safe_target(target, valid)
     if grad is not None:
         upstream = torch.where(valid, grad_scale.reshape(-1).float().expand(n_rows), 0.0)
-    w_t, w_s, log_w_s, log_w_t = distill_weights(beta) if beta else (1.0, 0.0, 0.0, 0.0)
+    w = params.weights
     inner = student.shape[1]
     for n0, n1, block, bufs in _row_blocks(student, 4):
         y = safe_y[n0:n1]
@@ -511,12 +502,12 @@ def distill_forward(student, teacher, target, grad_scale, params, grad):
         if beta == 0:
             row_loss = _kl_rows(b, a, bufs[2])
         else:
-            m = _distill_mixture(a, b, log_w_s, log_w_t, bufs[2])
+            m = _distill_mixture(a, b, w.log_w_s, w.log_w_t, bufs[2])
             row_kl = _kl_rows(a, m, bufs[3])
             kl_s[n0:n1] = row_kl
-            row_loss = w_s * row_kl
-            if w_t:
-                row_loss = row_loss + w_t * _kl_rows(b, m, bufs[3])
+            row_loss = w.w_s * row_kl
+            if w.w_t:
+                row_loss = row_loss + w.w_t * _kl_rows(b, m, bufs[3])
         if hard_weight:
             if temperature == 1.0:
                 row_hard_lse = lse_s[n0:n1]
@@ -545,7 +536,7 @@ def distill_backward(student, teacher, target, student_lse, teacher_lse, student
     valid = target != ignore_index
     safe_y = _safe_target(target, valid)
     upstream = torch.where(valid, grad_loss, 0.0)
-    _, _, log_w_s, log_w_t = distill_weights(beta) if beta else (1.0, 0.0, 0.0, 0.0)
+    weights = params.weights
     inner = student.shape[1]
     for n0, n1, block, bufs in _row_blocks(student, 3):
         y = safe_y[n0:n1]
@@ -555,7 +546,7 @@ def distill_backward(student, teacher, target, student_lse, teacher_lse, student
         a = torch.log_softmax(_tempered(block, temperature, bufs[0])[0], -1, out=bufs[0])
         b = torch.log_softmax(_tempered(teacher_block, temperature, bufs[1])[0], -1,
                               out=bufs[1])
-        m = _distill_mixture(a, b, log_w_s, log_w_t, bufs[2]) if beta else None
+        m = _distill_mixture(a, b, weights.log_w_s, weights.log_w_t, bufs[2]) if beta else None
         g = _distill_grad_block(block, y, a, b, m, student_kl[n0:n1], upstream[n0:n1], params,
                                 bufs[1], bufs[2])
         _store_grad(_grad_block(grad, n0, n1), g, y, None, valid[n0:n1])

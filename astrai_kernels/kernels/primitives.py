@@ -6,8 +6,10 @@ primitive's ``torch.library`` custom op, its fake implementation, its Triton twi
 wrapper from :data:`PRIMITIVES`. A primitive's non-tensor arguments travel as one frozen params
 object (:class:`LogprobsArgs`, :class:`CrossEntropyArgs`, :class:`SurrogateArgs`,
 :class:`DistillArgs`, :class:`ShardGradArgs`); the ops' own params classes extend these, so an op
-hands its checked params straight down. Adding a kernel option is a field here, its reading in
-the kernels, and its math in ``reference.py``.
+hands its checked params straight down, and the cpp backend hands the object itself to its
+extension (``csrc/bindings.cpp`` reads the fields by name, one struct per class). Adding a
+kernel option is a field here, its reading in the kernels (and in that struct), and its math in
+``reference.py``.
 
 Conventions shared by every primitive:
 
@@ -51,11 +53,11 @@ params: SurrogateArgs, grad)`` -> ``(logp, loss, entropy)``
     their target is not read, ``logp = loss = entropy = 0`` and grad is zero. Otherwise, with
     ``A`` the advantage::
 
-        lr = clamp(logp - old, -20, 20);  r = exp(lr)
+        lr = clamp(logp - old, -C, C);  r = exp(lr)       (C = LOG_RATIO_CLAMP = 20)
         r_u = min(r, delta) if delta > 0 else r          (delta <= 0 means off)
         l = -min(r_u * A, clamp(r, 1 - clip_eps_low, 1 + clip_eps_high) * A)
         if beta > 0:
-            dr = clamp(ref - logp, -20, 20);  k3 = exp(dr) - dr - 1
+            dr = clamp(ref - logp, -C, C);  k3 = exp(dr) - dr - 1
             l += beta * k3 * r if kl_ratio_correction else beta * k3
 
     ``r`` in the KL term is the uncapped ratio (TRL's ``use_bias_correction_kl``).
@@ -70,7 +72,8 @@ params: SurrogateArgs, grad)`` -> ``(logp, loss, entropy)``
     ``[A, B, V]`` view of the same ``A, B, V`` as ``student`` (its own strides and dtype).
     With ``a = log softmax(student / T)``, ``b = log softmax(teacher / T)`` (TRL's generalized
     JSD): ``beta = 0``: ``loss = sum_j p_t (b - a)``; otherwise ``m = b`` when ``beta = 1``,
-    else ``m = log((1 - beta) p_s + beta p_t)``, ``student_kl = sum_j p_s (a - m)`` and
+    else ``m = log((1 - beta) p_s + beta p_t)`` (:func:`mixture_weights`),
+    ``student_kl = sum_j p_s (a - m)`` and
     ``loss = beta * sum_j p_t (b - m) + (1 - beta) * student_kl`` (``loss = student_kl`` at
     ``beta = 1``); terms with ``p = 0`` are 0. ``hard_weight > 0`` adds
     ``hard_weight * (hard_lse - x_y)``, ``hard_lse = logsumexp(student)`` at temperature 1
@@ -109,6 +112,8 @@ readable chunked implementation of these primitives.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field, fields
 from typing import Callable, Optional, Protocol, Tuple, runtime_checkable
 
@@ -118,6 +123,12 @@ from torch import Tensor
 #: field metadata of a float that stays a Python float in a custom op's schema: the outputs'
 #: shapes depend on it, which a fake implementation must know at trace time
 STATIC = {"static": True}
+
+#: GRPO's log-ratios (``logp - old``, ``ref - logp``) are clamped to ``[-C, C]`` before ``exp``:
+#: ``exp(20)`` is ~4.9e8, finite in float32 with room for the products that follow. The kernels
+#: use this value (``portable.py``, ``triton/helpers.py`` and ``csrc/common.h``'s
+#: ``kLogRatioClamp``, which a test holds equal to it).
+LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass(frozen=True)
@@ -150,11 +161,41 @@ class SurrogateArgs:
 
 
 @dataclass(frozen=True)
+class MixtureWeights:
+    """TRL's generalized JSD at ``beta`` as every backend's kernels use it:
+    ``loss = w_t * sum_j p_t (b - m) + w_s * sum_j p_s (a - m)`` with
+    ``m = logaddexp(a + log_w_s, b + log_w_t)``. The logs are natural; the Triton kernels work
+    in base 2 and multiply them by ``log2(e)`` (``triton/backend.py``'s ``_log2_weights``)."""
+    w_t: float
+    w_s: float
+    log_w_s: float
+    log_w_t: float
+
+
+@functools.lru_cache(maxsize=64)  # one beta per training run: a kernel call reads it for free
+def mixture_weights(beta: float) -> MixtureWeights:
+    """The distillation mixture's weights at ``beta`` (in ``[0, 1]``): ``(beta, 1 - beta)``
+    with their logs. ``beta = 1`` (reverse KL) is ``m = b``: ``w_t = 0``, ``log_w_s = -inf``.
+    ``beta = 0`` (forward KL) has no mixture: ``(1, 0, 0, 0)``, which no kernel reads."""
+    beta = float(beta)
+    if beta == 0.0:
+        return MixtureWeights(1.0, 0.0, 0.0, 0.0)
+    if beta == 1.0:
+        return MixtureWeights(0.0, 1.0, -math.inf, 0.0)
+    return MixtureWeights(beta, 1.0 - beta, math.log1p(-beta), math.log(beta))
+
+
+@dataclass(frozen=True)
 class DistillArgs:
     beta: float
     temperature: float
     ignore_index: int
     hard_weight: float = field(metadata=STATIC)
+
+    @property
+    def weights(self) -> MixtureWeights:
+        """The mixture weights of ``beta`` (computed here once for every backend)."""
+        return mixture_weights(self.beta)
 
 
 @dataclass(frozen=True)

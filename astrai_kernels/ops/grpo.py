@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import library
-from ..kernels.primitives import SurrogateArgs
+from ..kernels.primitives import LOG_RATIO_CLAMP, SurrogateArgs
 from ..kernels.registry import resolve_backend
 from . import dtensor, rollout_correction, vocab_parallel
 from ._common import (
@@ -52,7 +52,6 @@ from .logprobs import token_logprobs
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-LOG_RATIO_CLAMP = 20.0
 VESPO_LOG_FLOOR = math.log(1e-8)  # TRL's lower clamp of VESPO's log-ratios
 
 

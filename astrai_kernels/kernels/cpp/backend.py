@@ -466,66 +466,48 @@ def _target(target):
     return target.contiguous()
 
 
+# Each primitive hands its params object (kernels/primitives.py's dataclass) to the extension as
+# is: bindings.cpp reads its fields by name into one struct per params class.
+
 def logprobs_forward(logits, target, params):
-    ext = load_extension()
-    logp, entropy, lse = ext.logprobs_forward(logits, _target(target), float(params.temperature),
-                                              int(params.ignore_index), bool(params.with_entropy))
-    return logp, entropy, lse
+    return load_extension().logprobs_forward(logits, _target(target), params)
 
 
 def logprobs_backward(logits, target, lse, entropy, grad_logp, grad_entropy, params, grad):
-    ext = load_extension()
     with_entropy = grad_entropy is not None and grad_entropy.numel() > 0
-    empty = lse.new_empty(0, dtype=torch.float32)
-    ext.logprobs_backward(logits, _target(target), _rows_f32(lse),
-                          _rows_f32(entropy) if with_entropy else empty, _rows_f32(grad_logp),
-                          _rows_f32(grad_entropy) if with_entropy else empty,
-                          float(params.temperature), int(params.ignore_index), grad)
+    load_extension().logprobs_backward(
+        logits, _target(target), _rows_f32(lse), _rows_f32(entropy) if with_entropy else None,
+        _rows_f32(grad_logp), _rows_f32(grad_entropy) if with_entropy else None, params, grad)
 
 
 def cross_entropy_forward(logits, target, grad_scale, params, grad):
-    ext = load_extension()
-    loss, lse = ext.cross_entropy_forward(
-        logits, _target(target), int(params.ignore_index), float(params.label_smoothing),
-        float(params.z_loss), float(params.softcap or 0.0), float(params.logit_scale),
-        _rows_f32(grad_scale) if grad is not None else None, grad)
-    return loss, lse
+    return load_extension().cross_entropy_forward(
+        logits, _target(target), _rows_f32(grad_scale) if grad is not None else None, params,
+        grad)
 
 
 def grpo_forward(logits, target, advantages, old_logprobs, ref_logprobs, token_weight, params,
                  grad):
-    ext = load_extension()
-    logp, loss, entropy = ext.grpo_forward(
-        logits, _target(target), float(params.temperature), _rows_f32(advantages),
-        _rows_f32(old_logprobs), _rows_f32(ref_logprobs), _rows_f32(token_weight),
-        float(params.clip_eps_low), float(params.clip_eps_high), float(params.delta or 0.0),
-        float(params.beta), bool(params.kl_ratio_correction), bool(params.with_entropy), grad)
-    return logp, loss, entropy
+    return load_extension().grpo_forward(
+        logits, _target(target), _rows_f32(advantages), _rows_f32(old_logprobs),
+        _rows_f32(ref_logprobs), _rows_f32(token_weight), params, grad)
 
 
 def distill_forward(student, teacher, target, grad_scale, params, grad):
-    ext = load_extension()
-    return tuple(ext.distill_forward(student, teacher, _target(target), int(params.ignore_index),
-                                     float(params.beta), float(params.temperature),
-                                     float(params.hard_weight),
-                                     _rows_f32(grad_scale) if grad is not None else None, grad))
+    return load_extension().distill_forward(
+        student, teacher, _target(target), _rows_f32(grad_scale) if grad is not None else None,
+        params, grad)
 
 
 def distill_backward(student, teacher, target, student_lse, teacher_lse, student_kl, hard_lse,
                      grad_loss, params, grad):
-    ext = load_extension()
-    hard = (_rows_f32(hard_lse) if params.hard_weight
-            else student_lse.new_empty(0, dtype=torch.float32))
-    ext.distill_backward(student, teacher, _target(target), int(params.ignore_index),
-                         float(params.beta), float(params.temperature),
-                         float(params.hard_weight), _rows_f32(student_lse),
-                         _rows_f32(teacher_lse), _rows_f32(student_kl), hard,
-                         _rows_f32(grad_loss), grad)
+    load_extension().distill_backward(
+        student, teacher, _target(target), _rows_f32(student_lse), _rows_f32(teacher_lse),
+        _rows_f32(student_kl), _rows_f32(hard_lse) if params.hard_weight else None,
+        _rows_f32(grad_loss), params, grad)
 
 
 def vocab_shard_backward(logits, target, lse, alpha, beta, gamma, delta, params, grad):
-    ext = load_extension()
-    ext.vocab_shard_backward(logits, _target(target), _rows_f32(lse), _rows_f32(alpha),
-                             _rows_f32(beta), _rows_f32(gamma), _rows_f32(delta),
-                             float(params.temperature), float(params.softcap or 0.0),
-                             int(params.ignore_index), grad)
+    load_extension().vocab_shard_backward(
+        logits, _target(target), _rows_f32(lse), _rows_f32(alpha), _rows_f32(beta),
+        _rows_f32(gamma), _rows_f32(delta), params, grad)

@@ -248,14 +248,16 @@ def _distill_launch(student, teacher, grad=None):
     return config.tile_config(student.shape[-1], wide.dtype, unit_stride=unit, rows=2)
 
 
-def _distill_weights(beta):
-    """``(w_t, w_s, log2 w_s, log2 w_t)``; reverse KL (``beta = 1``) is ``m = b``, ``w_t = 0``;
-    forward KL (``beta = 0``) does not use them."""
-    if beta == 0.0:
-        return 1.0, 0.0, 0.0, 0.0
-    if beta == 1.0:
-        return 0.0, 1.0, float("-inf"), 0.0
-    return beta, 1.0 - beta, math.log1p(-beta) / math.log(2.0), math.log2(beta)
+#: log2(e): the distill kernels keep their logs in base 2
+_LOG2E = 1.0 / math.log(2.0)
+
+
+def _log2_weights(params):
+    """``(w_t, w_s, log2 w_s, log2 w_t)``: the mixture weights of ``primitives.mixture_weights``
+    (natural logs, shared by every backend) with the logs turned to base 2 here, the one place
+    the Triton kernels' base enters (``-inf`` at ``beta = 1`` stays ``-inf``)."""
+    w = params.weights
+    return w.w_t, w.w_s, w.log_w_s * _LOG2E, w.log_w_t * _LOG2E
 
 
 def distill_forward(student, teacher, target, grad_scale, params, grad):
@@ -281,7 +283,7 @@ def _distill_forward(student, teacher, target, params):
     if n_rows == 0:
         return loss, lse_s, lse_t, kl, hard_lse
     cfg = _distill_launch(student, teacher)
-    w_t, w_s, log2_w_s, log2_w_t = _distill_weights(float(beta))
+    w_t, w_s, log2_w_s, log2_w_t = _log2_weights(params)
     programs = config.row_programs(n_rows, _row_bytes(student) + _row_bytes(teacher),
                                    student.device, rereads=True)
     _launch(_distill.distill_fwd_kernel, programs,
@@ -306,7 +308,7 @@ def distill_backward(student, teacher, target, student_lse, teacher_lse, student
     student_lse, teacher_lse = _rows_f32(student_lse), _rows_f32(teacher_lse)
     hard_lse = _rows_f32(hard_lse) if hard else student_lse
     cfg = _distill_launch(student, teacher, grad)
-    _, w_s, log2_w_s, log2_w_t = _distill_weights(float(beta))
+    _, w_s, log2_w_s, log2_w_t = _log2_weights(params)
     programs = config.row_programs(n_rows, _row_bytes(student) + _row_bytes(teacher),
                                    student.device, rereads=False)
     _launch(_distill.distill_bwd_kernel, programs,

@@ -22,6 +22,8 @@ import os
 import triton
 import triton.language as tl
 
+from .. import primitives
+
 # Triton's interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest even); under the
 # interpreter the kernels round in software so the tests see the GPU's numerics. Compiled kernels
 # never take that branch (a constexpr).
@@ -29,7 +31,7 @@ _SOFTWARE_BF16_ROUNDING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") =
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-LOG_RATIO_CLAMP = tl.constexpr(20.0)
+LOG_RATIO_CLAMP = tl.constexpr(primitives.LOG_RATIO_CLAMP)
 NEG_INF = tl.constexpr(float("-inf"))
 POS_INF = tl.constexpr(float("inf"))
 # logprobs' backward forms log p = z / T - lse from the saved lse while |lse| <= this (its
