@@ -13,7 +13,10 @@ each rank hands to ``all_reduce`` per row, counted by wrapping ``torch.distribut
 On logits the sharded op needs two passes (statistics, then the gradient with the group's
 log-sum-exp) where the single-process fused op needs one; the fused head with ``reduction``
 mean or sum walks its chunks once, combining each chunk's statistics over the group before
-writing its gradient. A row costs a few floats on the wire, not a logits row.
+writing its gradient. A row costs a few floats on the wire, not a logits row. The DTensor
+column is the same step with the shards as DTensors (logits ``Shard(-1)``, the weight
+``Shard(0)`` as ColwiseParallel makes it) on a 1-D mesh and no ``process_group=``: what the
+front door (``ops/dtensor.py``) adds over the ``process_group=`` path.
 """
 
 import argparse
@@ -45,28 +48,40 @@ def _inputs(rows, vocab, hidden_size=HIDDEN, seed=0):
     return logits, target, hidden, weight
 
 
-def _step(op, logits, target, hidden, weight, group, backend):
-    kwargs = dict(process_group=group, backend=backend)
+def _leaf(tensor, mesh, placements):
+    """``tensor`` as a leaf requiring grad: a plain tensor, or this rank's shard as a DTensor."""
+    if mesh is None:
+        return tensor.detach().requires_grad_(True)
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(tensor.detach(), mesh, placements,
+                              run_check=False).requires_grad_(True)
+
+
+def _step(op, logits, target, hidden, weight, group, backend, mesh=None):
+    from torch.distributed.tensor import Shard
+
+    kwargs = dict(process_group=group if mesh is None else None, backend=backend)
     if op == "cross_entropy":
-        x = logits.detach().requires_grad_(True)
+        x = _leaf(logits, mesh, (Shard(1),))
         ak.cross_entropy(x, target, **kwargs).backward()
     elif op == "token_logprobs":
-        x = logits.detach().requires_grad_(True)
+        x = _leaf(logits, mesh, (Shard(1),))
         logp, entropy = ak.token_logprobs(x, target, return_entropy=True, **kwargs)
         (logp.sum() + entropy.sum()).backward()
     else:
-        h, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+        h, w = hidden.detach().requires_grad_(True), _leaf(weight, mesh, (Shard(0),))
         ak.linear_cross_entropy(h, w, target, **kwargs).backward()
 
 
-def _time(op, tensors, group, backend, repeats):
-    _step(op, *tensors, group, backend)  # warm-up
+def _time(op, tensors, group, backend, repeats, mesh=None):
+    _step(op, *tensors, group, backend, mesh)  # warm-up
     best = float("inf")
     for _ in range(repeats):
         if group is not None:
             dist.barrier(group)
         start = time.perf_counter()
-        _step(op, *tensors, group, backend)
+        _step(op, *tensors, group, backend, mesh)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -84,15 +99,20 @@ def _sharded_worker(rank, world_size, rows, vocab, hidden_size, repeats, backend
         sent["bytes"] += tensor.numel() * tensor.element_size()
         return all_reduce(tensor, *args, **kwargs)
 
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
     results = {}
     for op in OPS:
         seconds = _time(op, tensors, dist.group.WORLD, backend, repeats)
+        dtensor_seconds = _time(op, tensors, dist.group.WORLD, backend, repeats, mesh)
         dist.all_reduce = counting_all_reduce
         sent["bytes"] = 0
         _step(op, *tensors, dist.group.WORLD, backend)
         dist.all_reduce = all_reduce
         # the fused head also all-reduces the hidden states' gradient ([rows, H] floats)
-        results[op] = {"seconds": seconds, "allreduce_bytes_per_row": sent["bytes"] / rows}
+        results[op] = {"seconds": seconds, "dtensor_seconds": dtensor_seconds,
+                       "allreduce_bytes_per_row": sent["bytes"] / rows}
     return results
 
 
@@ -111,10 +131,14 @@ def main():
                                                args.backend), timeout=900.0)[0]
     print(f"rows={args.rows} V={args.vocab} H={args.hidden} fp32, 1 thread per process, "
           f"backend={args.backend}")
-    print(f"{'op':<22}{'1 process s':>13}{'2 ranks s':>11}{'all_reduce B/row/rank':>24}")
+    print(f"{'op':<22}{'1 process s':>13}{'2 ranks s':>11}{'DTensor s':>11}"
+          f"{'DTensor/pg':>12}{'all_reduce B/row/rank':>24}")
     for op in OPS:
-        print(f"{op:<22}{single[op]:>13.4f}{sharded[op]['seconds']:>11.4f}"
-              f"{sharded[op]['allreduce_bytes_per_row']:>24.0f}")
+        result = sharded[op]
+        print(f"{op:<22}{single[op]:>13.4f}{result['seconds']:>11.4f}"
+              f"{result['dtensor_seconds']:>11.4f}"
+              f"{result['dtensor_seconds'] / result['seconds']:>11.2f}x"
+              f"{result['allreduce_bytes_per_row']:>24.0f}")
     print(json.dumps({"single": single, "two_ranks": sharded}))
 
 
