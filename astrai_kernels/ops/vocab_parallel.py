@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..kernels.memory import cached_empty
 from ..kernels.primitives import CrossEntropyArgs, LogprobsArgs, ShardGradArgs
 from ..kernels.registry import backend_module
 from ._common import (
@@ -357,7 +358,9 @@ def _write_grad(logits, kernels, targets, lse, coefficients, temperature, softca
         shard_grad(kernels, logits_rows, targets, lse, coefficients, temperature, softcap,
                    logits_rows)
         return finish_inplace_grad(logits, None, logits.shape)
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    # the gradient cache, as the single-process ops: a fresh [N, V_shard] buffer would be
+    # first-touched (page faults) every step, several times the kernel's own time on CPU
+    grad = cached_empty(logits.shape, logits.dtype, logits.device)
     shard_grad(kernels, logits_rows, targets, lse, coefficients, temperature, softcap,
                rows_view(grad))
     return grad
