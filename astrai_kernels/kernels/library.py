@@ -64,49 +64,113 @@ def runs_eagerly(args) -> bool:
             and all(type(arg) in _PLAIN_TENSORS for arg in args if isinstance(arg, Tensor)))
 
 
-def traceable_op(name, floats=()):
+def traceable_op(name, floats=(), params=None):
     """Make ``fn`` (float hyperparameters ``floats`` taken as Python floats) the custom op
     ``astrai_kernels::name``: the returned function calls ``fn`` itself when
     :func:`runs_eagerly`, else the op, with those floats as :func:`float_arg` tensors.
-    ``register_fake`` registers the op's fake implementation (it gets the tensors)."""
+    ``params`` (``{parameter: params class}``, the classes of ``kernels/primitives.py``): each
+    such parameter is one params object; its fields become the op's schema arguments (runtime
+    floats as tensors, as the primitives' own) and the object is rebuilt for ``fn`` and for the
+    fake, so the object crosses the op boundary whole. ``register_fake`` registers the op's
+    fake implementation (it gets the tensors, and the params objects rebuilt)."""
+    params = dict(params or {})
+
     def wrap(fn):
         signature = inspect.signature(fn)
-        float_positions = [i for i, param in enumerate(signature.parameters.values())
-                           if param.name in floats]
+        layout = _FlatLayout(signature, floats, params)
 
-        def body(*args):
-            args = list(args)
-            for i in float_positions:
-                args[i] = args[i].item()
-            return fn(*args)
+        def body(*flat):
+            flat = list(flat)
+            for i in layout.float_positions:
+                flat[i] = flat[i].item()
+            return fn(*layout.unflatten(flat))
 
-        body.__signature__ = signature.replace(parameters=[
-            param.replace(annotation=Tensor) if param.name in floats else param
-            for param in signature.parameters.values()])
+        body.__signature__ = layout.signature
         body.__name__, body.__doc__ = fn.__name__, fn.__doc__
         op = torch.library.custom_op(f"astrai_kernels::{name}", body, mutates_args=())
 
         def call(*args):
             if runs_eagerly(args):
                 return fn(*args)
-            args = list(args)
-            for i in float_positions:
-                args[i] = float_arg(args[i])
-            return op(*args)
+            flat = layout.flatten(args)
+            for i in layout.float_positions:
+                flat[i] = float_arg(flat[i])
+            return op(*flat)
 
-        call.op, call.register_fake = op, op.register_fake
+        def register_fake(fake):
+            def flat_fake(*flat):
+                return fake(*layout.unflatten(list(flat)))
+            flat_fake.__signature__ = layout.signature
+            return op.register_fake(flat_fake)
+
+        call.op, call.register_fake = op, register_fake
         call.__name__, call.__doc__ = fn.__name__, fn.__doc__
         return call
     return wrap
 
 
-def _schema_fields(primitive):
-    """``(name, annotation, is_runtime_float)`` of the params fields as schema arguments."""
+class _FlatLayout:
+    """A function's parameters as a custom op's flat schema: each params object's fields in
+    its place, the floats to pass as tensors, and the way back."""
+
+    def __init__(self, signature, floats, params):
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        flat, self.entries, self.float_positions = [], [], []
+        for parameter in signature.parameters.values():
+            if parameter.name not in params:
+                if parameter.name in floats:
+                    self.float_positions.append(len(flat))
+                    parameter = parameter.replace(annotation=Tensor)
+                flat.append(parameter)
+                self.entries.append(None)
+                continue
+            cls = params[parameter.name]
+            names = []
+            for field_name, annotation, runtime_float in _class_fields(cls):
+                if runtime_float:
+                    self.float_positions.append(len(flat))
+                    annotation = Tensor
+                flat.append(inspect.Parameter(f"{parameter.name}_{field_name}", kind,
+                                              annotation=annotation))
+                names.append(field_name)
+            self.entries.append((cls, names))
+        self.signature = inspect.Signature(flat, return_annotation=signature.return_annotation)
+
+    def flatten(self, args):
+        flat = []
+        for entry, value in zip(self.entries, args):
+            if entry is None:
+                flat.append(value)
+            else:
+                flat.extend(getattr(value, name) for name in entry[1])
+        return flat
+
+    def unflatten(self, flat):
+        args, i = [], 0
+        for entry in self.entries:
+            if entry is None:
+                args.append(flat[i])
+                i += 1
+            else:
+                cls, names = entry
+                args.append(cls(**dict(zip(names, flat[i:i + len(names)]))))
+                i += len(names)
+        return args
+
+
+def _class_fields(cls):
+    """``(name, annotation, is_runtime_float)`` of a params class's fields as schema arguments
+    (a float is passed as a tensor unless its metadata marks it static)."""
     out = []
-    for f in fields(primitive.params):
+    for f in fields(cls):
         kind = {"float": float, "int": int, "bool": bool, "str": str}[str(f.type)]
         out.append((f.name, kind, kind is float and not f.metadata.get("static")))
     return out
+
+
+def _schema_fields(primitive):
+    """``(name, annotation, is_runtime_float)`` of the params fields as schema arguments."""
+    return _class_fields(primitive.params)
 
 
 def _signature(primitive, runtime_floats_as_tensors, with_backend):

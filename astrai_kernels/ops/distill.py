@@ -243,13 +243,13 @@ def distill_loss(
                             "distill_loss", None)
 
 
-@traceable_op("linear_distill", floats=("beta", "temperature", "logit_scale", "softcap",
-                                        "teacher_logit_scale", "teacher_softcap"))
+@traceable_op("linear_distill", floats=("logit_scale", "softcap", "teacher_logit_scale",
+                                        "teacher_softcap"), params={"args": DistillArgs})
 def _linear_distill(student_hidden: Tensor, student_weight: Tensor,
                     student_bias: Optional[Tensor], teacher_hidden: Tensor,
                     teacher_weight: Tensor, teacher_bias: Optional[Tensor], target: Tensor,
-                    beta: float, temperature: float, ignore_index: int, hard_weight: float,
-                    logit_scale: float, softcap: float, teacher_logit_scale: float,
+                    args: DistillArgs, logit_scale: float, softcap: float,
+                    teacher_logit_scale: float,
                     teacher_softcap: float, grad_rows: Optional[Tensor], needs_hidden: bool,
                     needs_weight: bool, needs_bias: bool, chunk_size: Optional[int],
                     backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -263,7 +263,6 @@ def _linear_distill(student_hidden: Tensor, student_weight: Tensor,
                                student_head.chunk, (False,) * 3, teacher_logit_scale,
                                teacher_softcap)
     kernels = backend_module(backend)
-    args = DistillArgs(beta, temperature, ignore_index, hard_weight)
     loss = row_floats(target.numel(), target.device)
     for (start, stop, student), (_, _, teacher) in zip(student_head.chunks(),
                                                        teacher_head.chunks()):
@@ -281,9 +280,8 @@ def _linear_distill(student_hidden: Tensor, student_weight: Tensor,
 
 @_linear_distill.register_fake
 def _(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-      teacher_bias, target, beta, temperature, ignore_index, hard_weight, logit_scale, softcap,
-      teacher_logit_scale, teacher_softcap, grad_rows, needs_hidden, needs_weight, needs_bias,
-      chunk_size, backend):
+      teacher_bias, target, args, logit_scale, softcap, teacher_logit_scale, teacher_softcap,
+      grad_rows, needs_hidden, needs_weight, needs_bias, chunk_size, backend):
     needs = (needs_hidden, needs_weight, needs_bias) if grad_rows is not None else (False,) * 3
     return (row_floats(target.numel(), student_hidden.device),
             *fake_head_gradients(student_hidden, student_weight, *needs))
@@ -294,10 +292,9 @@ def _walk(student, teacher, target_flat, params, transforms, chunk_size, grad_ro
     """:func:`_linear_distill` on ``student``/``teacher`` ``(hidden, weight, bias)`` with
     ``params``' scalars and each head's ``(logit_scale, softcap)``."""
     (scale, softcap), (teacher_scale, teacher_softcap) = transforms
-    return _linear_distill(*student, *teacher, target_flat, params.beta, params.temperature,
-                           params.ignore_index, params.hard_weight, scale, softcap,
-                           teacher_scale, teacher_softcap, grad_rows, *needs, chunk_size,
-                           params.backend)
+    return _linear_distill(*student, *teacher, target_flat, params,
+                           scale, softcap, teacher_scale, teacher_softcap, grad_rows, *needs,
+                           chunk_size, params.backend)
 
 
 class _LinearDistillRows(torch.autograd.Function):

@@ -17,6 +17,7 @@ The chunk walk, its chunk rule and its compute dtype are ``ops/head.py``'s.
 """
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING, Dict, Literal, Optional, Sequence, Tuple, Union, overload
 
 import torch
@@ -65,11 +66,9 @@ LOGPROBS_EQUIVALENT = ("torch.log_softmax(torch.nn.functional.linear(hidden, wei
 
 
 
-@traceable_op("linear_cross_entropy",
-               floats=("label_smoothing", "z_loss", "softcap", "logit_scale"))
+@traceable_op("linear_cross_entropy", params={"args": CrossEntropyArgs})
 def _linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
-                          ignore_index: int, label_smoothing: float, z_loss: float,
-                          softcap: float, logit_scale: float, grad_scale: Optional[Tensor],
+                          args: CrossEntropyArgs, grad_scale: Optional[Tensor],
                           needs_hidden: bool, needs_weight: bool, needs_bias: bool,
                           chunk_size: Optional[int], backend: str
                           ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -78,8 +77,6 @@ def _linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
     head = ChunkedHead(hidden, weight, bias, chunk_size, needs)
     kernels = backend_module(backend)
     loss = row_floats(hidden.shape[0], hidden.device)
-    args = CrossEntropyArgs(ignore_index, label_smoothing, z_loss, softcap,
-                            logit_scale=logit_scale)
     for start, stop, logits in head.chunks():
         scale = None
         if grad_scale is not None:
@@ -92,8 +89,8 @@ def _linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
 
 
 @_linear_cross_entropy.register_fake
-def _(hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
-      grad_scale, needs_hidden, needs_weight, needs_bias, chunk_size, backend):
+def _(hidden, weight, bias, target, args, grad_scale, needs_hidden, needs_weight, needs_bias,
+      chunk_size, backend):
     needs = (needs_hidden, needs_weight, needs_bias) if grad_scale is not None else (False,) * 3
     return (row_floats(hidden.shape[0], hidden.device),
             *fake_head_gradients(hidden, weight, *needs))
@@ -203,26 +200,24 @@ def _(hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, tempe
     return fake_head_gradients(hidden, weight, needs_hidden, needs_weight, needs_bias)
 
 
-@traceable_op("linear_grpo_forward",
-               floats=("temperature", "clip_low", "clip_high", "delta", "beta"))
+@traceable_op("linear_grpo_forward", floats=("logit_scale", "softcap"),
+               params={"args": SurrogateArgs})
 def _linear_grpo_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
-                         temperature: float, advantages: Tensor, old_logprobs: Optional[Tensor],
-                         ref_logprobs: Optional[Tensor], token_weight: Tensor, clip_low: float,
-                         clip_high: float, delta: float, beta: float,
-                         kl_ratio_correction: bool, with_entropy: bool, needs_hidden: bool,
-                         needs_weight: bool, needs_bias: bool, chunk_size: Optional[int],
-                         backend: str, logit_scale: float, softcap: float
+                         advantages: Tensor, old_logprobs: Optional[Tensor],
+                         ref_logprobs: Optional[Tensor], token_weight: Tensor,
+                         args: SurrogateArgs, needs_hidden: bool, needs_weight: bool,
+                         needs_bias: bool, chunk_size: Optional[int], backend: str,
+                         logit_scale: float, softcap: float
                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(logp, token_loss, entropy, grad_hidden, grad_weight, grad_bias)`` of
-    ``sum(weight * loss)``; ``entropy`` is empty unless ``with_entropy``."""
+    ``sum(weight * loss)``; ``entropy`` is empty unless ``args.with_entropy``."""
     needs = (needs_hidden, needs_weight, needs_bias)
     head = ChunkedHead(hidden, weight, bias, chunk_size, needs, logit_scale, softcap)
     kernels = backend_module(backend)
     n_rows = hidden.shape[0]
+    with_entropy = args.with_entropy
     logp, token_loss = row_floats(n_rows, hidden.device), row_floats(n_rows, hidden.device)
     entropy = row_floats(n_rows if with_entropy else 0, hidden.device)
-    args = SurrogateArgs(temperature, clip_low, clip_high, delta, beta,
-                         kl_ratio_correction=kl_ratio_correction, with_entropy=with_entropy)
 
     def rows_of(values, rows):
         return None if values is None else values[rows]
@@ -241,12 +236,11 @@ def _linear_grpo_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
 
 
 @_linear_grpo_forward.register_fake
-def _(hidden, weight, bias, target, temperature, advantages, old_logprobs, ref_logprobs,
-      token_weight, clip_low, clip_high, delta, beta, kl_ratio_correction, with_entropy,
+def _(hidden, weight, bias, target, advantages, old_logprobs, ref_logprobs, token_weight, args,
       needs_hidden, needs_weight, needs_bias, chunk_size, backend, logit_scale, softcap):
     n_rows = hidden.shape[0]
     return (row_floats(n_rows, hidden.device), row_floats(n_rows, hidden.device),
-            row_floats(n_rows if with_entropy else 0, hidden.device),
+            row_floats(n_rows if args.with_entropy else 0, hidden.device),
             *fake_head_gradients(hidden, weight, needs_hidden, needs_weight, needs_bias))
 
 
@@ -256,7 +250,7 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ce_args, head_args):
-        loss, _, _, _ = _linear_cross_entropy(hidden, weight, bias, target, *ce_args, None,
+        loss, _, _, _ = _linear_cross_entropy(hidden, weight, bias, target, ce_args, None,
                                               False, False, False, head_args.chunk_size,
                                               head_args.backend)
         ctx.save_for_backward(hidden, weight, bias, target)
@@ -269,7 +263,7 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
         hidden, weight, bias, target = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
         _, grad_hidden, grad_weight, grad_bias = _linear_cross_entropy(
-            hidden, weight, bias, target, *ctx.ce_args, grad_rows.float().contiguous(), *needs,
+            hidden, weight, bias, target, ctx.ce_args, grad_rows.float().contiguous(), *needs,
             ctx.head_args.chunk_size, ctx.head_args.backend)
         return (grad_or_none(grad_hidden), grad_or_none(grad_weight), grad_or_none(grad_bias),
                 None, None, None)
@@ -345,8 +339,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         logits_like(hidden, weight), target, ignore_index, reduction, label_smoothing, z_loss,
         softcap, normalizer, False, backend, logit_scale)
     target_flat = flat_target(target)
-    ce_args = (params.ignore_index, params.label_smoothing, params.z_loss, params.softcap,
-               params.logit_scale)
+    ce_args = params  # a CrossEntropyArgs subclass: the walk reads its declared fields
     head_args = HeadArgs(chunk_size, params.backend)
     if reduction == "none":
         if head_any_grad(hidden, weight, bias):
@@ -354,14 +347,14 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                                                  ce_args, head_args)
         else:
             loss, _, _, _ = _linear_cross_entropy(hidden_rows, weight, bias, target_flat,
-                                                  *ce_args, None, False, False, False,
+                                                  ce_args, None, False, False, False,
                                                   chunk_size, params.backend)
         return loss.view(target.shape)
     scale = loss_grad_scale(target_flat, params, normalizer_t)
     needs = head_needs(hidden, weight, bias) if torch.is_grad_enabled() else (False,) * 3
     with torch.no_grad():
         loss, grad_hidden, grad_weight, grad_bias = _linear_cross_entropy(
-            hidden_rows, weight, bias, target_flat, *ce_args, scale if any(needs) else None,
+            hidden_rows, weight, bias, target_flat, ce_args, scale if any(needs) else None,
             *needs, chunk_size, params.backend)
         value = reduce_loss(loss, scale, params)
     if not any(needs):
@@ -593,11 +586,9 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
     flat = plan.flat_rows()
     with torch.no_grad():
         logp, token_loss, entropy, grad_hidden, grad_weight, grad_bias = _linear_grpo_forward(
-            hidden_rows, weight, bias, flat_target(target), plan.params.temperature,
-            flat.advantages, flat.old, flat.ref, flat.weight, plan.params.clip_eps_low,
-            plan.params.clip_eps_high, plan.params.delta, plan.params.beta,
-            plan.params.kl_ratio_correction, plan.token_values, *needs, chunk_size,
-            plan.params.backend, logit_scale, softcap_value)
+            hidden_rows, weight, bias, flat_target(target), flat.advantages, flat.old,
+            flat.ref, flat.weight, replace(plan.params, with_entropy=plan.token_values),
+            *needs, chunk_size, plan.params.backend, logit_scale, softcap_value)
         value, metrics, *values = grpo_op.token_level_result(logp, token_loss, entropy, plan)
     if not any(needs):
         return (value, metrics, *values)
