@@ -96,40 +96,39 @@ def _(hidden, weight, bias, target, args, grad_scale, needs_hidden, needs_weight
             *fake_head_gradients(hidden, weight, *needs))
 
 
-@traceable_op("linear_logprobs_forward", floats=("temperature", "logit_scale", "softcap"))
+@traceable_op("linear_logprobs_forward", floats=("logit_scale", "softcap"),
+               params={"args": LogprobsArgs})
 def _linear_logprobs_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
-                             target: Tensor, temperature: float, ignore_index: int,
-                             with_entropy: bool, chunk_size: Optional[int], backend: str,
-                             logit_scale: float, softcap: float, statistics: int
+                             target: Tensor, args: LogprobsArgs, chunk_size: Optional[int],
+                             backend: str, logit_scale: float, softcap: float, statistics: int
                              ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(logp, entropy, lse, stats)`` per row; entropy is empty unless ``with_entropy``;
     ``stats [k, N]`` holds the ``k`` statistics of the ``statistics`` bit mask
     (``STATISTICS`` order; ``is_top1`` as 0/1)."""
     head = ChunkedHead(hidden, weight, bias, chunk_size, (False,) * 3, logit_scale, softcap)
     kernels = backend_module(backend)
-    n_rows = hidden.shape[0]
+    n_rows, with_entropy = hidden.shape[0], args.with_entropy
     logp, lse = row_floats(n_rows, hidden.device), row_floats(n_rows, hidden.device)
     entropy = row_floats(n_rows if with_entropy else 0, hidden.device)
     chosen = _chosen_statistics(statistics)
     stats = hidden.new_empty((len(chosen), n_rows), dtype=torch.float32)
     for start, stop, logits in head.chunks():
         chunk_logp, chunk_entropy, chunk_lse = kernels.logprobs_forward(
-            logits, target[start:stop], LogprobsArgs(temperature, ignore_index, with_entropy))
+            logits, target[start:stop], args)
         logp[start:stop], lse[start:stop] = chunk_logp, chunk_lse
         if with_entropy:
             entropy[start:stop] = chunk_entropy
         if chosen:
-            stats[:, start:stop] = _chunk_statistics(logits[0], target[start:stop], temperature,
-                                                     chosen)
+            stats[:, start:stop] = _chunk_statistics(logits[0], target[start:stop],
+                                                     args.temperature, chosen)
     return logp, entropy, lse, stats
 
 
 @_linear_logprobs_forward.register_fake
-def _(hidden, weight, bias, target, temperature, ignore_index, with_entropy, chunk_size, backend,
-      logit_scale, softcap, statistics):
+def _(hidden, weight, bias, target, args, chunk_size, backend, logit_scale, softcap, statistics):
     n_rows = hidden.shape[0]
     return (row_floats(n_rows, hidden.device),
-            row_floats(n_rows if with_entropy else 0, hidden.device),
+            row_floats(n_rows if args.with_entropy else 0, hidden.device),
             row_floats(n_rows, hidden.device),
             hidden.new_empty((len(_chosen_statistics(statistics)), n_rows),
                              dtype=torch.float32))
@@ -171,10 +170,11 @@ def _chunk_statistics(logits, target, temperature, chosen):
     return torch.stack(rows)
 
 
-@traceable_op("linear_logprobs_backward", floats=("temperature", "logit_scale", "softcap"))
+@traceable_op("linear_logprobs_backward", floats=("logit_scale", "softcap"),
+               params={"args": LogprobsArgs})
 def _linear_logprobs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                               target: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor,
-                              grad_entropy: Tensor, temperature: float, ignore_index: int,
+                              grad_entropy: Tensor, args: LogprobsArgs,
                               needs_hidden: bool, needs_weight: bool, needs_bias: bool,
                               chunk_size: Optional[int], backend: str,
                               logit_scale: float, softcap: float
@@ -182,8 +182,7 @@ def _linear_logprobs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Ten
     head = ChunkedHead(hidden, weight, bias, chunk_size, (needs_hidden, needs_weight, needs_bias),
                         logit_scale, softcap)
     kernels = backend_module(backend)
-    with_entropy = entropy.numel() > 0
-    args = LogprobsArgs(temperature, ignore_index, with_entropy)
+    with_entropy = args.with_entropy
     for start, stop, logits in head.chunks():
         rows = slice(start, stop)
         kernels.logprobs_backward(
@@ -194,9 +193,8 @@ def _linear_logprobs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Ten
 
 
 @_linear_logprobs_backward.register_fake
-def _(hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, temperature,
-      ignore_index, needs_hidden, needs_weight, needs_bias, chunk_size, backend, logit_scale,
-      softcap):
+def _(hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, args, needs_hidden,
+      needs_weight, needs_bias, chunk_size, backend, logit_scale, softcap):
     return fake_head_gradients(hidden, weight, needs_hidden, needs_weight, needs_bias)
 
 
@@ -273,15 +271,15 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     """``(logp, entropy, stats)``; the statistics are forward-only (no gradient)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, temperature, ignore_index, with_entropy,
-                head_args, transform=(1.0, 0.0), statistics=0):
+    def forward(ctx, hidden, weight, bias, target, args, head_args, transform=(1.0, 0.0),
+                statistics=0):
         logp, entropy, lse, stats = _linear_logprobs_forward(
-            hidden, weight, bias, target, temperature, ignore_index, with_entropy,
-            head_args.chunk_size, head_args.backend, *transform, statistics)
+            hidden, weight, bias, target, args, head_args.chunk_size, head_args.backend,
+            *transform, statistics)
         ctx.save_for_backward(hidden, weight, bias, target, lse, entropy)
-        ctx.args = (temperature, ignore_index, with_entropy, head_args, transform)
+        ctx.args = (args, head_args, transform)
         ctx.mark_non_differentiable(stats)
-        if with_entropy:
+        if args.with_entropy:
             return logp, entropy, stats
         return logp, entropy.new_zeros(logp.shape), stats
 
@@ -289,14 +287,13 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy, _grad_stats):
         refuse_double_backward("linear_token_logprobs", LOGPROBS_EQUIVALENT)
         hidden, weight, bias, target, lse, entropy = ctx.saved_tensors
-        temperature, ignore_index, with_entropy, head_args, transform = ctx.args
+        args, head_args, transform = ctx.args
         grad_logp = dense_grad(grad_logp, lse)
-        grad_entropy = dense_grad(grad_entropy, lse) if with_entropy else lse.new_empty(0)
+        grad_entropy = dense_grad(grad_entropy, lse) if args.with_entropy else lse.new_empty(0)
         grads = _linear_logprobs_backward(
-            hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, temperature,
-            ignore_index, *ctx.needs_input_grad[:3], head_args.chunk_size, head_args.backend,
-            *transform)
-        return (*(grad_or_none(g) for g in grads), None, None, None, None, None, None, None)
+            hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, args,
+            *ctx.needs_input_grad[:3], head_args.chunk_size, head_args.backend, *transform)
+        return (*(grad_or_none(g) for g in grads), None, None, None, None, None)
 
 
 
@@ -450,12 +447,12 @@ def linear_token_logprobs(hidden, weight, target, *, bias=None, temperature=1.0,
     transform = (logit_scale, softcap_value)
     if head_any_grad(hidden, weight, bias):
         logp, entropy, stats = _LinearTokenLogprobs.apply(
-            hidden_rows, weight, bias, target_flat, params.temperature, params.ignore_index,
-            params.with_entropy, HeadArgs(chunk_size, params.backend), transform, stats_mask)
+            hidden_rows, weight, bias, target_flat, params,
+            HeadArgs(chunk_size, params.backend), transform, stats_mask)
     else:
         logp, entropy, _, stats = _linear_logprobs_forward(
-            hidden_rows, weight, bias, target_flat, params.temperature, params.ignore_index,
-            params.with_entropy, chunk_size, params.backend, *transform, stats_mask)
+            hidden_rows, weight, bias, target_flat, params, chunk_size, params.backend,
+            *transform, stats_mask)
     logp = logp.view(target.shape)
     out = (logp, entropy.view(target.shape)) if return_entropy else logp
     if not stats_mask:
