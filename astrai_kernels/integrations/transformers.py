@@ -339,7 +339,9 @@ def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Optional
     ``temperature``, through the fused head (no logits); with ``return_entropy=True`` also the
     entropy of each position's distribution.
 
-    Positions whose next token is padding (``attention_mask[:, 1:] == 0``) get 0 and no gradient.
+    Positions whose next token is padding (``attention_mask[:, 1:] == 0``) get 0 and no gradient;
+    so does, in a packed row (``position_ids`` restarting per sequence, no ``attention_mask``),
+    the last position of each sequence, whose next token starts another sequence.
     The model's logit scale and final soft-cap (Gemma 2) apply before the temperature.
     Differentiable (the policy); run it under ``torch.no_grad()`` for old and reference models.
     The model need not be patched.
@@ -356,6 +358,13 @@ def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Optional
     target = input_ids[:, 1:]
     if attention_mask is not None:
         target = target.masked_fill(attention_mask[:, 1:] == 0, -100)
+    elif position_ids is not None:
+        # A packed row (no attention_mask; position_ids restart per sequence): transformers
+        # keeps the sequences apart where position_ids do not step by 1
+        # (masking_utils.find_packed_sequence_indices); a sequence's first token is not
+        # predicted from the previous sequence's last.
+        positions = position_ids.expand_as(input_ids)
+        target = target.masked_fill(positions[:, 1:] - positions[:, :-1] != 1, -100)
     return ak.linear_token_logprobs(hidden, head.weight, target, bias=bias,
                                     temperature=temperature, ignore_index=-100,
                                     return_entropy=return_entropy, softcap=head.softcap,
