@@ -48,6 +48,7 @@ from .grpo_options import (
     options_or_keywords,
 )
 from .logprobs import token_logprobs
+from .sampling import SamplingParams, checked_sampling
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -240,6 +241,8 @@ class GRPOPlan:
     token_values: bool = False
     #: the rollout correction waits for the token log-probs (``old_logprobs=None``: old = logp)
     correction_pending: bool = False
+    #: ``sampling=``: the support is known once the token log-probs are (``with_support``)
+    support_pending: bool = False
     #: the rollout correction's metrics, once computed
     correction_metrics: Optional[Dict[str, Tensor]] = None
 
@@ -350,6 +353,7 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
               rollout_rs_threshold: Optional[float] = None,
               rollout_rs_threshold_lower: Optional[float] = None,
               options: Optional[GRPOOptions] = None,
+              sampling: Optional[SamplingParams] = None,
               return_token_values: bool = False, backend: str = "auto",
               process_group: Optional["ProcessGroup"] = None,
               check_consistency: bool = True) -> Tuple[Tensor, Dict[str, Tensor]]:
@@ -385,6 +389,15 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
     ``"seq_mean_k3"``, ...) drops the tokens or sequences whose k1/k2/k3 divergence is out of
     ``rollout_rs_threshold`` (and ``rollout_rs_threshold_lower`` for k1) from the mask.
     docs/objectives.md, "Rollout correction", has the formulas and metrics.
+
+    ``sampling`` (an ``ak.SamplingParams``): score each token under the sampler's processed
+    distribution (``token_logprobs(sampling=...)``: temperature, min_p, top_k, top_p; the
+    temperature is ``sampling.temperature``, ``temperature`` stays 1.0). A token outside that
+    support is masked (it leaves the mask as a rejected token does: no policy or KL term, not
+    counted by the aggregation; with ``normalizer`` the caller's count should leave it out) and
+    counted in ``metrics["mask/out_of_support"]``, the share of the unmasked tokens. Not with
+    the options that need the entropy (``top_entropy_quantile < 1``, ``entropy_coef``,
+    ``return_token_values``), ``process_group`` or DTensors.
     """
     options = options_from(options, dict(
         beta=beta, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
@@ -398,6 +411,14 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
         rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
         rollout_rs_threshold=rollout_rs_threshold,
         rollout_rs_threshold_lower=rollout_rs_threshold_lower))
+    if sampling is not None:
+        return _sampled_grpo_loss(logits, target, advantages, options, sampling, backend,
+                                  process_group, dtensor.has_dtensor(logits), dict(
+                                      mask=mask, old_logprobs=old_logprobs,
+                                      ref_logprobs=ref_logprobs, normalizer=normalizer,
+                                      importance_weights=importance_weights,
+                                      sampling_logprobs=sampling_logprobs,
+                                      return_token_values=return_token_values))
     if dtensor.has_dtensor(logits, target, advantages, mask, old_logprobs, ref_logprobs,
                            normalizer, importance_weights, sampling_logprobs):
         return dtensor.grpo_loss(grpo_loss, **locals())  # locals(): every argument, options
@@ -419,6 +440,53 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
 
         return from_logprobs(logprobs_of, target, checked)
     return _token_level(logits, target, checked)
+
+
+def check_sampling(sampling, options: GRPOOptions, token_values: bool,
+                   sharded: bool) -> SamplingParams:
+    """``sampling`` of a GRPO call, and what it cannot go with."""
+    return checked_sampling(sampling, options.temperature,
+                            top_entropy_quantile=options.top_entropy_quantile < 1.0,
+                            entropy_coef=options.entropy_coef != 0.0,
+                            return_token_values=token_values,
+                            **{"process_group or DTensor arguments": sharded})
+
+
+def sampled_logprobs_of(score: Callable[[Tensor], Tensor]):
+    """``from_logprobs``' ``logprobs_of`` for a call under ``sampling``: ``score(target)`` gives
+    the token log-probs under the processed distribution (``-inf`` outside its support)."""
+    def logprobs_of(masked_target: Tensor, with_entropy: bool):
+        return score(masked_target), None
+    return logprobs_of
+
+
+def _sampled_grpo_loss(logits, target, advantages, options, sampling, backend, process_group,
+                       sharded, inputs):
+    """``grpo_loss(..., sampling=...)``: the token log-probs under the sampler's processed
+    distribution, a token outside its support masked (``from_logprobs``)."""
+    sampling = check_sampling(sampling, options, inputs["return_token_values"],
+                              sharded or process_group is not None)
+    checked = dataclasses.replace(plan(logits, target, advantages, options, backend=backend,
+                                       **inputs), support_pending=True)
+    return from_logprobs(sampled_logprobs_of(lambda masked_target: token_logprobs(
+        logits, masked_target, ignore_index=-100, sampling=sampling, backend=backend)),
+        target, checked)
+
+
+def with_support(checked: GRPOPlan, logp: Tensor) -> Tuple[GRPOPlan, Tensor]:
+    """``checked`` with the tokens outside the sampler's support (``logp == -inf``) masked, its
+    token weights following the new mask, and ``logp`` with 0 there (no ``-inf`` reaches any
+    arithmetic; the sampled op's gradient is 0 on those rows)."""
+    inputs = checked.inputs
+    in_support = torch.isfinite(logp.detach())
+    valid = inputs.valid & in_support
+    metrics = dict(checked.correction_metrics or {})
+    metrics["mask/out_of_support"] = _masked_mean(~in_support, inputs.scored)
+    inputs = dataclasses.replace(inputs, valid=valid, scored=inputs.scored & in_support)
+    weight = _token_weight(valid, checked.params.options, inputs.normalizer)
+    checked = dataclasses.replace(checked, inputs=inputs, weight=weight, support_pending=False,
+                                  correction_metrics=metrics)
+    return checked, torch.where(in_support, logp, 0.0)
 
 
 def reference_loss(logits: Tensor, target: Tensor, checked: GRPOPlan):
@@ -648,6 +716,8 @@ def from_logprobs(logprobs_of: Callable[[Tensor, bool], Tuple[Tensor, Optional[T
     masked_target = torch.where(checked.inputs.scored, target, torch.full_like(target, -100))
     logp, entropy = logprobs_of(masked_target,
                                 checked.params.options.needs_entropy or checked.token_values)
+    if checked.support_pending:
+        checked, logp = with_support(checked, logp)
     if checked.correction_pending:
         checked = corrected(checked, logp.detach())
     inputs, params, weight = checked.inputs, checked.params, checked.weight

@@ -521,7 +521,8 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
                      rollout_rs_threshold: Optional[float] = None,
                      rollout_rs_threshold_lower: Optional[float] = None,
                      options: Optional[GRPOOptions] = None, softcap: Optional[float] = None,
-                     logit_scale: float = 1.0, return_token_values: bool = False,
+                     logit_scale: float = 1.0, sampling: Optional[SamplingParams] = None,
+                     return_token_values: bool = False,
                      chunk_size: Optional[int] = None, backend: str = "auto",
                      process_group: Optional["ProcessGroup"] = None,
                      check_consistency: bool = True) -> Tuple[Tensor, Dict[str, Tensor]]:
@@ -535,6 +536,8 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
     ``linear_token_logprobs``. ``process_group``: vocabulary parallel, as in
     ``linear_cross_entropy`` (no softcap or logit scale there). ``return_token_values`` as in
     ``ak.grpo_loss``: the token log-probs and entropies come out of the same walk.
+    ``sampling`` as in ``ak.grpo_loss``: the token log-probs under the sampler's processed
+    distribution (``linear_token_logprobs(sampling=...)``), a token outside it masked.
     """
     options = options_from(options, dict(
         beta=beta, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
@@ -548,8 +551,12 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
         rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
         rollout_rs_threshold=rollout_rs_threshold,
         rollout_rs_threshold_lower=rollout_rs_threshold_lower))
-    if dtensor.has_dtensor(hidden, weight, target, advantages, bias, mask, old_logprobs,
-                           ref_logprobs, normalizer, importance_weights, sampling_logprobs):
+    sharded = dtensor.has_dtensor(hidden, weight, target, advantages, bias, mask, old_logprobs,
+                                  ref_logprobs, normalizer, importance_weights, sampling_logprobs)
+    if sampling is not None:
+        sampling = grpo_op.check_sampling(sampling, options, return_token_values,
+                                          sharded or process_group is not None)
+    elif sharded:
         return dtensor.linear_grpo_loss(linear_grpo_loss, **locals())  # locals(): every argument
     logit_scale, softcap_value = checked_transform(logit_scale, softcap)
     inputs = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
@@ -566,9 +573,15 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
     if backend == "reference":
         logits = reference_logits(hidden, weight, bias, logit_scale, softcap)
         return grpo_op.grpo_loss(logits, target, advantages, backend="reference",
-                                 options=options, **inputs)
+                                 options=options, sampling=sampling, **inputs)
     plan = grpo_op.plan(logits_like(hidden, weight), target, advantages, options,
                         backend=backend, **inputs)
+    if sampling is not None:
+        return grpo_op.from_logprobs(grpo_op.sampled_logprobs_of(
+            lambda masked_target: linear_token_logprobs(
+                hidden, weight, masked_target, bias=bias, ignore_index=-100, softcap=softcap,
+                logit_scale=logit_scale, chunk_size=chunk_size, backend=plan.params.backend,
+                sampling=sampling)), target, replace(plan, support_pending=True))
     if not plan.fused:
         def logprobs_of(masked_target, with_entropy):
             out = linear_token_logprobs(hidden, weight, masked_target, bias=bias,
