@@ -701,12 +701,71 @@ def _with_tail_bucket(log_probs: Tensor) -> Tensor:
     return torch.cat([log_probs, _log1mexp(log_sum)], -1)
 
 
+def _verl_forward_kl_topk_rows(log_q: Tensor, log_p: Tensor, live: Tensor,
+                               log_prob_min_clamp: Optional[float],
+                               loss_max_clamp: Optional[float]) -> Tensor:
+    """verl's ``forward_kl_topk`` per row, as verl writes it (``fsdp/losses.py``
+    ``compute_forward_kl_topk`` and ``kl_divergence``, ``losses.py`` ``compute_forward_kl_topk``
+    and ``distillation_loss``): student ``log_q`` and teacher ``log_p`` at the support, both
+    ``clamp_min(log_prob_min_clamp)``; ``sum(exp(log_p) * (log_p - log_q))`` over the live
+    entries; ``clamp_min(0)``; ``clamp(-loss_max_clamp, loss_max_clamp)``."""
+    if log_prob_min_clamp is not None:
+        log_q = log_q.clamp_min(log_prob_min_clamp)
+        log_p = log_p.clamp_min(log_prob_min_clamp)
+    p = log_p.exp()
+    kld = torch.where(live, p * (log_p - log_q), 0.0).sum(-1)
+    kld = kld.clamp_min(0.0)
+    if loss_max_clamp is not None:
+        kld = kld.clamp(min=-loss_max_clamp, max=loss_max_clamp)
+    return kld
+
+
+def _axolotl_kd_topk_rows(student_logprobs: Tensor, teacher_logprobs: Tensor, live: Tensor,
+                          beta: float, normalize_topk: bool, temperature: float) -> Tensor:
+    """Axolotl's KD top-k loss per row, as ``kernels/liger.py``'s ``distillation_loss_fn``
+    writes it (summed per row instead of over the chunk), times ``T**2`` (its ``forward``):
+    with ``normalize_topk`` the student's log-probs go through ``utils.normalize_logprobs``
+    (``exp(x - logsumexp x)``, divided by its sum, log) over the live entries."""
+    neg_inf = torch.full((), -math.inf, dtype=student_logprobs.dtype,
+                         device=student_logprobs.device)
+    s = torch.where(live, student_logprobs, neg_inf)
+    if normalize_topk:
+        s = torch.where(live.any(-1, keepdim=True), s, 0.0)  # no live entry: no NaN gradient
+        probs = torch.exp(s - torch.logsumexp(s, -1, keepdim=True))
+        probs = probs / probs.sum(-1, keepdim=True)
+        s = torch.log(torch.where(live, probs, 1.0))  # log(0) off the support: a NaN gradient
+    s = torch.where(live, s, 0.0)
+    t = torch.where(live, teacher_logprobs, 0.0)
+    teacher_probs, student_probs = t.exp(), s.exp()
+    if beta == 0.0:
+        elements = teacher_probs * (t - s)
+    elif beta == 1.0:
+        elements = student_probs * (s - t)
+    else:
+        log_mean_probs = ((1 - beta) * student_probs + beta * teacher_probs).log()
+        student_kl = student_probs * (s - log_mean_probs)  # F.kl_div(log_m, s, log_target)
+        teacher_kl = teacher_probs * (t - log_mean_probs)
+        elements = beta * teacher_kl + (1 - beta) * student_kl
+    return torch.where(live, elements, 0.0).sum(-1) * temperature ** 2
+
+
+TOPK_OBJECTIVES = ("trl_jsd", "verl_forward_kl", "axolotl_kd")
+
+
 def topk_distill_loss(student: Tensor, support_ids: Tensor, teacher_logprobs: Tensor,
                       labels: Optional[Tensor] = None, beta: float = 0.0,
                       temperature: float = 1.0, tail: bool = True,
                       support_mask: Optional[Tensor] = None,
-                      reduction: str = "batchmean") -> Tensor:
-    """TRL's ``ServerDistillationTrainer`` loss over a teacher's top-k support.
+                      reduction: str = "batchmean", *, objective: str = "trl_jsd",
+                      normalize_topk: bool = False,
+                      log_prob_min_clamp: Optional[float] = -10.0,
+                      loss_max_clamp: Optional[float] = 10.0) -> Tensor:
+    """The loss over a teacher's top-k support of TRL's ``ServerDistillationTrainer``
+    (``objective="trl_jsd"``), verl's ``forward_kl_topk`` (``"verl_forward_kl"``: ``tail``
+    and ``beta`` unused, :func:`_verl_forward_kl_topk_rows`) or Axolotl's KD plugin
+    (``"axolotl_kd"``: ``tail`` unused, :func:`_axolotl_kd_topk_rows`). The student's
+    log-probs are ``log_softmax(student / T)`` at ``support_ids`` for all three. verl's live
+    entries include the teacher's -inf ones when it clamps (they count at the clamp).
 
     ``a_k = log_softmax(student / T)`` at ``support_ids``, ``b_k = teacher_logprobs``; an entry
     is live where ``support_mask`` (all True when None) holds and ``b_k > -inf``. ``tail``: both
@@ -722,13 +781,27 @@ def topk_distill_loss(student: Tensor, support_ids: Tensor, teacher_logprobs: Te
     teacher = teacher_logprobs.reshape(-1, k).to(s.dtype)
     counted = (torch.ones(s.shape[0], dtype=torch.bool, device=s.device) if labels is None
                else labels.reshape(-1) != -100)
-    live = (teacher > -math.inf) & counted.unsqueeze(-1)
+    if objective not in TOPK_OBJECTIVES:
+        raise ValueError(f"objective must be one of {TOPK_OBJECTIVES}, got {objective!r}")
+    if objective == "verl_forward_kl" and log_prob_min_clamp is not None:
+        live = ~teacher.isnan() & counted.unsqueeze(-1)
+    else:
+        live = (teacher > -math.inf) & counted.unsqueeze(-1)
     if support_mask is not None:
         live = live & support_mask.reshape(-1, k)
     ids = torch.where(live, support_ids.reshape(-1, k), 0).long()
     s = torch.where(counted.unsqueeze(-1), s, 0.0)
     a = torch.where(live, torch.log_softmax(s / temperature, -1).gather(-1, ids), -math.inf)
     b = torch.where(live, teacher, -math.inf)
+    if objective == "verl_forward_kl":
+        rows = _verl_forward_kl_topk_rows(torch.where(live, a, 0.0), torch.where(live, b, 0.0),
+                                          live, log_prob_min_clamp, loss_max_clamp)
+        return _reduce_topk_rows(torch.where(counted, rows, 0.0), counted, labels, student,
+                                 reduction)
+    if objective == "axolotl_kd":
+        rows = _axolotl_kd_topk_rows(a, teacher, live, beta, normalize_topk, temperature)
+        return _reduce_topk_rows(torch.where(counted, rows, 0.0), counted, labels, student,
+                                 reduction)
     if tail:
         a, b = _with_tail_bucket(a), _with_tail_bucket(b)
         live = torch.cat([live, torch.ones_like(live[:, :1])], -1)
@@ -749,6 +822,11 @@ def topk_distill_loss(student: Tensor, support_ids: Tensor, teacher_logprobs: Te
                     + (1 - beta) * (p * (a - m)).nan_to_num(nan=0.0, posinf=math.inf,
                                                             neginf=-math.inf))
     rows = torch.where(counted, elements.sum(-1), 0.0)
+    return _reduce_topk_rows(rows, counted, labels, student, reduction)
+
+
+def _reduce_topk_rows(rows: Tensor, counted: Tensor, labels: Optional[Tensor], student: Tensor,
+                      reduction: str) -> Tensor:
     if reduction == "none":
         return rows.reshape(student.shape[:-1])
     total = rows.sum()

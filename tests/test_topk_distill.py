@@ -493,3 +493,394 @@ def test_out_of_range_ids_are_fine_where_dropped():
     assert_close(loss, reference.topk_distill_loss(LOGITS.double(), ids, TEACHER.double(),
                                                    support_mask=mask),
                  "value", torch.float32, "loss")
+
+
+# --- verl's forward_kl_topk and Axolotl's KD top-k loss (objective=) -----------------------
+#
+# The two sources, transcribed (docs/objectives.md cites them):
+# verl-project/verl @ 1dda039b9c6311889a9c9a26040677e1254814f9
+#   verl/workers/engine/fsdp/transformer_impl.py:1357 (logits / temperature),
+#   verl/trainer/distillation/fsdp/losses.py:66-72 (kl_divergence), :122-130
+#   (compute_forward_kl_topk, the F.log_softmax path), verl/trainer/distillation/losses.py:365
+#   (clamp_min(0.0)), :258-260 (loss_max_clamp), verl/trainer/ppo/core_algos.py:1170-1175
+#   (agg_loss "token-mean"), defaults verl/workers/config/distillation.py:69-70.
+# axolotl-ai-cloud/axolotl @ 067b021c8b87a9e5e380b9173c704cf7340e30f5
+#   src/axolotl/integrations/kd/kernels/liger.py:43-117 (distillation_loss_fn), :163
+#   (logits / temperature), :355 (times temperature**2), src/axolotl/integrations/kd/utils.py:11-43
+#   (normalize_logprobs), trainer.py:84-85, 118-119 (/ num_items_in_batch from the labels),
+#   collator_online_teacher.py:232-236 (target_mask: the row's label != -100, all K entries).
+
+
+def verl_forward_kl_topk(student_logits, teacher_topk_log_probs, teacher_topk_ids, labels,
+                         temperature, log_prob_min_clamp, loss_max_clamp, reduction):
+    """verl's forward_kl_topk, its lines in order (no top-k padding: verl has none)."""
+    student_logits = student_logits / temperature
+    student_log_probs = F.log_softmax(student_logits, dim=-1)
+    student_topk_log_probs = torch.gather(student_log_probs, dim=-1, index=teacher_topk_ids)
+    teacher_topk_log_probs = teacher_topk_log_probs.to(student_log_probs.dtype)
+    if log_prob_min_clamp is not None:
+        student_topk_log_probs = student_topk_log_probs.clamp_min(log_prob_min_clamp)
+        teacher_topk_log_probs = teacher_topk_log_probs.clamp_min(log_prob_min_clamp)
+    log_p, log_q = teacher_topk_log_probs, student_topk_log_probs
+    p = log_p.exp()
+    distillation_losses = (p * (log_p - log_q)).sum(dim=-1)
+    distillation_losses = distillation_losses.clamp_min(0.0)
+    if loss_max_clamp is not None:
+        distillation_losses = distillation_losses.clamp(min=-loss_max_clamp,
+                                                        max=loss_max_clamp)
+    response_mask = labels != -100
+    if reduction == "none":
+        return distillation_losses * response_mask
+    masked_sum = (distillation_losses * response_mask).sum()
+    return masked_sum / response_mask.sum()  # token-mean, dp_size 1
+
+
+def axolotl_normalize_logprobs(logprobs):
+    """Axolotl's ``normalize_logprobs`` (utils.py:11-43), K entries given."""
+    position_logprobs_lse = torch.logsumexp(logprobs, dim=-1, keepdim=True)
+    probs = torch.exp(logprobs - position_logprobs_lse)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.log(probs)
+
+
+def axolotl_kd_loss(student_logits, target_token_ids, target_logprobs, labels, temperature,
+                    beta, normalize_topk, reduction):
+    """Axolotl's ``distillation_loss_fn`` on the whole batch as one chunk, times ``T**2``,
+    divided by ``num_items_in_batch`` (``batchmean``) or not (``sum``)."""
+    target_mask = (labels != -100).unsqueeze(-1).expand(target_token_ids.shape)
+    student_logits_temp_scaled = student_logits / temperature
+    vocab, k = student_logits.shape[-1], target_token_ids.shape[-1]
+    student_logits_temp_scaled = student_logits_temp_scaled.reshape(-1, vocab)
+    target_token_ids = target_token_ids.reshape(-1, k)
+    target_logprobs = target_logprobs.reshape(-1, k)
+    target_logprobs = target_logprobs.to(student_logits_temp_scaled.dtype)
+    student_logits_topk = torch.gather(student_logits_temp_scaled, dim=-1, index=target_token_ids)
+    student_lse = torch.logsumexp(student_logits_temp_scaled, dim=-1, keepdim=True)
+    student_logprobs_topk = student_logits_topk - student_lse
+    if normalize_topk:
+        student_logprobs_topk = axolotl_normalize_logprobs(student_logprobs_topk)
+    valid_mask = target_mask.reshape(-1, k).to(torch.bool)
+    student_logprobs_topk_valid = student_logprobs_topk[valid_mask]
+    teacher_logprobs_valid = target_logprobs[valid_mask]
+    teacher_probs_valid = teacher_logprobs_valid.exp()
+    student_probs_topk_valid = student_logprobs_topk_valid.exp()
+    if beta == 0.0:
+        kd_loss = (teacher_probs_valid
+                   * (teacher_logprobs_valid - student_logprobs_topk_valid)).sum()
+    elif beta == 1.0:
+        kd_loss = (student_probs_topk_valid
+                   * (student_logprobs_topk_valid - teacher_logprobs_valid)).sum()
+    else:
+        mean_probs = (1 - beta) * student_probs_topk_valid + beta * teacher_probs_valid
+        log_mean_probs = mean_probs.log()
+        student_kl = F.kl_div(log_mean_probs, student_logprobs_topk_valid, reduction="sum",
+                              log_target=True)
+        teacher_kl = F.kl_div(log_mean_probs, teacher_logprobs_valid, reduction="sum",
+                              log_target=True)
+        kd_loss = beta * teacher_kl + (1 - beta) * student_kl
+    kd_loss = kd_loss * temperature ** 2
+    if reduction == "sum":
+        return kd_loss
+    return kd_loss / (labels != -100).sum()
+
+
+def objective_grad_terms(logits, ids, teacher, live, labels, options, reduction, weights):
+    """:func:`grad_terms` for ``verl_forward_kl`` and ``axolotl_kd``: per support entry the
+    size of ``c_k`` (verl: ``q_k``; Axolotl: TRL's sizes times ``T**2``, plus the
+    renormalisation's share with ``normalize_topk``), entry ``j`` of the row's gradient
+    ``|w| / T (sum_{id_k = j} C_k + p_j (1 + |log p_j|) sum_k C_k)`` (the ``p_j`` term where
+    the loss reads the full softmax)."""
+    temperature, beta = options.get("temperature", 1.0), options.get("beta", 0.0)
+    vocab, k = logits.shape[-1], ids.shape[-1]
+    log_p = torch.log_softmax(logits.detach().double().reshape(-1, vocab) / temperature, -1)
+    counted = (torch.ones(log_p.shape[0], dtype=torch.bool) if labels is None
+               else labels.reshape(-1) != -100)
+    live = live.reshape(-1, k) & counted.unsqueeze(1)
+    index = torch.where(live, ids.reshape(-1, k), 0)
+    s = torch.where(live, log_p.gather(1, index), -math.inf)
+    t = torch.where(live, teacher.reshape(-1, k).double(), -math.inf)
+    full = True
+    if options["objective"] == "verl_forward_kl":
+        low = options.get("log_prob_min_clamp", -10.0)
+        shares = torch.exp(t if low is None else t.clamp_min(low))
+    else:
+        full = not options.get("normalize_topk", False)
+        a = s if full else s - torch.logsumexp(s, 1, keepdim=True)
+        p, q = torch.where(live, a.exp(), 0.0), torch.where(live, t.exp(), 0.0)
+        a_abs, b_abs = torch.where(live, a, 0.0).abs(), torch.where(live, t, 0.0).abs()
+        if beta == 0:
+            sizes = q
+        elif beta == 1:
+            sizes = p * (1 + a_abs + b_abs)
+        else:
+            log_m = torch.where(live, torch.log((1 - beta) * p + beta * q), 0.0).abs()
+            sizes = (1 - beta) * p * (1 + a_abs + log_m)
+        shares = (sizes if full else sizes + p * sizes.sum(1, keepdim=True)) * temperature ** 2
+    shares = torch.where(live, shares, 0.0).nan_to_num(0.0, 0.0, 0.0)
+    terms = torch.zeros_like(log_p).scatter_add_(1, index, shares)
+    if full:
+        terms += log_p.exp() * (1 + log_p.abs()) * shares.sum(1, keepdim=True)
+    if reduction == "none":
+        row_weights = weights.reshape(-1).double()
+    elif reduction == "sum":
+        row_weights = weights.double().expand(log_p.shape[0])
+    else:
+        count = counted.sum().clamp(min=1) if labels is not None else logits.shape[0]
+        row_weights = weights.double().expand(log_p.shape[0]) / count
+    terms = row_weights.abs().unsqueeze(1) / temperature * terms * counted.unsqueeze(1)
+    return terms.nan_to_num(0.0, 0.0, 0.0).reshape(logits.shape)
+
+
+def objective_live(teacher, mask, options):
+    """The entries that count: verl's clamp keeps a -inf teacher entry (at the clamp)."""
+    if (options["objective"] == "verl_forward_kl"
+            and options.get("log_prob_min_clamp", -10.0) is not None):
+        live = ~teacher.isnan()
+    else:
+        live = teacher > -math.inf
+    return live if mask is None else live & mask
+
+
+def source_batch(dtype, seed, k=5, shape=(2, 5, VOCAB)):
+    """:func:`server_batch` with the partly filled position's padding (id 0) given the
+    teacher's real log-prob there (a finite support, as the sources require, whose id 0 may
+    repeat), two rows pushed far from the teacher (student log-probs under -10) and one
+    whose top-k KL is negative."""
+    logits, ids, teacher, labels, teacher_all = server_batch(dtype, k=k, shape=shape,
+                                                             seed=seed)
+    teacher = torch.where(teacher > -math.inf, teacher, teacher_all.gather(-1, ids))
+    logits = logits.float()
+    logits[0, 3] *= 6
+    logits[1, 2] *= 4
+    # the teacher renormalised over its top-k (and next to nothing off it): KL < 0
+    logits[1, 0] = -20.0
+    logits[1, 0, ids[1, 0]] = teacher[1, 0]
+    labels[1, 0] = 3
+    return logits.to(dtype), ids, teacher, labels, teacher_all
+
+
+VERL_CLAMPS = [(-10.0, 10.0), (None, None), (-3.0, 0.3)]
+
+
+@pytest.mark.parametrize("reduction", ["batchmean", "none"])
+@pytest.mark.parametrize("clamps", VERL_CLAMPS, ids=["default", "off", "tight"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_verl_forward_kl_matches_verl(dtype, temperature, clamps, reduction):
+    logits, ids, teacher, labels, _ = source_batch(dtype, seed=20)
+    low, high = clamps
+    options = dict(objective="verl_forward_kl", temperature=temperature,
+                   log_prob_min_clamp=low, loss_max_clamp=high)
+    check(lambda x: ak.topk_distill_loss(x, ids, teacher, labels, reduction=reduction,
+                                         **options),
+          lambda z: verl_forward_kl_topk(z, teacher.to(z.dtype), ids, labels, temperature,
+                                         low, high, reduction),
+          logits, f"verl {clamps}",
+          functools.partial(objective_grad_terms, logits, ids, teacher,
+                            objective_live(teacher, None, options), labels, options,
+                            reduction))
+
+
+def test_verl_clamps_bind():
+    """The batch of the test above reaches every branch: student log-probs under the clamp,
+    rows below 0 and above ``loss_max_clamp``."""
+    logits, ids, teacher, labels, _ = source_batch(torch.float32, seed=20)
+    student = torch.log_softmax(logits, -1).gather(-1, ids)
+    kl = (teacher.exp() * (teacher - student.clamp_min(-3.0))).sum(-1)
+    assert bool((student < -10).any()) and bool((kl < 0).any()) and bool((kl > 0.3).any())
+
+
+@pytest.mark.parametrize("reduction", ["batchmean", "sum"])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("normalize_topk", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_axolotl_kd_matches_axolotl(dtype, normalize_topk, beta, temperature, reduction):
+    logits, ids, teacher, labels, _ = source_batch(dtype, seed=21)
+    if normalize_topk:  # as the collator serves them with kd_normalize_topk
+        teacher = axolotl_normalize_logprobs(teacher)
+    options = dict(objective="axolotl_kd", beta=beta, temperature=temperature,
+                   normalize_topk=normalize_topk)
+    check(lambda x: ak.topk_distill_loss(x, ids, teacher, labels, reduction=reduction,
+                                         **options),
+          lambda z: axolotl_kd_loss(z, ids, teacher.to(z.dtype), labels, temperature, beta,
+                                    normalize_topk, reduction),
+          logits, f"axolotl {reduction}",
+          functools.partial(objective_grad_terms, logits, ids, teacher,
+                            objective_live(teacher, None, options), labels, options,
+                            reduction))
+
+
+@pytest.mark.parametrize("broken", ["verl renormalised student", "verl no clamp_min(0)",
+                                    "axolotl renormalised teacher", "axolotl without T**2",
+                                    "axolotl student not renormalised"])
+def test_broken_variants_fail(broken):
+    """The comparisons above catch a variant that departs from the source in one step."""
+    logits, ids, teacher, labels, _ = source_batch(torch.float32, seed=22)
+    if broken.startswith("verl"):
+        options = dict(objective="verl_forward_kl", temperature=0.7)
+
+        def variant(z):
+            z = z / 0.7
+            s = torch.log_softmax(z, -1).gather(-1, ids)
+            if broken == "verl renormalised student":
+                s = s - torch.logsumexp(s, -1, keepdim=True)
+            t = teacher.to(z.dtype).clamp_min(-10.0)
+            kl = (t.exp() * (t - s.clamp_min(-10.0))).sum(-1)
+            if broken != "verl no clamp_min(0)":
+                kl = kl.clamp_min(0.0)
+            kl = kl.clamp(max=10.0)
+            mask = labels != -100
+            return (kl * mask).sum() / mask.sum()
+    else:
+        normalize = broken != "axolotl renormalised teacher"
+        options = dict(objective="axolotl_kd", temperature=2.0, normalize_topk=normalize)
+
+        def variant(z):
+            t = teacher.to(z.dtype)
+            if broken == "axolotl renormalised teacher":
+                t = axolotl_normalize_logprobs(t)
+            loss = axolotl_kd_loss(z, ids, t, labels, 2.0, 0.0,
+                                   broken == "axolotl without T**2", "batchmean")
+            return loss / 4.0 if broken == "axolotl without T**2" else loss
+    terms = functools.partial(objective_grad_terms, logits, ids, teacher,
+                              objective_live(teacher, None, options), labels, options,
+                              "batchmean")
+    with pytest.raises(AssertionError):
+        check(lambda x: ak.topk_distill_loss(x, ids, teacher, labels, **options), variant,
+              logits, broken, terms)
+
+
+OBJECTIVE_OPTIONS = [
+    dict(objective="verl_forward_kl", temperature=0.9),
+    dict(objective="verl_forward_kl", temperature=0.9, log_prob_min_clamp=-2.5,
+         loss_max_clamp=0.4),
+    dict(objective="verl_forward_kl", log_prob_min_clamp=None, loss_max_clamp=None),
+    dict(objective="axolotl_kd", temperature=0.9, beta=0.3),
+    dict(objective="axolotl_kd", temperature=1.5, normalize_topk=True),
+    dict(objective="axolotl_kd", temperature=0.9, beta=1.0, normalize_topk=True),
+]
+OBJECTIVE_IDS = ["verl", "verl-tight", "verl-off", "axolotl-jsd", "axolotl-norm",
+                 "axolotl-rkl-norm"]
+
+
+def objective_spec(ids, teacher, labels, mask, options, reduction):
+    options = dict(options)
+    beta, temperature = options.pop("beta", 0.0), options.pop("temperature", 1.0)
+    return lambda z: reference.topk_distill_loss(z, ids, teacher.to(z.dtype), labels, beta,
+                                                 temperature, True, mask, reduction, **options)
+
+
+@pytest.mark.parametrize("with_labels", [True, False])
+@pytest.mark.parametrize("reduction", ["batchmean", "sum", "none"])
+@pytest.mark.parametrize("options", OBJECTIVE_OPTIONS, ids=OBJECTIVE_IDS)
+def test_objectives_match_reference(options, reduction, with_labels, monkeypatch):
+    """Per element against the float64 spec: three rows per chunk on a ``logits[:, :-1]``
+    view, a support mask, -inf teacher entries (dropped; counted at the clamp by verl's) and
+    duplicate ids (the server's padding at id 0), ignored rows."""
+    monkeypatch.setitem(head_op.CHUNK_BYTES, "cpu", 3 * 4 * VOCAB)
+    logits, ids, teacher, labels, _ = server_batch(torch.float32, k=4, shape=(2, 6, VOCAB),
+                                                   seed=23)
+    logits[0, 2] *= 5
+    ids[1, 3, 2] = ids[1, 3, 0]  # a duplicate with a finite teacher entry
+    ids, teacher, labels = ids[:, :-1], teacher[:, :-1], labels[:, :-1] if with_labels else None
+    mask = torch.rand(ids.shape, generator=torch.Generator().manual_seed(24)) > 0.2
+    live = objective_live(teacher, mask, options)
+    view_terms = functools.partial(objective_grad_terms, logits[:, :-1], ids, teacher, live,
+                                   labels, options, reduction)
+
+    def terms(weights):
+        full = torch.zeros(logits.shape, dtype=torch.float64)
+        full[:, :-1] = view_terms(weights)
+        return full
+
+    spec_run = objective_spec(ids, teacher, labels, mask, options, reduction)
+    check(lambda x: ak.topk_distill_loss(x[:, :-1], ids, teacher, labels, support_mask=mask,
+                                         reduction=reduction, **options),
+          lambda z: spec_run(z[:, :-1]), logits, reduction, terms)
+    with torch.no_grad():
+        forward_only = ak.topk_distill_loss(logits[:, :-1], ids, teacher, labels,
+                                            support_mask=mask, reduction=reduction, **options)
+    assert_close(forward_only, spec_run(logits[:, :-1].double()), "value", torch.float32,
+                 "no-grad loss", naive=spec_run(logits[:, :-1]))
+    routed = ak.topk_distill_loss(logits[:, :-1], ids, teacher, labels, support_mask=mask,
+                                  reduction=reduction, backend="reference", **options)
+    assert torch.equal(routed, spec_run(logits[:, :-1]))
+
+
+@pytest.mark.parametrize("reduction", ["batchmean", "none"])
+@pytest.mark.parametrize("options", OBJECTIVE_OPTIONS[:2] + OBJECTIVE_OPTIONS[3:5],
+                         ids=OBJECTIVE_IDS[:2] + OBJECTIVE_IDS[3:5])
+def test_objectives_linear_matches_reference(options, reduction):
+    """The fused head (chunks of 5 rows of 12) and the logits op on ``F.linear`` against the
+    float64 spec, the spec's float32 run as the yardstick."""
+    h, w, b = _head(torch.float32)
+    _, ids, teacher, labels, _ = server_batch(torch.float32, k=5, shape=(2, 6, VOCAB), seed=25)
+    mask = torch.rand(ids.shape, generator=torch.Generator().manual_seed(26)) > 0.2
+    leaves = [t.clone().requires_grad_(True) for t in (h, w, b)]
+    loss = ak.linear_topk_distill_loss(leaves[0], leaves[1], ids, teacher, labels,
+                                       bias=leaves[2], chunk_size=5, support_mask=mask,
+                                       reduction=reduction, **options)
+    weights = torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape)
+    (loss * weights).sum().backward()
+    runs = {}
+    for name, precision, run in (
+            ("expected", torch.float64, objective_spec(ids, teacher, labels, mask, options,
+                                                       reduction)),
+            ("naive", torch.float32, objective_spec(ids, teacher, labels, mask, options,
+                                                    reduction)),
+            ("logits op", torch.float32, lambda z: ak.topk_distill_loss(
+                z, ids, teacher, labels, support_mask=mask, reduction=reduction, **options))):
+        refs = [t.detach().to(precision).requires_grad_(True) for t in (h, w, b)]
+        value = run(F.linear(*refs[:2], refs[2]))
+        (value * weights.to(precision)).sum().backward()
+        runs[name] = (value.detach(), [r.grad for r in refs])
+    (expected, expected_grads), (naive, naive_grads) = runs["expected"], runs["naive"]
+    terms = objective_grad_terms(F.linear(h.double(), w.double(), b.double()), ids, teacher,
+                                 objective_live(teacher, mask, options), labels, options,
+                                 reduction, weights).reshape(-1, VOCAB)
+    scales = (terms @ w.double().abs(), terms.t() @ h.double().abs().reshape(-1, h.shape[-1]),
+              terms.sum(0))
+    for form, (value, grads) in (("linear", (loss, [leaf.grad for leaf in leaves])),
+                                 ("logits", runs["logits op"])):
+        assert_close(value, expected, "value", torch.float32, f"{form} loss", naive=naive)
+        for name, grad, want, naive_grad, scale in zip(("hidden", "weight", "bias"), grads,
+                                                       expected_grads, naive_grads, scales):
+            assert_close(grad, want, "grad", torch.float32, f"{form} {name}", naive=naive_grad,
+                         scale=scale.reshape(want.shape))
+
+
+def test_axolotl_normalized_forward_kl_is_trl_renormalised():
+    """With a teacher already renormalised over the support (Axolotl's pipeline), Axolotl's
+    normalised forward KL at T = 1 is TRL's ``tail=False`` loss."""
+    logits, ids, teacher, labels, _ = source_batch(torch.float32, seed=27)
+    teacher = axolotl_normalize_logprobs(teacher)
+    ours = ak.topk_distill_loss(logits, ids, teacher, labels, objective="axolotl_kd",
+                                normalize_topk=True, reduction="none")
+    trl = ak.topk_distill_loss(logits, ids, teacher, labels, tail=False, reduction="none")
+    torch.testing.assert_close(ours, trl)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(objective="kl"), ValueError, "objective must be one of"),
+    (dict(objective="verl_forward_kl", tail=True), ValueError, "tail applies only to"),
+    (dict(objective="axolotl_kd", tail=False), ValueError, "tail applies only to"),
+    (dict(normalize_topk=True), ValueError, "normalize_topk applies only to"),
+    (dict(objective="axolotl_kd", normalize_topk=1), TypeError, "normalize_topk must be a bool"),
+    (dict(log_prob_min_clamp=-5.0), ValueError, "log_prob_min_clamp applies only to"),
+    (dict(objective="axolotl_kd", loss_max_clamp=None), ValueError,
+     "loss_max_clamp applies only to"),
+    (dict(objective="verl_forward_kl", beta=0.5), ValueError, "beta must be 0 with"),
+    (dict(objective="verl_forward_kl", loss_max_clamp=-1.0), ValueError,
+     "loss_max_clamp must be"),
+    (dict(objective="verl_forward_kl", log_prob_min_clamp=math.nan), ValueError,
+     "log_prob_min_clamp must be"),
+    (dict(objective="verl_forward_kl", log_prob_min_clamp="-10"), TypeError,
+     "log_prob_min_clamp must be a real number"),
+])
+def test_bad_objective_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ak.topk_distill_loss(LOGITS, IDS, TEACHER, **kwargs)
+    with pytest.raises(error, match=match):
+        ak.linear_topk_distill_loss(torch.zeros(2, 3, 5), torch.zeros(11, 5), IDS, TEACHER,
+                                    **kwargs)

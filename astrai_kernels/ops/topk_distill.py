@@ -1,15 +1,25 @@
-"""Distillation over a teacher's top-k support: TRL's ``ServerDistillationTrainer`` loss, where
-the teacher (a vLLM server) returns only its top-k log-probs per token.
+"""Distillation over a teacher's top-k support, where the teacher (a vLLM server) returns only
+its top-k log-probs per token: TRL's ``ServerDistillationTrainer`` loss, verl's
+``forward_kl_topk`` and Axolotl's KD plugin top-k loss (``objective=``).
 
-Semantics: ``reference.topk_distill_loss`` (TRL 1.16,
+Semantics: ``reference.topk_distill_loss``. ``objective="trl_jsd"`` (TRL 1.16,
 ``trl/experimental/server_distillation/server_distillation_trainer.py``: the generalized JSD of
 ``_jsd_divergence`` with a support mask, after ``_add_tail_bucket`` or a renormalisation over
-the support, reduced by ``_reduce_divergence_loss``'s ``batchmean``).
+the support, reduced by ``_reduce_divergence_loss``'s ``batchmean``); ``"verl_forward_kl"``
+(verl ``verl/trainer/distillation/fsdp/losses.py`` ``compute_forward_kl_topk`` and
+``verl/trainer/distillation/losses.py``: the forward KL of the teacher's top-k against the
+student's full-softmax log-probs there, both clamped below at ``log_prob_min_clamp``, the row
+clamped to ``[0, loss_max_clamp]``); ``"axolotl_kd"`` (Axolotl
+``src/axolotl/integrations/kd/kernels/liger.py``: TRL's divergence terms on the student's
+full-softmax log-probs at the support, renormalised over it with ``normalize_topk``, the
+teacher's as given, times ``T**2``). docs/objectives.md cites the lines.
 
 Per chunk of rows (torch ops, any device; the cpp and triton backends have no kernel for it):
 with ``tail`` one pass over the row gives its tempered log-sum-exp (shifted by the row max, in
 float32) and the K support logits; without it the row's log-sum-exp cancels in the
-renormalisation, so only the K logits are read. The loss is a function of the K student
+renormalisation, so only the K logits are read (likewise ``axolotl_kd`` with
+``normalize_topk``; ``verl_forward_kl`` and ``axolotl_kd`` without it read the row as the tail
+does). The loss is a function of the K student
 log-probs ``s_k``; its derivatives ``c_k = d loss / d s_k`` (the tail's ``log(1 - sum exp s)``
 included) give the logit gradient of the row, since ``d s_k / d z_j = ([j == id_k] - p_j) / T``:
 ``(sum_k c_k [j == id_k] - (sum_k c_k) p_j) / T``. Renormalised, ``sum_k c_k = 0``, so that
@@ -55,6 +65,10 @@ from .head import (
 )
 
 REDUCTIONS = ("batchmean", "sum", "none")
+OBJECTIVES = ("trl_jsd", "verl_forward_kl", "axolotl_kd")
+# verl's DistillationLossConfig defaults (verl/workers/config/distillation.py)
+VERL_LOG_PROB_MIN_CLAMP = -10.0
+VERL_LOSS_MAX_CLAMP = 10.0
 IGNORE_INDEX = -100  # TRL selects the counted positions by labels != -100
 TINY = torch.finfo(torch.float32).tiny
 TEACHER_DTYPES = FLOAT_DTYPES + (torch.float64,)
@@ -66,6 +80,18 @@ class TopkDistillParams:
     temperature: float
     tail: bool
     reduction: str
+    objective: str = "trl_jsd"
+    normalize_topk: bool = False
+    log_prob_min_clamp: Optional[float] = None
+    loss_max_clamp: Optional[float] = None
+
+    @property
+    def full_softmax(self):
+        """Whether the loss needs the student's log-probs under the full softmax (the row's
+        log-sum-exp), not only up to a per-row offset (a renormalisation over the support)."""
+        if self.objective == "trl_jsd":
+            return self.tail
+        return not (self.objective == "axolotl_kd" and self.normalize_topk)
 
 
 class SupportRows(NamedTuple):
@@ -109,8 +135,47 @@ def _check_index_tensor(tensor, name, shape, device):
         raise ValueError(f"{name} is on {tensor.device} but student_logits are on {device}")
 
 
+def _objective_params(objective, beta, tail, normalize_topk, log_prob_min_clamp,
+                      loss_max_clamp):
+    """The objective and its options checked: ``(objective, beta, tail, normalize_topk,
+    log_prob_min_clamp, loss_max_clamp)``; an option of another objective is refused."""
+    objective = check_choice(objective, "objective", OBJECTIVES)
+    beta = check_in_range(beta, "beta", 0.0, 1.0)
+    if tail is None:
+        tail = objective == "trl_jsd"
+    else:
+        check_bool(tail, "tail")
+        if objective != "trl_jsd":
+            raise ValueError(f"tail applies only to objective='trl_jsd' (the tail bucket of "
+                             f"TRL's loss), got tail={tail} with objective={objective!r}")
+    if normalize_topk is None:
+        normalize_topk = False
+    else:
+        check_bool(normalize_topk, "normalize_topk")
+        if objective != "axolotl_kd":
+            raise ValueError(f"normalize_topk applies only to objective='axolotl_kd' "
+                             f"(Axolotl's kd_normalize_topk), got objective={objective!r}")
+    clamps = []
+    for name, value, default, low in (
+            ("log_prob_min_clamp", log_prob_min_clamp, VERL_LOG_PROB_MIN_CLAMP, -math.inf),
+            ("loss_max_clamp", loss_max_clamp, VERL_LOSS_MAX_CLAMP, 0.0)):
+        if objective != "verl_forward_kl":
+            if value != default:
+                raise ValueError(f"{name} applies only to objective='verl_forward_kl', got "
+                                 f"{name}={value!r} with objective={objective!r}")
+            clamps.append(None)
+        else:
+            clamps.append(None if value is None else check_in_range(value, name, low, math.inf))
+    if objective == "verl_forward_kl" and beta != 0:
+        raise ValueError(f"beta must be 0 with objective='verl_forward_kl' (verl's "
+                         f"forward_kl_topk is the forward KL), got {beta}")
+    return (objective, beta, tail, normalize_topk, *clamps)
+
+
 def checked_inputs(student, support_ids, teacher_logprobs, labels, support_mask, beta,
-                   temperature, tail, reduction):
+                   temperature, tail, reduction, objective="trl_jsd", normalize_topk=None,
+                   log_prob_min_clamp=VERL_LOG_PROB_MIN_CLAMP,
+                   loss_max_clamp=VERL_LOSS_MAX_CLAMP):
     """Validate every argument; ``(params, SupportRows)``. ``student`` may be a zero-byte
     stand-in of the logits (the fused head)."""
     check_logits(student, "student_logits")
@@ -141,17 +206,27 @@ def checked_inputs(student, support_ids, teacher_logprobs, labels, support_mask,
                              f"got {tuple(support_mask.shape)} on {support_mask.device}")
     if labels is not None:
         _check_index_tensor(labels, "labels", lead, device)
-    params = TopkDistillParams(beta=check_in_range(beta, "beta", 0.0, 1.0),
+    objective, beta, tail, normalize_topk, log_prob_min_clamp, loss_max_clamp = (
+        _objective_params(objective, beta, tail, normalize_topk, log_prob_min_clamp,
+                          loss_max_clamp))
+    params = TopkDistillParams(beta=beta,
                                temperature=check_positive(temperature, "temperature"),
-                               tail=check_bool(tail, "tail"),
-                               reduction=check_choice(reduction, "reduction", REDUCTIONS))
+                               tail=tail,
+                               reduction=check_choice(reduction, "reduction", REDUCTIONS),
+                               objective=objective, normalize_topk=normalize_topk,
+                               log_prob_min_clamp=log_prob_min_clamp,
+                               loss_max_clamp=loss_max_clamp)
     k = shape[-1]
     ids = support_ids.reshape(-1, k)
     teacher = teacher_logprobs.detach().reshape(-1, k).to(torch.float32)
     counted = (torch.ones(ids.shape[0], dtype=torch.bool, device=device) if labels is None
                else labels.reshape(-1) != IGNORE_INDEX)
-    # TRL's forward path drops the entries the server did not fill (-inf), as a mask does
-    live = (teacher > -torch.inf) & counted.unsqueeze(1)
+    # TRL's forward path drops the entries the server did not fill (-inf), as a mask does;
+    # verl's clamp turns a -inf teacher entry into one at the clamp, which counts
+    if params.objective == "verl_forward_kl" and params.log_prob_min_clamp is not None:
+        live = ~teacher.isnan() & counted.unsqueeze(1)
+    else:
+        live = (teacher > -torch.inf) & counted.unsqueeze(1)
     if support_mask is not None:
         live &= support_mask.reshape(-1, k)
     bad = live & ((ids < 0) | (ids >= vocab))
@@ -216,9 +291,52 @@ def _divergence_terms(a, b, live, beta):
     return _nan_as_zero(terms), _nan_as_zero(grad)
 
 
+def _verl_support_loss(student, rows, params):
+    """verl's ``forward_kl_topk`` per row: ``sum_k q_k (t_k - a_k)`` with ``a``, ``t`` the
+    student's and teacher's log-probs clamped below at ``log_prob_min_clamp`` and ``q =
+    exp(t)``, then ``clamp_min(0)`` and ``clamp(max=loss_max_clamp)``; ``c_k = -q_k`` where
+    the student's log-prob passes its clamp (``>=``, as autograd's) and the row its clamps."""
+    low, high = params.log_prob_min_clamp, params.loss_max_clamp
+    s, t = student, rows.teacher
+    coef_mask = rows.live
+    if low is not None:
+        coef_mask = coef_mask & (s >= low)
+        s, t = s.clamp_min(low), t.clamp_min(low)
+    q = torch.where(rows.live, t.exp(), 0.0)
+    kl = torch.where(rows.live, q * (t - s), 0.0).sum(1)
+    passes = kl >= 0
+    loss = kl.clamp_min(0.0)
+    if high is not None:
+        passes &= loss <= high
+        loss = loss.clamp_max(high)
+    coef = torch.where(coef_mask & passes.unsqueeze(1), -q, 0.0)
+    return torch.where(rows.counted, loss, 0.0), coef
+
+
+def _axolotl_support_loss(student, rows, params):
+    """Axolotl's KD top-k loss per row: TRL's divergence terms between the student's log-probs
+    (renormalised over the support with ``normalize_topk``) and the teacher's as given, times
+    ``T**2``."""
+    neg_inf = torch.tensor(-torch.inf, dtype=torch.float32, device=student.device)
+    a = torch.where(rows.live, student, neg_inf)
+    if params.normalize_topk:
+        a = a - torch.logsumexp(a, 1, keepdim=True)
+    terms, grad = _divergence_terms(a, rows.teacher, rows.live, params.beta)
+    if params.normalize_topk:
+        grad = grad - torch.where(rows.live, a.exp(), 0.0) * grad.sum(1, keepdim=True)
+    scale = params.temperature ** 2
+    loss = torch.where(rows.counted, terms.sum(1), 0.0) * scale
+    return loss, torch.where(rows.live, grad, 0.0) * scale
+
+
 def support_loss(student, rows, params):
     """Per-row losses ``[n]`` and ``c = d loss / d student`` ``[n, K]`` (0 on dropped entries)
-    from the student's log-probs at the support (renormalised: any per-row offset of them)."""
+    from the student's log-probs at the support (where ``params.full_softmax`` is False, any
+    per-row offset of them)."""
+    if params.objective == "verl_forward_kl":
+        return _verl_support_loss(student, rows, params)
+    if params.objective == "axolotl_kd":
+        return _axolotl_support_loss(student, rows, params)
     neg_inf = torch.tensor(-torch.inf, dtype=torch.float32, device=student.device)
     s = torch.where(rows.live, student, neg_inf)
     t = torch.where(rows.live, rows.teacher, neg_inf)
@@ -283,7 +401,7 @@ def chunk_forward(chunk, rows, params, work, grad_rows=None, out=None):
     written into ``out`` (which may be ``chunk`` or ``work``). ``work``: a float32 ``[n, V]``
     buffer (``chunk`` itself when it may be overwritten)."""
     row_max = sums = exp_shifted = None
-    if params.tail:
+    if params.full_softmax:
         row_max = _row_max(chunk, rows)
         exp_shifted = _shifted(chunk, row_max, rows, params.temperature, work)
         shifted_support = exp_shifted.gather(1, rows.ids)
@@ -302,7 +420,7 @@ def chunk_forward(chunk, rows, params, work, grad_rows=None, out=None):
 def chunk_backward(chunk, rows, params, work, row_max, sums, coef, grad_rows, out):
     """The logit gradient of one chunk from the forward's row stats, into ``out``."""
     exp_shifted = None
-    if params.tail:
+    if params.full_softmax:
         exp_shifted = _shifted(chunk, row_max, rows, params.temperature, work).exp_()
     _write_grad(exp_shifted, sums, rows, coef, grad_rows / params.temperature, out)
 
@@ -342,14 +460,14 @@ def logits_walk(logits, rows, params, grad_rows=None):
     coef = torch.zeros(n_rows, k, dtype=torch.float32, device=logits.device)
     grad = (None if grad_rows is None
             else cached_empty(logits_rows.shape, logits.dtype, logits.device))
-    work = _work_buffer(logits_rows, grad, params.tail)
+    work = _work_buffer(logits_rows, grad, params.full_softmax)
     for start, stop, a, b0, b1 in _logits_chunks(logits_rows):
         out = None if grad is None else grad[a, b0:b1]
         chunk_work = out if work is None else work[:b1 - b0]
         upstream = None if grad_rows is None else _rows_of(grad_rows, start, stop)
         loss[start:stop], chunk_max, chunk_sums, coef[start:stop] = chunk_forward(
             logits_rows[a, b0:b1], rows.part(start, stop), params, chunk_work, upstream, out)
-        if params.tail:
+        if params.full_softmax:
             row_max[start:stop], sums[start:stop] = chunk_max, chunk_sums
     return loss, row_max, sums, coef, grad
 
@@ -357,7 +475,7 @@ def logits_walk(logits, rows, params, grad_rows=None):
 def logits_backward_walk(logits, rows, params, row_max, sums, coef, grad_rows):
     logits_rows = rows_view(logits)
     grad = cached_empty(logits_rows.shape, logits.dtype, logits.device)
-    work = _work_buffer(logits_rows, grad, params.tail)
+    work = _work_buffer(logits_rows, grad, params.full_softmax)
     for start, stop, a, b0, b1 in _logits_chunks(logits_rows):
         out = grad[a, b0:b1]
         chunk_backward(logits_rows[a, b0:b1], rows.part(start, stop), params,
@@ -417,9 +535,13 @@ def topk_distill_loss(
     *,
     beta: float = 0.0,
     temperature: float = 1.0,
-    tail: bool = True,
+    tail: Optional[bool] = None,
     support_mask: Optional[Tensor] = None,
     reduction: str = "batchmean",
+    objective: str = "trl_jsd",
+    normalize_topk: Optional[bool] = None,
+    log_prob_min_clamp: Optional[float] = VERL_LOG_PROB_MIN_CLAMP,
+    loss_max_clamp: Optional[float] = VERL_LOSS_MAX_CLAMP,
     backend: str = "auto",
 ) -> Tensor:
     """TRL's ``ServerDistillationTrainer`` loss: the generalized JSD between the student's
@@ -427,8 +549,9 @@ def topk_distill_loss(
     ``teacher_logprobs [..., K]`` at ``support_ids [..., K]``.
 
     Entries where ``support_mask`` is False or the teacher's log-prob is -inf are dropped.
-    ``tail=True`` adds the bucket ``log(1 - sum p)`` of the mass outside the support on both
-    sides (TRL's ``_add_tail_bucket``); ``tail=False`` renormalises both over the support.
+    ``tail=True`` (None: the default, True) adds the bucket ``log(1 - sum p)`` of the mass
+    outside the support on both sides (TRL's ``_add_tail_bucket``); ``tail=False``
+    renormalises both over the support.
     ``beta = 0``: KL(teacher || student) (TRL's top-k forward path); ``beta = 1``:
     KL(student || teacher); between them the JSD with mixture ``(1 - beta) p_s + beta p_t``.
     TRL's ``beta > 0`` path uses the support of :func:`server_top1_support`. Rows whose
@@ -440,13 +563,36 @@ def topk_distill_loss(
     gradient is exact (TRL's autograd forms ``exp(log sum p)`` as ``expm1 + 1``: 0 in
     float32). ``backend``: ``reference`` runs ``reference.topk_distill_loss``; every other
     backend runs this op's chunked torch ops.
+
+    ``objective`` picks the loss of another framework on the same inputs (docs/objectives.md):
+
+    * ``"trl_jsd"`` (default): TRL's, above.
+    * ``"verl_forward_kl"``: verl's ``forward_kl_topk``: per row ``max(sum_k q_k (t_k - a_k),
+      0)``, at most ``loss_max_clamp``, with ``a_k`` the student's full-softmax log-prob at
+      ``id_k`` and ``t_k`` the teacher's, both clamped below at ``log_prob_min_clamp`` (a -inf
+      teacher entry then counts at the clamp), ``q_k = exp(t_k)`` (not renormalised).
+      ``beta`` must be 0; either clamp None turns it off, as in verl's config, whose defaults
+      (-10, 10) are these keywords'. verl's ``token-mean`` is ``batchmean`` with labels.
+    * ``"axolotl_kd"``: Axolotl's KD plugin top-k loss: TRL's divergence terms (``beta``:
+      Axolotl's ``kd_beta``) between the student's full-softmax log-probs at the support,
+      renormalised over the live entries when ``normalize_topk`` (``kd_normalize_topk``;
+      None: False), and the teacher's as given (Axolotl renormalises them in its data
+      pipeline, never in the loss), times ``temperature ** 2``. Its division by
+      ``num_items_in_batch`` is ``batchmean`` with labels.
+
+    ``tail`` applies only to ``trl_jsd``, ``normalize_topk`` to ``axolotl_kd``, the two clamps
+    to ``verl_forward_kl``; another objective refuses them (a clamp at its default is allowed).
     """
     params, rows = checked_inputs(student_logits, support_ids, teacher_logprobs, labels,
-                                  support_mask, beta, temperature, tail, reduction)
+                                  support_mask, beta, temperature, tail, reduction, objective,
+                                  normalize_topk, log_prob_min_clamp, loss_max_clamp)
     if topk_backend(backend) == "reference":
         return reference.topk_distill_loss(
             student_logits.float(), support_ids, teacher_logprobs.detach().float(), labels,
-            params.beta, params.temperature, params.tail, support_mask, reduction)
+            params.beta, params.temperature, params.tail, support_mask, reduction,
+            objective=params.objective, normalize_topk=params.normalize_topk,
+            log_prob_min_clamp=params.log_prob_min_clamp,
+            loss_max_clamp=params.loss_max_clamp)
     lead_shape = student_logits.shape[:-1]
     needs_grad = torch.is_grad_enabled() and student_logits.requires_grad
     if needs_grad and reduction == "none":
@@ -475,7 +621,7 @@ def _linear_walk(head, rows, params, grad_rows=None, saved=None):
     work = None
     for start, stop, logits in head.chunks():
         chunk = logits[0]
-        if params.tail and chunk.dtype != torch.float32 and work is None:
+        if params.full_softmax and chunk.dtype != torch.float32 and work is None:
             work = torch.empty(head.chunk, chunk.shape[1], dtype=torch.float32, device=device)
         chunk_work = chunk if work is None else work[:stop - start]
         part = rows.part(start, stop)
@@ -486,7 +632,7 @@ def _linear_walk(head, rows, params, grad_rows=None, saved=None):
         else:
             loss[start:stop], chunk_max, chunk_sums, coef[start:stop] = chunk_forward(
                 chunk, part, params, chunk_work, upstream, chunk)
-            if params.tail:
+            if params.full_softmax:
                 row_max[start:stop], sums[start:stop] = chunk_max, chunk_sums
         if grad_rows is not None:
             head.fold(start, stop, chunk)
@@ -526,9 +672,13 @@ def linear_topk_distill_loss(
     bias: Optional[Tensor] = None,
     beta: float = 0.0,
     temperature: float = 1.0,
-    tail: bool = True,
+    tail: Optional[bool] = None,
     support_mask: Optional[Tensor] = None,
     reduction: str = "batchmean",
+    objective: str = "trl_jsd",
+    normalize_topk: Optional[bool] = None,
+    log_prob_min_clamp: Optional[float] = VERL_LOG_PROB_MIN_CLAMP,
+    loss_max_clamp: Optional[float] = VERL_LOSS_MAX_CLAMP,
     chunk_size: Optional[int] = None,
     backend: str = "auto",
 ) -> Tensor:
@@ -539,13 +689,16 @@ def linear_topk_distill_loss(
     scalar reduction the gradients are produced in the forward's single walk."""
     hidden_rows = check_head(hidden, weight, bias, chunk_size)
     options = dict(beta=beta, temperature=temperature, tail=tail, support_mask=support_mask,
-                   reduction=reduction)
+                   reduction=reduction, objective=objective, normalize_topk=normalize_topk,
+                   log_prob_min_clamp=log_prob_min_clamp, loss_max_clamp=loss_max_clamp)
     if topk_backend(backend) == "reference":
         return topk_distill_loss(reference_logits(hidden, weight, bias, 1.0, None),
                                  support_ids, teacher_logprobs, labels, backend="reference",
                                  **options)
     params, rows = checked_inputs(logits_like(hidden, weight), support_ids, teacher_logprobs,
-                                  labels, support_mask, beta, temperature, tail, reduction)
+                                  labels, support_mask, beta, temperature, tail, reduction,
+                                  objective, normalize_topk, log_prob_min_clamp,
+                                  loss_max_clamp)
     lead_shape = hidden.shape[:-1]
     needs = (head_needs(hidden, weight, bias) if torch.is_grad_enabled() else (False,) * 3)
     if reduction == "none":
