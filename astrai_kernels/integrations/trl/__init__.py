@@ -42,6 +42,21 @@ ratio is a summed sequence log-ratio), an overridden loss (with vLLM's correctio
 bonus, a multi-process entropy quantile, the off-policy mask with vLLM, VESPO with vLLM bounds
 excluding 1.
 
+``install(trainer, fused_loss=True, score_support="sampler")`` on a ``GRPOTrainer`` scores the
+policy's and the old policy's completion tokens under the trainer's own sampling settings
+(``sampler.sampling_params``: ``temperature``, ``top_k``, ``top_p``, ``min_p`` in vLLM's names)
+instead of the full tempered softmax, as vLLM's ``processed_logprobs`` are: the policy's head
+passes ``sampling=`` to ``ak.linear_token_logprobs`` (the old log-probs at generation; its
+entropy, when TRL's head computes one, still the full tempered distribution's, from a second
+walk without gradient), and the loss is ``ak.linear_grpo_loss(..., sampling=...)``. A token
+outside the current or old policy's support is masked and counted in TRL's metrics as
+``sampling/out_of_support``; the logged entropy is the full distribution's (one more walk
+without gradient, and one for the token log-probs of TRL's other metrics, since ``sampling=``
+returns neither). The reference model's log-probs for the KL stay under the full softmax: the
+reference's own support need not hold the sampled token (an infinite KL), and the k3 term then
+compares the policy's sampled distribution with the full reference, as NeMo-RL does. Refused
+(``sampler.check``): everything whose sampler distribution is not the one scored.
+
 On a ``DistillationTrainer`` (``trl.DistillationTrainer``), whose models carry no TRL head,
 ``install`` gives the trainer TRL's own ``_compute_loss`` (its inputs, backbone calls, logit
 scales and soft-caps) with the one global name ``_chunked_divergence_loss`` resolved to
@@ -97,7 +112,7 @@ import torch.nn as nn
 import astrai_kernels as ak  # noqa: F401  (the ops' module, as the adapters call them)
 
 from ...ops.head import check_chunk_size
-from . import contract, distillation, gkd, grpo, head, server_distillation
+from . import contract, distillation, gkd, grpo, head, sampler, server_distillation
 from .contract import TESTED_TRL, Request, TRLHeadError, refuse, trl_head_settings
 from .distillation import divergence_loss as _distillation_divergence_loss  # noqa: F401
 
@@ -111,21 +126,26 @@ _TRAINER_STATE = "_astrai_kernels_trl_models"
 
 
 def install(trainer, *, backend: str = "auto", chunk_size: Optional[int] = None,
-            fused_loss: bool = False):
+            fused_loss: bool = False, score_support: Optional[str] = None):
     """Serve every fused-head call of ``trainer`` (a built TRL 1.16 trainer) with
     ``ak.linear_token_logprobs`` (a GKDTrainer's or DistillationTrainer's loss with
     ``ak.linear_distill_loss``, a ServerDistillationTrainer's with
     ``ak.linear_topk_distill_loss``); returns the trainer. ``fused_loss=True`` (a GRPOTrainer)
-    also computes its loss with ``ak.linear_grpo_loss``. Raises ``TRLHeadError`` (a
-    ``ValueError``) saying why when it cannot serve the trainer exactly (module docstring);
-    every adapter is checked before any is applied."""
+    also computes its loss with ``ak.linear_grpo_loss``. ``score_support="sampler"`` (a
+    GRPOTrainer, with ``fused_loss=True``) scores the policy's and the old policy's completion
+    tokens under the trainer's ``temperature``/``top_k``/``top_p``/``min_p`` (``sampler.py``).
+    Raises ``TRLHeadError`` (a ``ValueError``) saying why when it cannot serve the trainer
+    exactly (module docstring); every adapter is checked before any is applied."""
     if not isinstance(fused_loss, bool):
         raise TypeError(f"fused_loss must be a bool, got {type(fused_loss).__name__}")
+    sampler.check_score_support(score_support)
     check_chunk_size(chunk_size)
     if is_installed(trainer):
         raise refuse(trainer, "install was already called on it; uninstall first")
     contract.check_trl(trainer)
-    request = Request(backend, chunk_size, fused_loss)
+    request = Request(backend, chunk_size, fused_loss, score_support=score_support)
+    if score_support is not None:
+        sampler.check(trainer, request)
     adapters = [adapter for adapter in ADAPTERS if adapter.applies(trainer, request)]
     request = dataclasses.replace(request, policy_hidden_states=any(
         adapter.reads_hidden_states for adapter in adapters))

@@ -47,11 +47,14 @@ def refuse(trainer, reason: str) -> TRLHeadError:
 @dataclass(frozen=True)
 class Request:
     """What ``install`` was asked for; ``policy_hidden_states``: an applied adapter's loss
-    reads the policy's final hidden states (its forward answers ``astrai_hidden_states``)."""
+    reads the policy's final hidden states (its forward answers ``astrai_hidden_states``);
+    ``score_support``: None, or ``"sampler"`` (the policy scored under the trainer's sampling
+    settings, ``sampler.py``)."""
     backend: str = "auto"
     chunk_size: Optional[int] = None
     fused_loss: bool = False
     policy_hidden_states: bool = False
+    score_support: Optional[str] = None
 
 
 class Adapter:

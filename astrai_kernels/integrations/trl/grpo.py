@@ -11,6 +11,11 @@ op's rollout correction: ``rollout_is`` = TRL's ``vllm_importance_sampling_mode`
 log-probs (``sampling_per_token_logps``) and ``old_per_token_logps``, as TRL's
 ``_generate_and_score_completions`` forms ``importance_sampling_ratio`` (TRL logs its
 ``sampling/*`` metrics there, at generation, so they are not logged again here).
+
+With ``score_support="sampler"`` (``sampler.py``) the loss is ``ak.linear_grpo_loss(...,
+sampling=...)`` (:func:`_sampled_loss`): the options' temperature is 1.0 (the sampler's is the
+``SamplingParams``'), a token outside the current or old support is masked, and TRL's metrics
+plus ``sampling/out_of_support`` come from two walks without gradient.
 """
 
 import math
@@ -22,7 +27,7 @@ from torch import Tensor
 import astrai_kernels as ak
 
 from ...ops.grpo_options import LOSS_TYPE_RECORDS, LOSS_TYPES
-from . import contract
+from . import contract, sampler
 from .contract import TRLHead
 
 _MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
@@ -51,7 +56,7 @@ class GRPOAdapter(contract.LossAdapter):
             raise contract.refuse(trainer, "fused_loss=True: its policy model carries no TRL "
                                            "fused head")
         try:
-            grpo_options(trainer, head.temperature).checked()
+            grpo_options(trainer, 1.0 if request.score_support else head.temperature).checked()
         except (TypeError, ValueError) as error:
             raise contract.refuse(trainer, f"fused_loss=True: its GRPO settings are outside "
                                            f"ak.grpo_loss's: {error}") from None
@@ -166,7 +171,10 @@ def _compute_loss(trainer, request: contract.Request):
     metrics under TRL's names, from the token log-probs and entropies of that walk."""
     policy = contract.policy_model(trainer)
     head = TRLHead.of(policy)
-    options = grpo_options(trainer, head.temperature)
+    # score_support="sampler": the sampler's temperature is the SamplingParams' (the op's 1.0)
+    sampling = (sampler.sampling_params(trainer) if request.score_support is not None
+                else None)
+    options = grpo_options(trainer, head.temperature if sampling is None else 1.0)
     record = LOSS_TYPE_RECORDS[options.loss_type]
 
     def compute_loss(model, inputs):
@@ -174,6 +182,8 @@ def _compute_loss(trainer, request: contract.Request):
         _check_inputs(inputs, options)
         mask = (inputs["completion_mask"] if "tool_mask" not in inputs
                 else inputs["completion_mask"] * inputs["tool_mask"])
+        if sampling is not None:
+            return _sampled_loss(trainer, request, model, inputs, mask, head, options, sampling)
         hidden, dtype = _completion_hidden(trainer, model, inputs, head)
         lm_head = policy.get_output_embeddings()
         weight, bias, device = lm_head.weight, lm_head.bias, lm_head.weight.device
@@ -198,6 +208,64 @@ def _compute_loss(trainer, request: contract.Request):
         return loss
 
     return compute_loss
+
+
+def _sampled_loss(trainer, request: contract.Request, model, inputs, mask: Tensor,
+                  head: TRLHead, options: "ak.GRPOOptions", sampling: "ak.SamplingParams"):
+    """``score_support="sampler"``: ``ak.linear_grpo_loss(..., sampling=...)``. A token whose
+    old log-prob is ``-inf`` (outside the old policy's support) leaves the mask before the call,
+    as the op drops one outside the current policy's; TRL's metrics come from two walks without
+    gradient (the token log-probs under ``sampling``, the full tempered entropy), on the tokens
+    the loss kept, plus ``sampling/out_of_support``: the share of the completion tokens outside
+    either support."""
+    hidden, dtype = _completion_hidden(trainer, model, inputs, head)
+    lm_head = contract.policy_model(trainer).get_output_embeddings()
+    weight, bias, device = lm_head.weight, lm_head.bias, lm_head.weight.device
+    mode = "train" if trainer.model.training else "eval"
+    record = LOSS_TYPE_RECORDS[options.loss_type]
+    mask = mask.to(device)
+    target = inputs["completion_ids"].to(device)
+    advantages = inputs["advantages"].to(device)
+    old = inputs.get("old_per_token_logps")
+    scored = mask != 0
+    kept = scored
+    if old is not None:
+        old = old.to(device)
+        old_in_support = torch.isfinite(old) | ~scored
+        kept = scored & old_in_support
+        old = torch.where(old_in_support, old, 0.0)
+        inputs = {**inputs, "old_per_token_logps": old}
+    loss_mask = mask * kept
+    hidden = hidden.to(device).to(dtype)
+    weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+    head_keywords = dict(bias=bias, softcap=head.softcap, logit_scale=head.logit_scale,
+                         chunk_size=request.chunk_size, backend=request.backend)
+    with torch.autocast(hidden.device.type, enabled=False):
+        loss, _ = ak.linear_grpo_loss(
+            hidden, weight, target, advantages, mask=loss_mask, old_logprobs=old,
+            ref_logprobs=inputs.get("ref_per_token_logps") if trainer.beta != 0.0 else None,
+            normalizer=_normalizer(trainer, inputs, mode) if record.global_count else None,
+            sampling_logprobs=(inputs["sampling_per_token_logps"]
+                               if options.rollout_is is not None else None),
+            options=options, sampling=sampling, **head_keywords)
+        with torch.no_grad():
+            masked_target = torch.where(kept, target, -100)
+            logp = ak.linear_token_logprobs(hidden, weight, masked_target, sampling=sampling,
+                                            **head_keywords)
+            _, entropy = ak.linear_token_logprobs(hidden, weight, masked_target,
+                                                  temperature=head.temperature,
+                                                  return_entropy=True, **head_keywords)
+    if not record.global_count and mode == "train":
+        loss = loss / trainer.current_gradient_accumulation_steps
+    in_support = torch.isfinite(logp) | ~kept
+    kept = kept & in_support
+    values = {"logprobs": torch.where(kept, logp, 0.0).float(),
+              "entropy": torch.where(kept, entropy, 0.0).float()}
+    _log_metrics(trainer, mode, values, inputs, (mask * kept), advantages)
+    outside = (scored & ~kept).double()
+    trainer._metrics[mode]["sampling/out_of_support"].append(
+        _Reducer(trainer.accelerator, scored.double()).global_masked_mean(outside))
+    return loss
 
 
 def _check_inputs(inputs, options: "ak.GRPOOptions") -> None:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 import astrai_kernels as ak
 
-from . import contract
+from . import contract, sampler
 from .contract import MODEL_STATE, STATISTICS, TRLHead
 
 
@@ -60,13 +60,18 @@ class HeadAdapter(contract.Adapter):
 
     def apply(self, trainer, request: contract.Request) -> List[nn.Module]:
         models = _served_models(trainer)
-        policy = contract.policy_model(trainer) if request.policy_hidden_states else None
+        policy = contract.policy_model(trainer)
+        # score_support="sampler": the policy's completions (the old log-probs TRL computes at
+        # generation) under the sampler's processed distribution; the reference's stay plain
+        sampling = (sampler.sampling_params(trainer) if request.score_support is not None
+                    else None)
         for model in models:
             head = TRLHead.of(model)
             trl_forward, wrapped = contract.trl_forward(model)
             forward = types.MethodType(
-                make_forward(trl_forward, head, request.backend, request.chunk_size), model)
-            if model is policy:
+                make_forward(trl_forward, head, request.backend, request.chunk_size,
+                             sampling if model is policy else None), model)
+            if model is policy and request.policy_hidden_states:
                 forward = types.MethodType(hidden_forward(forward, head.backbone_attr), model)
             serve(trainer, model, forward, wrapped, settings=head.settings)
         return models
@@ -126,9 +131,12 @@ def hidden_forward(inner, backbone_attr: str):
     return functools.update_wrapper(forward, getattr(inner, "__func__", inner))
 
 
-def make_forward(trl_forward, head: TRLHead, backend: str, chunk_size: Optional[int]):
+def make_forward(trl_forward, head: TRLHead, backend: str, chunk_size: Optional[int],
+                 sampling: Optional["ak.SamplingParams"] = None):
     """TRL's ``_fused_forward`` contract on ``ak.linear_token_logprobs``; calls without
-    ``fused_lm_head`` go to TRL's forward (so to the model's own, e.g. for ``generate``)."""
+    ``fused_lm_head`` go to TRL's forward (so to the model's own, e.g. for ``generate``).
+    ``sampling``: the log-probs under that processed distribution (``-inf`` outside its
+    support); the entropy and statistics stay the full tempered distribution's."""
     def _fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None,
                        num_items_in_batch=None, **kwargs):
         if not fused_lm_head:
@@ -146,21 +154,25 @@ def make_forward(trl_forward, head: TRLHead, backend: str, chunk_size: Optional[
         else:
             hidden, labels = last, shift_labels
         return _head_output(self.get_output_embeddings(), hidden, labels, num_items_in_batch,
-                            head, dict(chunk_size=chunk_size, backend=backend))
+                            head, dict(chunk_size=chunk_size, backend=backend), sampling)
 
     # generate() validates its keywords against the forward's signature: the model's own
     return functools.update_wrapper(_fused_forward, getattr(trl_forward, "__func__", trl_forward))
 
 
 def _head_output(lm_head: nn.Module, hidden: Tensor, labels: Tensor, num_items_in_batch,
-                 head: TRLHead, options: Dict[str, Any]):
+                 head: TRLHead, options: Dict[str, Any],
+                 sampling: Optional["ak.SamplingParams"] = None):
     """TRL's ``FusedCausalLMOutput`` of the labelled positions (fields 0 elsewhere)."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     weight, bias = lm_head.weight, lm_head.bias
     labels = labels.to(weight.device)
     mask = labels != -100
-    fields = _token_fields(hidden.to(weight.device), weight, bias, labels, mask, head, options)
+    fields = (_token_fields(hidden.to(weight.device), weight, bias, labels, mask, head, options)
+              if sampling is None else
+              _sampled_token_fields(hidden.to(weight.device), weight, bias, labels, mask, head,
+                                    options, sampling))
 
     def scatter(values):
         # masked_scatter keeps the output connected to the model with no label at all
@@ -190,3 +202,30 @@ def _token_fields(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels
     stats = result[-1] if statistics else {}
     return {"log_probs": result[0], "entropy": result[1] if with_entropy else None,
             **{name: stats.get(name) for name in STATISTICS}}
+
+
+def _sampled_token_fields(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                          mask: Tensor, head: TRLHead, options: Dict[str, Any],
+                          sampling: "ak.SamplingParams") -> Dict[str, Tensor]:
+    """The per-token fields with ``log_probs`` under ``sampling`` (``-inf`` outside its
+    support, differentiable); the entropy and statistics TRL's head computes are the full
+    tempered distribution's, from a second walk without gradient (``sampling=`` returns
+    neither)."""
+    dtype = contract.compute_dtype(hidden, head.cast_lm_head_to_fp32)
+    rows, target = hidden[mask].to(dtype), labels[mask]
+    weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+    transform = dict(bias=bias, softcap=head.softcap, logit_scale=head.logit_scale, **options)
+    with torch.autocast(hidden.device.type, enabled=False):
+        logp = ak.linear_token_logprobs(rows, weight, target, sampling=sampling, **transform)
+        fields = {"log_probs": logp, "entropy": None, **dict.fromkeys(STATISTICS)}
+        with_entropy = "entropy" in head.outputs
+        statistics = tuple(name for name in STATISTICS if name in head.outputs)
+        if with_entropy or statistics:
+            with torch.no_grad():
+                result = ak.linear_token_logprobs(
+                    rows, weight, target, temperature=head.temperature,
+                    return_entropy=with_entropy, statistics=statistics, **transform)
+            stats = result[-1] if statistics else {}
+            fields.update(entropy=result[1] if with_entropy else None,
+                          **{name: stats.get(name) for name in statistics})
+    return fields
