@@ -194,6 +194,23 @@ struct ShardGradParams {  // ShardGradArgs
   }
 };
 
+struct SampledParams {  // SamplingArgs
+  static constexpr char py_name[] = "SamplingArgs";
+  double temperature;
+  int64_t top_k;
+  double top_p, min_p;
+  int64_t ignore_index;
+
+  static SampledParams read(py::handle p) {
+    const int64_t top_k = field<int64_t>(p, "top_k");
+    const double top_p = field<double>(p, "top_p"), min_p = field<double>(p, "min_p");
+    TORCH_CHECK(top_k >= 0, "top_k must be >= 0 (0: off), got ", top_k);
+    TORCH_CHECK(top_p > 0 && top_p <= 1, "top_p must be in (0, 1] (1: off), got ", top_p);
+    TORCH_CHECK(min_p >= 0 && min_p <= 1, "min_p must be in [0, 1] (0: off), got ", min_p);
+    return {temperature_field(p), top_k, top_p, min_p, field<int64_t>(p, "ignore_index")};
+  }
+};
+
 }  // namespace
 
 namespace pybind11::detail {
@@ -214,6 +231,7 @@ template <> struct type_caster<CrossEntropyParams> : params_caster<CrossEntropyP
 template <> struct type_caster<SurrogateParams> : params_caster<SurrogateParams> {};
 template <> struct type_caster<DistillParams> : params_caster<DistillParams> {};
 template <> struct type_caster<ShardGradParams> : params_caster<ShardGradParams> {};
+template <> struct type_caster<SampledParams> : params_caster<SampledParams> {};
 
 }  // namespace pybind11::detail
 
@@ -429,6 +447,46 @@ void vocab_shard_backward(const Tensor& logits, const Tensor& target, const Tens
   run(vocab_shard_backward_kernel, a, "vocab_shard_backward");
 }
 
+// The sampler's settings into the kernel arguments (both directions).
+void bind_sampling(SampledArgs& a, const SampledParams& p) {
+  a.temperature = static_cast<float>(p.temperature);  // vLLM divides by a float32 temperature
+  a.inv_t = inverse(p.temperature);
+  a.ignore_index = p.ignore_index;
+  a.top_k = p.top_k;
+  a.top_p = p.top_p;
+  a.min_p_on = p.min_p > 0;
+  a.log_min_p = a.min_p_on ? static_cast<float>(std::log(p.min_p)) : 0.0f;
+}
+
+py::tuple sampled_logprobs_forward(const Tensor& logits, const Tensor& target,
+                                   const SampledParams& p) {
+  SampledArgs a{};
+  const int64_t n = bind_rows(a, logits, target, "logits");
+  bind_sampling(a, p);
+  Tensor logp = output_rows(&a.logp, n), lse_kept = output_rows(&a.lse_kept, n);
+  Tensor threshold = output_rows(&a.threshold, n);
+  Tensor log_kept_mass = output_rows(&a.log_kept_mass, n);
+  Tensor support_size = at::zeros({n}, at::TensorOptions().dtype(at::kLong));
+  Tensor in_support = at::zeros({n}, at::TensorOptions().dtype(at::kBool));
+  a.support_size = support_size.data_ptr<int64_t>();
+  a.in_support = in_support.data_ptr<bool>();
+  run(sampled_logprobs_forward_kernel, a, "sampled_logprobs_forward");
+  return py::make_tuple(logp, lse_kept, threshold, log_kept_mass, support_size, in_support);
+}
+
+void sampled_logprobs_backward(const Tensor& logits, const Tensor& target, const Tensor& lse_kept,
+                               const Tensor& threshold, const Tensor& coef,
+                               const SampledParams& p, const Tensor& grad) {
+  SampledArgs a{};
+  const int64_t n = bind_rows(a, logits, target, "logits");
+  bind_sampling(a, p);
+  a.saved_lse_kept = rows_f32(lse_kept, n, "lse_kept");
+  a.saved_threshold = rows_f32(threshold, n, "threshold");
+  a.coef = rows_f32(coef, n, "coef");
+  a.grad = grad_of(grad, logits);
+  run(sampled_logprobs_backward_kernel, a, "sampled_logprobs_backward");
+}
+
 // Elementwise fast_exp / fast_tanh of a float32 tensor, for accuracy tests.
 template <float (*F)(float)>
 Tensor elementwise(const Tensor& x) {
@@ -464,6 +522,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("distill_forward", &distill_forward);
   m.def("distill_backward", &distill_backward);
   m.def("vocab_shard_backward", &vocab_shard_backward);
+  m.def("sampled_logprobs_forward", &sampled_logprobs_forward);
+  m.def("sampled_logprobs_backward", &sampled_logprobs_backward);
   m.attr("LOG_RATIO_CLAMP") = kLogRatioClamp;  // held equal to kernels/primitives.py's by a test
   m.def("_log", &elementwise<log_fn>, "log_with_offset(x, 0) elementwise (for tests)");
   m.def("_fast_exp", &elementwise<exp_fn>, "fast_exp elementwise (for tests)");

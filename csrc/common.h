@@ -578,6 +578,38 @@ ASTRAI_INLINE void write_logprob_grad(const typename T::storage* x, int64_t sv,
   g[C ? y : y * sg] = T::store(v);
 }
 
+// sampled_logprobs_backward's gradient of one row (sampling.cpp), grad_j = coef * ([j == y] - p'_j [x_j >= threshold]) with
+// p'_j = exp(x_j * inv_t - lse_kept). Every scalar is a by-value argument (a float read through
+// the arguments struct inside the loop may alias a float32 `g` and keep the loop scalar, issue
+// 32). Reads x_j before writing g_j, and x_y before the loop, so `g` may be `x` (in place).
+template <class T, bool C>
+ASTRAI_INLINE void write_kept_grad(const typename T::storage* x, int64_t sv,
+                                   typename T::storage* g, int64_t sg, int64_t V, int64_t y,
+                                   float x_y, float inv_t, float lse_kept, float threshold,
+                                   float coef) {
+  const float neg_coef = -coef;
+  // writes grad_j (the non-target form) and returns p'_j, or 0 at the target
+  const auto write_non_target = [&](int64_t j) {
+    const float xj = T::load(x[C ? j : j * sv]);
+    const float p = select(xj >= threshold, log_prob_exp(xj * inv_t - lse_kept), 0.0f);
+    g[C ? j : j * sg] = T::store(p * neg_coef);
+    return select(j == y, 0.0f, p);
+  };
+  float others_lanes[kLanes];
+  for (int l = 0; l < kLanes; ++l) others_lanes[l] = 0.0f;
+  int64_t j = 0;
+  for (; j + kLanes <= V; j += kLanes) {
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) others_lanes[l] += write_non_target(j + l);
+  }
+  for (int l = 0; j < V; ++j, ++l) others_lanes[l] += write_non_target(j);
+  float others = 0.0f;
+  for (int l = 0; l < kLanes; ++l) others += others_lanes[l];
+  const float p = log_prob_exp(x_y * inv_t - lse_kept);
+  // 1 - p'_y as the kept others over the kept total (> 0: the target is kept)
+  g[C ? y : y * sg] = T::store(coef * (others / (others + p)));
+}
+
 // exp((block_shift - shift) * scale - log_sum): the factor turning the exps kept for a block
 // into probabilities (block_shift <= shift, so the exponent is <= 0).
 ASTRAI_INLINE float kept_to_prob(float block_shift, const OnlineLse& st, float scale,
@@ -799,6 +831,34 @@ struct VocabShardArgs {
   GradView grad;
 };
 
+// sampled_logprobs_forward / sampled_logprobs_backward (sampling.cpp): the support
+// K = {j : x_j >= threshold} of vLLM's min_p, top_k and top_p, in the logits' own units.
+struct SampledArgs {
+  RowsView x;
+  Targets y;
+  DType dtype;
+  float temperature;  // s = x / temperature (float32 division, as vLLM)
+  float inv_t;        // 1 / temperature
+  int64_t ignore_index;
+  int64_t top_k;      // active when 0 < top_k < V
+  double top_p;       // active when < 1
+  float log_min_p;    // active when min_p > 0 (then log(min_p) as float32)
+  bool min_p_on;
+  // forward outputs (null in the backward)
+  float* logp;
+  float* lse_kept;
+  float* threshold;
+  float* log_kept_mass;
+  int64_t* support_size;
+  bool* in_support;
+  // backward inputs (null in the forward)
+  const float* saved_lse_kept;
+  const float* saved_threshold;
+  const float* coef;  // g / T per row, 0 for a row outside the support or ignored
+  GradView grad;
+  BadRow* bad;
+};
+
 void logprobs_forward_kernel(const LogprobsFwdArgs& args, int nthreads);
 void logprobs_backward_kernel(const LogprobsBwdArgs& args, int nthreads);
 void cross_entropy_forward_kernel(const CrossEntropyArgs& args, int nthreads);
@@ -806,5 +866,7 @@ void grpo_forward_kernel(const GrpoArgs& args, int nthreads);
 void distill_forward_kernel(const DistillArgs& args, int nthreads);
 void distill_backward_kernel(const DistillArgs& args, int nthreads);
 void vocab_shard_backward_kernel(const VocabShardArgs& args, int nthreads);
+void sampled_logprobs_forward_kernel(const SampledArgs& args, int nthreads);
+void sampled_logprobs_backward_kernel(const SampledArgs& args, int nthreads);
 
 }  // namespace astrai

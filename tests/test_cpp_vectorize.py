@@ -23,6 +23,7 @@ MAIN_LOOPS = {
     "write_logprob_grad": ("void write_logprob_grad(",
                            "others_lanes[l] += write_non_target(j + l);"),
     "write_shard_grad": ("void write_shard_grad(", "const float xj = T::load(x[C ? j : j * sv]);"),
+    "write_kept_grad": ("void write_kept_grad(", "others_lanes[l] += write_non_target(j + l);"),
 }
 
 # (name, body): the loop under test is the only vectorizable loop of the body's function, or the
@@ -34,6 +35,8 @@ LOOPS = {
                           "a, b, c, d, 0.5f);",
     "write_shard_grad": "write_shard_grad<{T}, {C}, {SOFTCAP}>(x, 3, g, 2, V, a, b, c, d, a, b, "
                         "c);",
+    # sampled_logprobs_backward's loop: the support mask x_j >= threshold is a select
+    "write_kept_grad": "write_kept_grad<{T}, {C}>(x, 3, g, 2, V, 7, a, b, c, d, a);",
     "store": "for (int64_t j = 0; j < V; ++j) g[j] = {T}::store(f[j] * a);",
     "load": "for (int64_t j = 0; j < V; ++j) f[j] = {T}::load(x[j]) * a;",
 }
@@ -42,6 +45,7 @@ LOOPS = {
 VARIANTS = {
     "write_logprob_grad": {"ENT": ("false", "true")},
     "write_shard_grad": {"C": ("true", "false"), "SOFTCAP": ("false", "true")},
+    "write_kept_grad": {"C": ("true", "false")},
 }
 
 

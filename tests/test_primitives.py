@@ -15,11 +15,13 @@ from astrai_kernels.kernels import primitives
 from astrai_kernels.kernels.cpp import backend as cpp_backend
 from astrai_kernels.kernels.primitives import (
     PRIMITIVES,
+    SAMPLING_PRIMITIVES,
     SHARD_PRIMITIVE,
     Backend,
     CrossEntropyArgs,
     DistillArgs,
     MixtureWeights,
+    SampledLogprobsBackend,
     VocabShardBackend,
     args_of,
     mixture_weights,
@@ -50,12 +52,25 @@ def test_every_backend_serves_the_shard_gradient():
         assert isinstance(module, VocabShardBackend)
 
 
-@pytest.mark.parametrize("primitive", [*PRIMITIVES.values(), SHARD_PRIMITIVE],
-                         ids=lambda p: p.name)
+def test_the_sampling_primitives_are_optional():
+    """The cpp backend scores sampled targets in its kernels; the torch and triton backends
+    lack the primitives, and ``ops/sampling.py`` runs its chunked-torch path for them."""
+    for name in SAMPLING_PRIMITIVES:
+        assert (list(inspect.signature(getattr(cpp_backend, name)).parameters)
+                == _protocol_parameters(SampledLogprobsBackend, name))
+    assert isinstance(cpp_backend, SampledLogprobsBackend)
+    for module in (torch_backend, triton_backend):
+        assert not isinstance(module, SampledLogprobsBackend)
+
+
+@pytest.mark.parametrize("primitive", [*PRIMITIVES.values(), SHARD_PRIMITIVE,
+                                       *SAMPLING_PRIMITIVES.values()], ids=lambda p: p.name)
 def test_declarations_state_the_protocol(primitive):
     """A declaration's tensors, then ``params``, then ``grad`` when it writes one: the
     protocol's order."""
-    protocol = VocabShardBackend if primitive is SHARD_PRIMITIVE else Backend
+    protocol = (VocabShardBackend if primitive is SHARD_PRIMITIVE
+                else SampledLogprobsBackend if primitive.name in SAMPLING_PRIMITIVES
+                else Backend)
     expected = [name for name, _ in primitive.tensors] + ["params"]
     if primitive.gradient != primitives.NONE:
         expected.append("grad")

@@ -438,3 +438,100 @@ def test_sampling_argument_errors():
                                  statistics=("is_top1",))
     with pytest.raises(ValueError, match="temperature"):
         ak.linear_token_logprobs(hidden, weight, target, temperature=2.0, sampling=params)
+
+
+# Rows long enough for the cpp kernel's candidate bounds (csrc/sampling.cpp): the group maxima
+# bound top_k (2k groups and more) and top_p alone (its group maxima's mass, else cuts below
+# the max, else the whole row); the rows of the tests above are too short to have groups.
+LONG_VOCAB = 1500
+# logits' scale: flat rows (top_p alone gathers everything), LM-like and very peaky rows, and
+# rows of small integers (ties everywhere, the top-k and top-p boundaries included)
+ROW_KINDS = {"flat": 0.3, "lm": 3.0, "peaky": 10.0, "integers": None}
+LONG_SETTINGS = [
+    {"top_k": 5},  # 2k or more groups: the group-maxima bound
+    {"top_k": 30, "top_p": 0.9},
+    {"top_k": 200, "top_p": 0.8},  # fewer than k groups: every logit a candidate
+    {"top_p": 0.5},
+    {"top_p": 0.95},
+    {"top_p": 0.999},
+    {"min_p": 0.05},
+    {"min_p": 0.02, "top_k": 40},
+    {"min_p": 0.01, "top_p": 0.7},
+]
+
+
+def long_rows(kind, dtype, seed):
+    """``(full, view)`` of ``[2, 3, LONG_VOCAB]`` logits of one of :data:`ROW_KINDS`, seen
+    through the ``x[:, :-1]`` view."""
+    full_shape, view = LAYOUTS["shifted"]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(full_shape(2, 3, LONG_VOCAB), generator=g)
+    scale = ROW_KINDS[kind]
+    x = torch.round(x * 2.0) if scale is None else x * scale
+    return x.to(dtype), view
+
+
+@pytest.mark.parametrize("settings", LONG_SETTINGS, ids=lambda s: "-".join(
+    f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("kind", sorted(ROW_KINDS))
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_long_rows_match_vllm(backend, kind, settings):
+    params = ak.SamplingParams(temperature=0.8, **settings)
+    full, view = long_rows(kind, torch.float32, seed=len(kind) + settings.get("top_k", 0))
+    target = sampled_targets(view(full), vllm_kept(view(full), params), params, seed=1)
+    check_against_vllm(full, target, params, backend, view)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_long_rows_half_precision(backend, dtype):
+    params = ak.SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.01)
+    full, view = long_rows("lm", dtype, seed=3)
+    target = sampled_targets(view(full), vllm_kept(view(full), params), params, seed=2)
+    check_against_vllm(full, target, params, backend, view)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_one_row_and_all_rows_ignored(backend):
+    params = ak.SamplingParams(temperature=0.9, top_k=4, top_p=0.8)
+    full, _ = make_full((1, 1, 37), torch.float32, seed=12)
+    target = sampled_targets(full, vllm_kept(full, params), params, seed=0, mixed=False)
+    check_against_vllm(full, target, params, backend)
+    ignored = torch.full((1, 1), -100)
+    x = full.clone().requires_grad_(True)
+    logp, support = ak.token_logprobs(x, ignored, sampling=params, return_support=True,
+                                      backend=backend)
+    logp.sum().backward()
+    assert torch.equal(logp, torch.zeros(1, 1)) and not x.grad.any()
+    assert support["support_size"].item() == 0 and not support["in_support"].any()
+    x = make_full((2, 3, 37), torch.float32, seed=1)[0].requires_grad_(True)
+    logp = ak.token_logprobs(x, torch.full((2, 3), -100), sampling=params, backend=backend)
+    logp.sum().backward()
+    assert not logp.any() and not x.grad.any()
+
+
+def _colliding_pair(temperature):
+    """Two adjacent float32 logits whose float32 quotients by ``temperature`` are equal."""
+    t = torch.tensor(temperature, dtype=torch.float32)
+    x = torch.linspace(2.0, 4.0, 200001, dtype=torch.float32)
+    x = torch.unique(x)
+    lower = x
+    upper = torch.nextafter(x, torch.tensor(math.inf))
+    hit = (lower / t == upper / t).nonzero()[0, 0]
+    return float(lower[hit]), float(upper[hit])
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_logits_whose_quotients_tie_are_tied(backend):
+    """``s = float32(z) / T`` can round two adjacent logits to one value: they are tied in
+    ``s``, so the k-th largest keeps both (the cpp kernel works on the logits themselves)."""
+    temperature = 0.7
+    low, high = _colliding_pair(temperature)
+    row = torch.randn(1, 300, generator=torch.Generator().manual_seed(3)) - 2.0
+    row[0, [10, 250]] = torch.tensor([high, low])  # the 1st and 2nd largest
+    row[0, 40] = high + 1.0
+    params = ak.SamplingParams(temperature=temperature, top_k=2)
+    logp, support = ak.token_logprobs(row, torch.tensor([250]), sampling=params,
+                                      return_support=True, backend=backend)
+    assert support["support_size"].item() == 3 and bool(support["in_support"])
+    assert torch.isfinite(logp).all()

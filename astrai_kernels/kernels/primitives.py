@@ -5,11 +5,11 @@ is a module with the functions that :class:`Backend` lists; ``kernels/library.py
 primitive's ``torch.library`` custom op, its fake implementation, its Triton twin and its eager
 wrapper from :data:`PRIMITIVES`. A primitive's non-tensor arguments travel as one frozen params
 object (:class:`LogprobsArgs`, :class:`CrossEntropyArgs`, :class:`SurrogateArgs`,
-:class:`DistillArgs`, :class:`ShardGradArgs`); the ops' own params classes extend these, so an op
-hands its checked params straight down, and the cpp backend hands the object itself to its
-extension (``csrc/bindings.cpp`` reads the fields by name, one struct per class). Adding a
-kernel option is a field here, its reading in the kernels (and in that struct), and its math in
-``reference.py``.
+:class:`DistillArgs`, :class:`ShardGradArgs`, :class:`SamplingArgs`); the ops' own params
+classes extend these, so an op hands its checked params straight down, and the cpp backend
+hands the object itself to its extension (``csrc/bindings.cpp`` reads the fields by name, one
+struct per class). Adding a kernel option is a field here, its reading in the kernels (and in
+that struct), and its math in ``reference.py``.
 
 Conventions shared by every primitive:
 
@@ -105,6 +105,28 @@ grad)``
     ``grad_j = (1/T) * dz_j/dx_j * (p_j * (alpha + beta * log p_j) + gamma * d_jy + delta)``.
     The forward statistics of a shard come from ``logprobs_forward`` and
     ``cross_entropy_forward`` above, so every backend serves forward-only calls.
+
+Optional primitives (targets scored under a sampler's distribution, ``ops/sampling.py``; the
+``cpp`` backend implements them; for a backend without them the op runs its own chunked-torch
+selection, ``ops/sampling.py``'s portable path, on that backend's device):
+
+``sampled_logprobs_forward(logits, target, params: SamplingArgs)`` -> ``(logp, lse_kept,
+threshold, log_kept_mass, support_size, in_support)``
+    with ``s = float32(z) / T`` (a float32 division), the support ``K = {j : s_j >= tau}`` of
+    vLLM's min_p, top_k and top_p as ``ops/sampling.py`` states them (ties kept), and
+    ``logp = s_y - logsumexp_K(s)`` (``-inf`` when ``y`` is not in ``K``),
+    ``lse_kept = logsumexp_K(s)``, ``log_kept_mass = lse_kept - logsumexp(s)``,
+    ``support_size = |K|`` (int64) and ``in_support = y in K`` (bool). ``threshold`` is the
+    backend's own encoding of ``K``, read back only by its ``sampled_logprobs_backward``
+    (the cpp backend's: the smallest float ``x`` with ``x / T >= tau``, so
+    ``K = {j : float32(z_j) >= threshold}``). Ignored rows: zeros, ``in_support`` false.
+    A row holding NaN or +inf gives NaN values and stays ``in_support``.
+
+``sampled_logprobs_backward(logits, target, lse_kept, threshold, coef, params, grad)``
+    writes ``grad_j = coef * ([j == y] - p'_j [j in K])``, ``p'_j = exp(s_j - lse_kept)``,
+    for the per-row float32 ``coef`` (the op passes ``g / T``, 0 for a row outside the
+    support or ignored); a row with ``coef == 0`` gets zeros without its logits being read.
+    ``grad`` may be ``logits`` itself (the fused head writes over its logits chunk).
 
 ``reference.py`` states the same math naively in float64; ``kernels/portable.py`` is the
 readable chunked implementation of these primitives.
@@ -205,6 +227,17 @@ class ShardGradArgs:
     ignore_index: int
 
 
+@dataclass(frozen=True)
+class SamplingArgs:
+    """vLLM's sampler settings (``ops/sampling.py``'s ``SamplingParams``: ``top_k = 0``,
+    ``top_p = 1.0`` and ``min_p = 0.0`` each mean off)."""
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    ignore_index: int
+
+
 def args_of(params, kind: type):
     """The ``kind`` fields of ``params`` (an op's params object extends one of the classes
     above) as a ``kind`` instance."""
@@ -264,6 +297,17 @@ SHARD_PRIMITIVE = Primitive(
      ("delta", _OT)), ShardGradArgs, _rows(0), ALWAYS)
 
 
+#: the optional primitives of targets scored under a sampler, eager only (no custom op:
+#: ``ops/sampling.py``'s own custom ops call them)
+SAMPLING_PRIMITIVES = {p.name: p for p in (
+    Primitive("sampled_logprobs_forward", (("logits", _T), ("target", _T)), SamplingArgs,
+              _rows(6)),
+    Primitive("sampled_logprobs_backward",
+              (("logits", _T), ("target", _T), ("lse_kept", _T), ("threshold", _T),
+               ("coef", _T)), SamplingArgs, _rows(0), ALWAYS),
+)}
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What a kernel backend module provides (the contract in this module's docstring)."""
@@ -303,3 +347,15 @@ class VocabShardBackend(Backend, Protocol):
     def vocab_shard_backward(self, logits: Tensor, target: Tensor, lse: Tensor, alpha: Tensor,
                              beta: Optional[Tensor], gamma: Tensor, delta: Optional[Tensor],
                              params: ShardGradArgs, grad: Tensor) -> None: ...
+
+
+@runtime_checkable
+class SampledLogprobsBackend(Backend, Protocol):
+    """A backend that also scores targets under a sampler's distribution in its kernels."""
+
+    def sampled_logprobs_forward(self, logits: Tensor, target: Tensor, params: SamplingArgs
+                                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]: ...
+
+    def sampled_logprobs_backward(self, logits: Tensor, target: Tensor, lse_kept: Tensor,
+                                  threshold: Tensor, coef: Tensor, params: SamplingArgs,
+                                  grad: Tensor) -> None: ...

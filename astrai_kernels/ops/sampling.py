@@ -25,9 +25,12 @@ order like the floats (``-0.0`` and ``0.0`` share one), and each pass histograms
 of ``exp(s - max)`` for top_p) and keeps the bin where the count (mass) at or above reaches
 ``k`` (``top_p`` times the kept mass); three passes end on the exact key of a row value, so ties
 are exact. Rows are processed in blocks of at most ``BLOCK_ELEMENTS`` entries, each upcast to
-float32 on its own; nothing here reads a tensor back to the host. Every backend runs this path
-when a filter is on (the cpp and triton kernels have no sampling specialization);
-``backend="reference"`` runs ``reference.sampled_token_logprobs``.
+float32 on its own; nothing here reads a tensor back to the host. This is the portable path: a
+backend whose kernels have the optional primitives ``sampled_logprobs_forward`` /
+``sampled_logprobs_backward`` (``kernels/primitives.py``; the cpp backend) runs those instead,
+the same support found by a selection on a few candidates per row (``csrc/sampling.cpp``);
+the others (torch, triton) run this path on their device. ``backend="reference"`` runs
+``reference.sampled_token_logprobs``.
 """
 
 import math
@@ -39,7 +42,9 @@ from torch import Tensor
 
 from .. import reference
 from ..kernels.library import traceable_op
-from ..kernels.registry import resolve_backend
+from ..kernels.memory import cached_empty
+from ..kernels.primitives import SamplingArgs
+from ..kernels.registry import backend_module, resolve_backend
 from ._common import (
     check_bool,
     check_in_range,
@@ -292,14 +297,28 @@ BACKWARD_BUFFERS = ("scaled", "mask")
 ROW_OUTPUT_DTYPES = (torch.float32,) * 4 + (torch.int64, torch.bool)
 
 
+def _sampling_kernels(backend: str):
+    """The kernel module of ``backend`` when it has the sampled-logprobs primitives (optional
+    ones, ``kernels/primitives.py``), else None: the torch path of this module serves it."""
+    module = backend_module(backend)
+    return module if hasattr(module, "sampled_logprobs_forward") else None
+
+
 def _new_row_outputs(n_rows, device):
     return tuple(torch.empty(n_rows, dtype=dtype, device=device) for dtype in ROW_OUTPUT_DTYPES)
 
 
 def _forward_rows(rows, target, temperature, top_k, top_p, min_p, ignore_index, outputs,
-                  offset=0, work=None):
+                  offset=0, work=None, kernels=None):
     """Fill ``outputs`` (``_new_row_outputs``) at rows ``offset + n`` from ``rows [A, B, V]``;
-    ``work``: a forward ``_Workspace`` large enough for ``rows``' blocks, or None."""
+    ``work``: a forward ``_Workspace`` large enough for ``rows``' blocks, or None; ``kernels``:
+    a module from :func:`_sampling_kernels` (its primitive then serves), or None."""
+    if kernels is not None:
+        results = kernels.sampled_logprobs_forward(
+            rows, target, SamplingArgs(temperature, top_k, top_p, min_p, ignore_index))
+        for out, result in zip(outputs, results):
+            out[offset:offset + result.numel()] = result
+        return
     if work is None:
         work = _workspace(rows, FORWARD_BUFFERS)
     for n0, n1, block in _blocks(rows):
@@ -311,26 +330,41 @@ def _forward_rows(rows, target, temperature, top_k, top_p, min_p, ignore_index, 
 
 @traceable_op("sampled_logprobs_forward", floats=("temperature", "top_p", "min_p"))
 def sampled_logprobs_forward(logits_rows: Tensor, target: Tensor, temperature: float,
-                             top_k: int, top_p: float, min_p: float, ignore_index: int
+                             top_k: int, top_p: float, min_p: float, ignore_index: int,
+                             backend: str
                              ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(logp, lse_kept, threshold, log_kept_mass, support_size, in_support)`` per row of the
-    ``[A, B, V]`` logits."""
+    ``[A, B, V]`` logits (``threshold`` in the encoding of the path that made it, read back by
+    :func:`sampled_logprobs_backward` with the same ``backend``)."""
+    kernels = _sampling_kernels(backend)
+    if kernels is not None:
+        return tuple(kernels.sampled_logprobs_forward(
+            logits_rows, target, SamplingArgs(temperature, top_k, top_p, min_p, ignore_index)))
     outputs = _new_row_outputs(target.numel(), logits_rows.device)
     _forward_rows(logits_rows, target, temperature, top_k, top_p, min_p, ignore_index, outputs)
     return outputs
 
 
 @sampled_logprobs_forward.register_fake
-def _(logits_rows, target, temperature, top_k, top_p, min_p, ignore_index):
+def _(logits_rows, target, temperature, top_k, top_p, min_p, ignore_index, backend):
     return tuple(logits_rows.new_empty(target.numel(), dtype=dtype)
                  for dtype in ROW_OUTPUT_DTYPES)
 
 
-@traceable_op("sampled_logprobs_backward", floats=("temperature",))
+@traceable_op("sampled_logprobs_backward", floats=("temperature", "top_p", "min_p"))
 def sampled_logprobs_backward(logits_rows: Tensor, target: Tensor, lse_kept: Tensor,
-                              threshold: Tensor, coef: Tensor, temperature: float) -> Tensor:
+                              threshold: Tensor, coef: Tensor, temperature: float, top_k: int,
+                              top_p: float, min_p: float, ignore_index: int,
+                              backend: str) -> Tensor:
     """The logits' gradient ``[A, B, V]`` for the per-row ``coef = g / T`` (0 outside K)."""
-    grad = torch.empty(logits_rows.shape, dtype=logits_rows.dtype, device=logits_rows.device)
+    # the caching allocator's buffer: a fresh [N, V] one costs a page fault per 4 KiB
+    grad = cached_empty(logits_rows.shape, logits_rows.dtype, logits_rows.device)
+    kernels = _sampling_kernels(backend)
+    if kernels is not None:
+        kernels.sampled_logprobs_backward(
+            logits_rows, target, lse_kept, threshold, coef,
+            SamplingArgs(temperature, top_k, top_p, min_p, ignore_index), grad)
+        return grad
     grad_rows = grad.view(-1, logits_rows.shape[-1])
     work = _workspace(logits_rows, BACKWARD_BUFFERS)
     for n0, n1, block in _blocks(logits_rows):
@@ -340,7 +374,8 @@ def sampled_logprobs_backward(logits_rows: Tensor, target: Tensor, lse_kept: Ten
 
 
 @sampled_logprobs_backward.register_fake
-def _(logits_rows, target, lse_kept, threshold, coef, temperature):
+def _(logits_rows, target, lse_kept, threshold, coef, temperature, top_k, top_p, min_p,
+      ignore_index, backend):
     return logits_rows.new_empty(logits_rows.shape)
 
 
@@ -353,13 +388,13 @@ class _SampledTokenLogprobs(torch.autograd.Function):
     """``(logp, log_kept_mass, support_size, in_support)``; only ``logp`` is differentiable."""
 
     @staticmethod
-    def forward(ctx, logits, target_flat, sampling, ignore_index):
+    def forward(ctx, logits, target_flat, sampling, ignore_index, backend):
         logp, lse_kept, threshold, log_kept_mass, support_size, in_support = (
             sampled_logprobs_forward(rows_view(logits), target_flat, sampling.temperature,
                                      sampling.top_k, sampling.top_p, sampling.min_p,
-                                     ignore_index))
+                                     ignore_index, backend))
         ctx.save_for_backward(logits, target_flat, lse_kept, threshold, in_support)
-        ctx.temperature = sampling.temperature
+        ctx.sampling, ctx.ignore_index, ctx.backend = sampling, ignore_index, backend
         ctx.mark_non_differentiable(log_kept_mass, support_size, in_support)
         return logp, log_kept_mass, support_size, in_support
 
@@ -367,10 +402,13 @@ class _SampledTokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, *_):
         refuse_double_backward("token_logprobs", LOGPROBS_EQUIVALENT)
         logits, target_flat, lse_kept, threshold, in_support = ctx.saved_tensors
-        coef = _backward_coef(grad_logp, lse_kept, in_support, ctx.temperature)
+        sampling = ctx.sampling
+        coef = _backward_coef(grad_logp, lse_kept, in_support, sampling.temperature)
         grad = sampled_logprobs_backward(rows_view(logits), target_flat, lse_kept, threshold,
-                                         coef, ctx.temperature)
-        return grad.view(logits.shape), None, None, None
+                                         coef, sampling.temperature, sampling.top_k,
+                                         sampling.top_p, sampling.min_p, ctx.ignore_index,
+                                         ctx.backend)
+        return grad.view(logits.shape), None, None, None, None
 
 
 def sampled_token_logprobs(logits: Tensor, target: Tensor, sampling: SamplingParams,
@@ -390,11 +428,11 @@ def sampled_token_logprobs(logits: Tensor, target: Tensor, sampling: SamplingPar
         target_flat = flat_target(target)
         if torch.is_grad_enabled() and logits.requires_grad:
             logp, log_kept_mass, support_size, in_support = _SampledTokenLogprobs.apply(
-                logits, target_flat, sampling, ignore_index)
+                logits, target_flat, sampling, ignore_index, backend)
         else:
             logp, _, _, log_kept_mass, support_size, in_support = sampled_logprobs_forward(
                 rows_view(logits), target_flat, sampling.temperature, sampling.top_k,
-                sampling.top_p, sampling.min_p, ignore_index)
+                sampling.top_p, sampling.min_p, ignore_index, backend)
         logp = logp.view(target.shape)
     if not return_support:
         return logp
@@ -407,40 +445,51 @@ def linear_sampled_logprobs_forward(hidden: Tensor, weight: Tensor, bias: Option
                                     target: Tensor, temperature: float, top_k: int,
                                     top_p: float, min_p: float, ignore_index: int,
                                     chunk_size: Optional[int], logit_scale: float,
-                                    softcap: float
+                                    softcap: float, backend: str
                                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`sampled_logprobs_forward` of the head's logits, walked in row chunks."""
     head = ChunkedHead(hidden, weight, bias, chunk_size, (False,) * 3, logit_scale, softcap)
     outputs = _new_row_outputs(hidden.shape[0], hidden.device)
+    kernels = _sampling_kernels(backend)
     work = None  # sized by the first chunk, the largest
     for start, stop, logits in head.chunks():
-        if work is None:
+        if work is None and kernels is None:
             work = _workspace(logits, FORWARD_BUFFERS)
         _forward_rows(logits, target[start:stop], temperature, top_k, top_p, min_p,
-                      ignore_index, outputs, offset=start, work=work)
+                      ignore_index, outputs, offset=start, work=work, kernels=kernels)
     return outputs
 
 
 @linear_sampled_logprobs_forward.register_fake
 def _(hidden, weight, bias, target, temperature, top_k, top_p, min_p, ignore_index, chunk_size,
-      logit_scale, softcap):
+      logit_scale, softcap, backend):
     return tuple(hidden.new_empty(hidden.shape[0], dtype=dtype) for dtype in ROW_OUTPUT_DTYPES)
 
 
 @traceable_op("linear_sampled_logprobs_backward",
-              floats=("temperature", "logit_scale", "softcap"))
+              floats=("temperature", "top_p", "min_p", "logit_scale", "softcap"))
 def linear_sampled_logprobs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                                      target: Tensor, lse_kept: Tensor, threshold: Tensor,
-                                     coef: Tensor, temperature: float, needs_hidden: bool,
-                                     needs_weight: bool, needs_bias: bool,
+                                     coef: Tensor, temperature: float, top_k: int,
+                                     top_p: float, min_p: float, ignore_index: int,
+                                     needs_hidden: bool, needs_weight: bool, needs_bias: bool,
                                      chunk_size: Optional[int], logit_scale: float,
-                                     softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
+                                     softcap: float, backend: str
+                                     ) -> Tuple[Tensor, Tensor, Tensor]:
     """The gradients of hidden, weight and bias: each chunk's logit gradient is written over
     the chunk's logits, then folded (``ops/head.py``)."""
     head = ChunkedHead(hidden, weight, bias, chunk_size, (needs_hidden, needs_weight, needs_bias),
                        logit_scale, softcap)
+    kernels = _sampling_kernels(backend)
+    args = SamplingArgs(temperature, top_k, top_p, min_p, ignore_index)
     work = None  # sized by the first chunk, the largest
     for start, stop, logits in head.chunks():
+        if kernels is not None:
+            rows = slice(start, stop)
+            kernels.sampled_logprobs_backward(logits, target[rows], lse_kept[rows],
+                                              threshold[rows], coef[rows], args, logits)
+            head.fold(start, stop, logits)
+            continue
         if work is None:
             work = _workspace(logits, BACKWARD_BUFFERS)
         for n0, n1, block in _blocks(logits):
@@ -452,8 +501,9 @@ def linear_sampled_logprobs_backward(hidden: Tensor, weight: Tensor, bias: Optio
 
 
 @linear_sampled_logprobs_backward.register_fake
-def _(hidden, weight, bias, target, lse_kept, threshold, coef, temperature, needs_hidden,
-      needs_weight, needs_bias, chunk_size, logit_scale, softcap):
+def _(hidden, weight, bias, target, lse_kept, threshold, coef, temperature, top_k, top_p, min_p,
+      ignore_index, needs_hidden, needs_weight, needs_bias, chunk_size, logit_scale, softcap,
+      backend):
     return fake_head_gradients(hidden, weight, needs_hidden, needs_weight, needs_bias)
 
 
@@ -462,13 +512,14 @@ class _LinearSampledTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target_flat, sampling, ignore_index, chunk_size,
-                transform):
+                transform, backend):
         logp, lse_kept, threshold, log_kept_mass, support_size, in_support = (
             linear_sampled_logprobs_forward(
                 hidden, weight, bias, target_flat, sampling.temperature, sampling.top_k,
-                sampling.top_p, sampling.min_p, ignore_index, chunk_size, *transform))
+                sampling.top_p, sampling.min_p, ignore_index, chunk_size, *transform, backend))
         ctx.save_for_backward(hidden, weight, bias, target_flat, lse_kept, threshold, in_support)
-        ctx.temperature, ctx.chunk_size, ctx.transform = sampling.temperature, chunk_size, transform
+        ctx.sampling, ctx.ignore_index, ctx.backend = sampling, ignore_index, backend
+        ctx.chunk_size, ctx.transform = chunk_size, transform
         ctx.mark_non_differentiable(log_kept_mass, support_size, in_support)
         return logp, log_kept_mass, support_size, in_support
 
@@ -476,11 +527,13 @@ class _LinearSampledTokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, *_):
         refuse_double_backward("linear_token_logprobs", LOGPROBS_EQUIVALENT)
         hidden, weight, bias, target_flat, lse_kept, threshold, in_support = ctx.saved_tensors
-        coef = _backward_coef(grad_logp, lse_kept, in_support, ctx.temperature)
+        sampling = ctx.sampling
+        coef = _backward_coef(grad_logp, lse_kept, in_support, sampling.temperature)
         grads = linear_sampled_logprobs_backward(
-            hidden, weight, bias, target_flat, lse_kept, threshold, coef, ctx.temperature,
-            *ctx.needs_input_grad[:3], ctx.chunk_size, *ctx.transform)
-        return (*(grad_or_none(g) for g in grads), None, None, None, None, None)
+            hidden, weight, bias, target_flat, lse_kept, threshold, coef, sampling.temperature,
+            sampling.top_k, sampling.top_p, sampling.min_p, ctx.ignore_index,
+            *ctx.needs_input_grad[:3], ctx.chunk_size, *ctx.transform, ctx.backend)
+        return (*(grad_or_none(g) for g in grads), None, None, None, None, None, None)
 
 
 def linear_sampled_token_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
@@ -504,11 +557,11 @@ def linear_sampled_token_logprobs(hidden: Tensor, weight: Tensor, bias: Optional
     if head_any_grad(hidden, weight, bias):
         logp, log_kept_mass, support_size, in_support = _LinearSampledTokenLogprobs.apply(
             hidden_rows, weight, bias, target_flat, sampling, ignore_index, chunk_size,
-            transform)
+            transform, backend)
     else:
         logp, _, _, log_kept_mass, support_size, in_support = linear_sampled_logprobs_forward(
             hidden_rows, weight, bias, target_flat, sampling.temperature, sampling.top_k,
-            sampling.top_p, sampling.min_p, ignore_index, chunk_size, *transform)
+            sampling.top_p, sampling.min_p, ignore_index, chunk_size, *transform, backend)
     logp = logp.view(target.shape)
     if not return_support:
         return logp

@@ -49,7 +49,7 @@ LDFLAGS = ("-fopenmp",)
 # Longest compile first (ninja starts them in this order): distill.cpp last made it the tail of
 # the build, alone on the machine for its last two minutes.
 SOURCES = ("common.h", "distill.cpp", "cross_entropy.cpp", "grpo.cpp", "logprobs.cpp",
-           "bindings.cpp", "vocab_shard.cpp")
+           "bindings.cpp", "sampling.cpp", "vocab_shard.cpp")
 
 _LOCK = threading.Lock()
 _EXTENSION = None
@@ -511,3 +511,13 @@ def vocab_shard_backward(logits, target, lse, alpha, beta, gamma, delta, params,
     load_extension().vocab_shard_backward(
         logits, _target(target), _rows_f32(lse), _rows_f32(alpha), _rows_f32(beta),
         _rows_f32(gamma), _rows_f32(delta), params, grad)
+
+
+def sampled_logprobs_forward(logits, target, params):
+    return load_extension().sampled_logprobs_forward(logits, _target(target), params)
+
+
+def sampled_logprobs_backward(logits, target, lse_kept, threshold, coef, params, grad):
+    load_extension().sampled_logprobs_backward(
+        logits, _target(target), _rows_f32(lse_kept), _rows_f32(threshold), _rows_f32(coef),
+        params, grad)
