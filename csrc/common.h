@@ -534,6 +534,25 @@ ASTRAI_INLINE void zero_row(typename T::storage* g, int64_t sg, int64_t V) {
   for (int64_t j = 0; j < V; ++j) g[C ? j : j * sg] = zero;
 }
 
+// The sum of term(j) over j in [0, V), in kLanes lane-wise partial sums (the order
+// accumulate_block uses). `omp simd` over the lanes: a term may write through a pointer that
+// aliases what it reads (a gradient written over its logits), which the vectorizer must not be
+// left to disprove. Always inlined, so each caller's loop vectorizes as its own.
+template <class F>
+ASTRAI_INLINE float lane_sum(int64_t V, const F& term) {
+  float lanes[kLanes];
+  for (int l = 0; l < kLanes; ++l) lanes[l] = 0.0f;
+  int64_t j = 0;
+  for (; j + kLanes <= V; j += kLanes) {
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) lanes[l] += term(j + l);
+  }
+  for (int l = 0; j < V; ++j, ++l) lanes[l] += term(j);
+  float total = 0.0f;
+  for (int l = 0; l < kLanes; ++l) total += lanes[l];
+  return total;
+}
+
 // grad_j = coef * (d_jy - p_j) / T  [ - g_H / T * p_j * (log p_j + H) ],
 // log p_j = (x_j - ref) * inv_t - log_sum: ref the row max and log_sum = log sum_j exp((x_j -
 // ref) * inv_t), or ref = 0 and log_sum = lse (log p_j = s_j - lse). Shared by
@@ -558,17 +577,7 @@ ASTRAI_INLINE void write_logprob_grad(const typename T::storage* x, int64_t sv,
     g[C ? j : j * sg] = T::store(v);
     return select(j == y, 0.0f, p);
   };
-  // lane-wise partial sums as in accumulate_block; `omp simd` because grad may alias x
-  float others_lanes[kLanes];
-  for (int l = 0; l < kLanes; ++l) others_lanes[l] = 0.0f;
-  int64_t j = 0;
-  for (; j + kLanes <= V; j += kLanes) {
-#pragma omp simd
-    for (int l = 0; l < kLanes; ++l) others_lanes[l] += write_non_target(j + l);
-  }
-  for (int l = 0; j < V; ++j, ++l) others_lanes[l] += write_non_target(j);
-  float others = 0.0f;
-  for (int l = 0; l < kLanes; ++l) others += others_lanes[l];
+  const float others = lane_sum(V, write_non_target);
   const float d = (x_y - ref) * inv_t - log_sum;
   const float p = log_prob_exp(d);
   // others + p >= p_max > 0 for finite logits (p_max >= exp(-log V) up to log_sum's rounding)
@@ -595,16 +604,7 @@ ASTRAI_INLINE void write_kept_grad(const typename T::storage* x, int64_t sv,
     g[C ? j : j * sg] = T::store(p * neg_coef);
     return select(j == y, 0.0f, p);
   };
-  float others_lanes[kLanes];
-  for (int l = 0; l < kLanes; ++l) others_lanes[l] = 0.0f;
-  int64_t j = 0;
-  for (; j + kLanes <= V; j += kLanes) {
-#pragma omp simd
-    for (int l = 0; l < kLanes; ++l) others_lanes[l] += write_non_target(j + l);
-  }
-  for (int l = 0; j < V; ++j, ++l) others_lanes[l] += write_non_target(j);
-  float others = 0.0f;
-  for (int l = 0; l < kLanes; ++l) others += others_lanes[l];
+  const float others = lane_sum(V, write_non_target);
   const float p = log_prob_exp(x_y * inv_t - lse_kept);
   // 1 - p'_y as the kept others over the kept total (> 0: the target is kept)
   g[C ? y : y * sg] = T::store(coef * (others / (others + p)));

@@ -20,10 +20,11 @@ DTYPES = ("F32T", "BF16T", "F16T")
 # write_logprob_grad's other loops (the tail and the lane sum) vectorize too, so "some loop
 # vectorized" would not notice its main loop turning scalar.
 MAIN_LOOPS = {
-    "write_logprob_grad": ("void write_logprob_grad(",
-                           "others_lanes[l] += write_non_target(j + l);"),
+    # the two write their non-target columns in lane_sum's loop (each case's translation unit
+    # instantiates one of them, so the loop's line there is that helper's)
+    "write_logprob_grad": ("float lane_sum(", "lanes[l] += term(j + l);"),
     "write_shard_grad": ("void write_shard_grad(", "const float xj = T::load(x[C ? j : j * sv]);"),
-    "write_kept_grad": ("void write_kept_grad(", "others_lanes[l] += write_non_target(j + l);"),
+    "write_kept_grad": ("float lane_sum(", "lanes[l] += term(j + l);"),
 }
 
 # (name, body): the loop under test is the only vectorizable loop of the body's function, or the
