@@ -545,13 +545,20 @@ def _linear_grpo_inputs():
     return hidden, weight, target, mask, advantages, old, ref
 
 
-def _head_grad_scales(logits, hidden, weight):
-    """The size of the terms summed into each entry of the hidden states' and the weight's
-    gradients (``|dL/dlogits| @ |weight|`` and its transpose against ``|hidden|``): a matmul's
-    rounding follows them, not the entry, which cancellation can make small."""
-    terms = logits.grad.abs().reshape(-1, logits.shape[-1])
-    return ((terms @ weight.detach().abs()).reshape(hidden.shape),
-            terms.t() @ hidden.detach().abs().reshape(-1, hidden.shape[-1]))
+def _assert_head_grads(leaves, exacts, singles, logits64, dtype, what):
+    """The DTensor leaves' ``(hidden, weight)`` gradients per element against the float64 ones
+    (``exacts``, whose logits ``logits64`` kept their gradient), allowed twice the
+    single-process op's error (``singles``). Each entry is scaled by the size of the terms
+    summed into it (``|dL/dlogits| @ |weight|``, and its transpose against ``|hidden|``): a
+    matmul's rounding follows them, not the entry, which cancellation can make small."""
+    hidden, weight = exacts
+    terms = logits64.grad.abs().reshape(-1, logits64.shape[-1])
+    scales = ((terms @ weight.detach().abs()).reshape(hidden.shape),
+              terms.t() @ hidden.detach().abs().reshape(-1, hidden.shape[-1]))
+    for name, leaf, exact, single, scale in zip(("hidden", "weight"), leaves, exacts, singles,
+                                                scales):
+        assert_close_elementwise(leaf.grad.full_tensor(), exact.grad, single.grad, scale=scale,
+                                 dtype=dtype, name=f"{what} grad {name}")
 
 
 def _linear_grpo_case(loss_type, hidden_places, weight_places, **extra):
@@ -588,12 +595,7 @@ def _linear_grpo_case(loss_type, hidden_places, weight_places, **extra):
         exact.backward()
         assert_close(loss.full_tensor(), exact, "value", dtype, f"linear grpo {loss_type}",
                      naive=single.detach())
-        for name, leaf, exact_leaf, single_leaf, scale in zip(
-                ("hidden", "weight"), leaves, exacts, singles,
-                _head_grad_scales(logits64, *exacts)):
-            assert_close_elementwise(leaf.grad.full_tensor(), exact_leaf.grad, single_leaf.grad,
-                                     scale=scale, dtype=dtype,
-                                     name=f"linear grpo {loss_type} grad {name}")
+        _assert_head_grads(leaves, exacts, singles, logits64, dtype, f"linear grpo {loss_type}")
         torch.testing.assert_close(values["logprobs"].full_tensor(), single_values["logprobs"],
                                    rtol=1e-5, atol=1e-6)
         assert set(metrics) == set(single_metrics)
@@ -629,12 +631,7 @@ def _linear_sequence_case(hidden_places, weight_places):
         exact.backward(upstream.double())
         assert_close(out.full_tensor(), exact, "value", dtype, "linear_sequence_logprobs",
                      naive=single.detach())
-        for name, leaf, exact_leaf, single_leaf, scale in zip(
-                ("hidden", "weight"), leaves, exacts, singles,
-                _head_grad_scales(logits64, *exacts)):
-            assert_close_elementwise(leaf.grad.full_tensor(), exact_leaf.grad, single_leaf.grad,
-                                     scale=scale, dtype=dtype,
-                                     name=f"linear_sequence_logprobs grad {name}")
+        _assert_head_grads(leaves, exacts, singles, logits64, dtype, "linear_sequence_logprobs")
     case.fp32_only = True
     return case
 

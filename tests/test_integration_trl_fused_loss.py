@@ -263,6 +263,12 @@ def test_fused_loss_compute_loss_off_policy(loss_type, overrides, vllm, tmp_path
     expected = run(expected_trainer, torch.float64)
     naive, actual = run(naive_trainer, torch.float32), run(ours, torch.float32)
     assert set(actual[2]) == set(expected[2])
+    _assert_like_trl(actual, expected, naive)
+
+
+def _assert_like_trl(actual, expected, naive):
+    """``(loss, grads, metrics)`` of a step: the loss, TRL's metrics (``expected``'s names) and
+    every gradient per element against the float64 run, allowed the float32 run's error."""
     keys = sorted(expected[2])
 
     def vec(metrics):

@@ -19,14 +19,14 @@ pytest.importorskip("trl", reason="trl is not installed (pip install -e '.[trl]'
                                   "`make test` installs it")
 
 from test_grpo_sampling import _kept  # noqa: E402
-from test_integration_trl import COMMON_ARGS, _case, _model_dir, _tokenizer, _yardstick  # noqa: E402
-from test_integration_trl_fused_loss import _trl_importance_ratio  # noqa: E402
+from test_integration_trl import COMMON_ARGS, _case, _model_dir, _tokenizer  # noqa: E402
+from test_integration_trl_fused_loss import _assert_like_trl, _trl_importance_ratio  # noqa: E402
 
 import astrai_kernels as ak  # noqa: E402
 from astrai_kernels import reference  # noqa: E402
 from astrai_kernels.integrations import trl as ak_trl  # noqa: E402
 from astrai_kernels.integrations.trl import sampler  # noqa: E402
-from astrai_kernels.testing import assert_close, compare_elementwise  # noqa: E402
+from astrai_kernels.testing import assert_close  # noqa: E402
 
 #: truncation on: top_k 5 of a 30-token vocabulary, top_p 0.8 of what it keeps
 SAMPLER = dict(temperature=0.9, top_k=5, top_p=0.8)
@@ -215,18 +215,7 @@ def test_fused_loss_with_score_support_matches_trl_on_the_spec(vllm, tmp_path):
     assert set(actual[2]) == set(expected[2]) | {"sampling/out_of_support"}
     scored = int((mask * tool_mask).sum())
     assert actual[2]["sampling/out_of_support"] == pytest.approx(len(masked) / scored)
-    keys = sorted(expected[2])
-
-    def vec(metrics):
-        return torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
-
-    checks = [("loss", actual[0], expected[0], naive[0]),
-              ("metrics", vec(actual[2]), vec(expected[2]), vec(naive[2]))]
-    checks += [(f"grad {n}", actual[1][n], expected[1][n], naive[1][n]) for n in expected[1]]
-    for name, got, want, base in checks:
-        result = compare_elementwise(got, want, _yardstick(base, want), dtype=torch.float32,
-                                     name=name)
-        assert result.ok, result.message()
+    _assert_like_trl(actual, expected, naive)
     # the loss is ak.grpo_loss(sampling=...) on the model's logits, given the old-support mask
     op_mask = mask * tool_mask
     op_mask[1, 2] = 0

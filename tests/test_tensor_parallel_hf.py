@@ -57,6 +57,19 @@ def _train(model, steps=2):
             for name, p in model.named_parameters()}
 
 
+def _assert_trained_as_one_process(got):
+    """Every parameter of ``got`` (the sharded, patched run) against the unsharded, unpatched
+    model trained in one process: per element against float64, twice the float32 run's error,
+    a matrix's entries scaled by their row's largest (the terms their sums share)."""
+    expected = _train(_model(torch.float64))
+    naive = _train(_model())
+    for name, value in got.items():
+        scale = expected[name].abs().amax(-1, keepdim=True).expand_as(expected[name]) \
+            if expected[name].dim() > 1 else None
+        assert_close(value, expected[name], "value", torch.float32, name, naive=naive[name],
+                     scale=scale)
+
+
 @functools.lru_cache(maxsize=None)
 def _mesh():
     import torch.distributed as dist
@@ -80,13 +93,7 @@ def _colwise_lm_head_and_patch(backend):
                            wraps=dtensor.linear_cross_entropy) as front_door:
         got = _train(model)
     assert front_door.call_count == 2  # each step's loss went through the DTensor front door
-    expected = _train(_model(torch.float64))
-    naive = _train(_model())
-    for name, value in got.items():
-        scale = expected[name].abs().amax(-1, keepdim=True).expand_as(expected[name]) \
-            if expected[name].dim() > 1 else None
-        assert_close(value, expected[name], "value", torch.float32, name, naive=naive[name],
-                     scale=scale)
+    _assert_trained_as_one_process(got)
 
 
 def _tp_plan_and_patch(backend, path):
@@ -104,13 +111,7 @@ def _tp_plan_and_patch(backend, path):
     assert tuple(model.lm_head.weight.placements) == (Shard(0),)
     hf.patch(model, backend=backend)
     got = _train(model)
-    expected = _train(_model(torch.float64))
-    naive = _train(_model())
-    for name, value in got.items():
-        scale = expected[name].abs().amax(-1, keepdim=True).expand_as(expected[name]) \
-            if expected[name].dim() > 1 else None
-        assert_close(value, expected[name], "value", torch.float32, name, naive=naive[name],
-                     scale=scale)
+    _assert_trained_as_one_process(got)
 
 
 CASES = {f"{case.__name__.lstrip('_')}-{backend}": functools.partial(case, backend)

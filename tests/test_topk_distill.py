@@ -96,14 +96,10 @@ def server_batch(dtype, k=5, shape=(2, 5, VOCAB), seed=0):
     return logits, ids, teacher, labels, teacher_all
 
 
-def grad_terms(logits, ids, teacher, live, labels, beta, tail, temperature, reduction,
-               weights):
-    """float64 sizes of the terms that form each entry of the logit gradient (the comparison's
-    scale, as ``softmax_grad_scale``): per support entry ``k``, ``C_k`` sums the sizes of
-    ``d loss / d a_k`` (``q``; ``p (1 + |a| + |b|)``; ``(1 - beta) p (1 + |a| + |log m|)``) and
-    of the tail's share ``G_tail exp(s_k - tail)`` or the renormalisation's ``r_k sum G``;
-    entry ``j`` gets ``|w| / T (sum_{id_k = j} C_k + p_j (1 + |log p_j|) sum_k C_k)``, the
-    ``p_j`` term only with the tail (renormalised, ``sum_k c_k = 0``)."""
+def _support_rows(logits, ids, teacher, live, labels, temperature):
+    """``(log_p, counted, live, index, s, t)`` in float64: the rows' tempered log-softmax, the
+    counted rows, the live support entries (of counted rows), their ids (0 where dead) and the
+    student's and teacher's log-probs there (-inf where dead)."""
     vocab, k = logits.shape[-1], ids.shape[-1]
     log_p = torch.log_softmax(logits.detach().double().reshape(-1, vocab) / temperature, -1)
     counted = (torch.ones(log_p.shape[0], dtype=torch.bool) if labels is None
@@ -112,6 +108,38 @@ def grad_terms(logits, ids, teacher, live, labels, beta, tail, temperature, redu
     index = torch.where(live, ids.reshape(-1, k), 0)
     s = torch.where(live, log_p.gather(1, index), -math.inf)
     t = torch.where(live, teacher.reshape(-1, k).double(), -math.inf)
+    return log_p, counted, live, index, s, t
+
+
+def _entry_terms(log_p, index, shares, full_softmax, counted, labels, logits, temperature,
+                 reduction, weights):
+    """Entry ``j`` of each row's gradient terms: ``|w| / T (sum_{id_k = j} C_k + p_j (1 +
+    |log p_j|) sum_k C_k)`` (the ``p_j`` term where the loss reads the full softmax), ``C_k``
+    the ``shares``, ``w`` the row's weight under ``reduction``."""
+    terms = torch.zeros_like(log_p).scatter_add_(1, index, shares)
+    if full_softmax:
+        terms += log_p.exp() * (1 + log_p.abs()) * shares.sum(1, keepdim=True)
+    if reduction == "none":
+        row_weights = weights.reshape(-1).double()
+    elif reduction == "sum":
+        row_weights = weights.double().expand(log_p.shape[0])
+    else:
+        count = counted.sum().clamp(min=1) if labels is not None else logits.shape[0]
+        row_weights = weights.double().expand(log_p.shape[0]) / count
+    terms = row_weights.abs().unsqueeze(1) / temperature * terms * counted.unsqueeze(1)
+    return terms.nan_to_num(0.0, 0.0, 0.0).reshape(logits.shape)
+
+
+def grad_terms(logits, ids, teacher, live, labels, beta, tail, temperature, reduction,
+               weights):
+    """float64 sizes of the terms that form each entry of the logit gradient (the comparison's
+    scale, as ``softmax_grad_scale``): per support entry ``k``, ``C_k`` sums the sizes of
+    ``d loss / d a_k`` (``q``; ``p (1 + |a| + |b|)``; ``(1 - beta) p (1 + |a| + |log m|)``) and
+    of the tail's share ``G_tail exp(s_k - tail)`` or the renormalisation's ``r_k sum G``;
+    entry ``j`` gets ``|w| / T (sum_{id_k = j} C_k + p_j (1 + |log p_j|) sum_k C_k)``, the
+    ``p_j`` term only with the tail (renormalised, ``sum_k c_k = 0``)."""
+    log_p, counted, live, index, s, t = _support_rows(logits, ids, teacher, live, labels,
+                                                      temperature)
     if tail:
         def with_tail(x):
             log_sum = torch.logsumexp(x, 1, keepdim=True).clamp(max=-1e-7)
@@ -135,19 +163,8 @@ def grad_terms(logits, ids, teacher, live, labels, beta, tail, temperature, redu
         shares = sizes[:, :-1] + sizes[:, -1:] * torch.exp(s - student_tail)
     else:
         shares = sizes + p * sizes.sum(1, keepdim=True)
-    shares = torch.where(live, shares, 0.0)
-    terms = torch.zeros_like(log_p).scatter_add_(1, index, shares)
-    if tail:
-        terms += log_p.exp() * (1 + log_p.abs()) * shares.sum(1, keepdim=True)
-    if reduction == "none":
-        row_weights = weights.reshape(-1).double()
-    elif reduction == "sum":
-        row_weights = weights.double().expand(log_p.shape[0])
-    else:
-        count = counted.sum().clamp(min=1) if labels is not None else logits.shape[0]
-        row_weights = weights.double().expand(log_p.shape[0]) / count
-    terms = row_weights.abs().unsqueeze(1) / temperature * terms * counted.unsqueeze(1)
-    return terms.nan_to_num(0.0, 0.0, 0.0).reshape(logits.shape)
+    return _entry_terms(log_p, index, torch.where(live, shares, 0.0), tail, counted, labels,
+                        logits, temperature, reduction, weights)
 
 
 def terms_of(logits, ids, teacher, live, labels, beta, tail, temperature,
@@ -591,14 +608,8 @@ def objective_grad_terms(logits, ids, teacher, live, labels, options, reduction,
     ``|w| / T (sum_{id_k = j} C_k + p_j (1 + |log p_j|) sum_k C_k)`` (the ``p_j`` term where
     the loss reads the full softmax)."""
     temperature, beta = options.get("temperature", 1.0), options.get("beta", 0.0)
-    vocab, k = logits.shape[-1], ids.shape[-1]
-    log_p = torch.log_softmax(logits.detach().double().reshape(-1, vocab) / temperature, -1)
-    counted = (torch.ones(log_p.shape[0], dtype=torch.bool) if labels is None
-               else labels.reshape(-1) != -100)
-    live = live.reshape(-1, k) & counted.unsqueeze(1)
-    index = torch.where(live, ids.reshape(-1, k), 0)
-    s = torch.where(live, log_p.gather(1, index), -math.inf)
-    t = torch.where(live, teacher.reshape(-1, k).double(), -math.inf)
+    log_p, counted, live, index, s, t = _support_rows(logits, ids, teacher, live, labels,
+                                                      temperature)
     full = True
     if options["objective"] == "verl_forward_kl":
         low = options.get("log_prob_min_clamp", -10.0)
@@ -616,19 +627,8 @@ def objective_grad_terms(logits, ids, teacher, live, labels, options, reduction,
             log_m = torch.where(live, torch.log((1 - beta) * p + beta * q), 0.0).abs()
             sizes = (1 - beta) * p * (1 + a_abs + log_m)
         shares = (sizes if full else sizes + p * sizes.sum(1, keepdim=True)) * temperature ** 2
-    shares = torch.where(live, shares, 0.0).nan_to_num(0.0, 0.0, 0.0)
-    terms = torch.zeros_like(log_p).scatter_add_(1, index, shares)
-    if full:
-        terms += log_p.exp() * (1 + log_p.abs()) * shares.sum(1, keepdim=True)
-    if reduction == "none":
-        row_weights = weights.reshape(-1).double()
-    elif reduction == "sum":
-        row_weights = weights.double().expand(log_p.shape[0])
-    else:
-        count = counted.sum().clamp(min=1) if labels is not None else logits.shape[0]
-        row_weights = weights.double().expand(log_p.shape[0]) / count
-    terms = row_weights.abs().unsqueeze(1) / temperature * terms * counted.unsqueeze(1)
-    return terms.nan_to_num(0.0, 0.0, 0.0).reshape(logits.shape)
+    return _entry_terms(log_p, index, torch.where(live, shares, 0.0).nan_to_num(0.0, 0.0, 0.0),
+                        full, counted, labels, logits, temperature, reduction, weights)
 
 
 def objective_live(teacher, mask, options):
