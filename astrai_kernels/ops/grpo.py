@@ -469,8 +469,8 @@ def _sampled_grpo_loss(logits, target, advantages, options, sampling, backend, p
     checked = dataclasses.replace(plan(logits, target, advantages, options, backend=backend,
                                        **inputs), support_pending=True)
     return from_logprobs(sampled_logprobs_of(lambda masked_target: token_logprobs(
-        logits, masked_target, ignore_index=-100, sampling=sampling, backend=backend)),
-        target, checked)
+        logits, masked_target, ignore_index=-100, sampling=sampling,
+        backend=checked.params.backend)), target, checked)
 
 
 def with_support(checked: GRPOPlan, logp: Tensor) -> Tuple[GRPOPlan, Tensor]:
