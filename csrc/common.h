@@ -433,14 +433,17 @@ ASTRAI_INLINE float block_max(const Load& load, int64_t b0, int len) {
 // With KEEP (`exps`: V floats, `shifts`: one float per block), the exps are kept:
 // exps[j] = exp((v_j - shifts[j / kBlock]) * scale), so a gradient pass needs no second exp:
 // p_j = exps[j] * exp((shifts[j / kBlock] - shift) * scale - log_sum).
+// `block` (without KEEP) sets the block's length; `block_maxima` (one float per block), when
+// given, receives each block's max (the sampling kernel's group maxima).
 template <bool ENT, bool ZSUM, bool KEEP = false, class Load>
 ASTRAI_INLINE void online_lse_row(int64_t V, const Load& load, OnlineLse& st, float hint,
-                                  float scale, float* exps = nullptr, float* shifts = nullptr) {
+                                  float scale, float* exps = nullptr, float* shifts = nullptr,
+                                  int64_t block = kBlock, float* block_maxima = nullptr) {
   const bool hinted = std::isfinite(hint);
   st.shift = hinted ? hint : 0.0f;
   st.zref = st.shift;
-  for (int64_t b0 = 0, blk = 0; b0 < V; b0 += kBlock, ++blk) {
-    const int len = static_cast<int>(std::min<int64_t>(kBlock, V - b0));
+  for (int64_t b0 = 0, blk = 0; b0 < V; b0 += block, ++blk) {
+    const int len = static_cast<int>(std::min<int64_t>(block, V - b0));
     float* e_out = KEEP ? exps + b0 : nullptr;
     if (!hinted) {
       const float m = block_max(load, b0, len);
@@ -451,6 +454,7 @@ ASTRAI_INLINE void online_lse_row(int64_t V, const Load& load, OnlineLse& st, fl
     }
     BlockSums b =
         accumulate_block<ENT, ZSUM, KEEP, Load>(load, b0, len, st.shift, scale, st.zref, e_out);
+    if (block_maxima) block_maxima[blk] = b.max;
     if (ZSUM) st.zsum += b.zsum;
     if (!hinted || b.max == kInf) {
       if (b.max == kInf) st.max = kInf;  // the row's lse is +inf; its sums no longer matter

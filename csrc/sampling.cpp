@@ -77,41 +77,6 @@ int64_t group_size(int64_t V, int64_t top_k) {
   return g;
 }
 
-// Pass 1: online_lse_row's reduction (with the target's logit as hint), in groups of g
-// elements, also writing each group's max to gmax.
-template <class Load>
-ASTRAI_INLINE void lse_with_group_maxima(int64_t V, const Load& load, OnlineLse& st, float hint,
-                                         float scale, int64_t g, float* gmax) {
-  const bool hinted = std::isfinite(hint);
-  st.shift = hinted ? hint : 0.0f;
-  for (int64_t b0 = 0, grp = 0; b0 < V; b0 += g, ++grp) {
-    const int len = static_cast<int>(std::min<int64_t>(g, V - b0));
-    if (!hinted) {
-      const float m = block_max(load, b0, len);
-      if (m > st.max) {
-        st.max = m;
-        st.rebase<false>(std::isinf(m) ? 0.0f : m, scale);
-      }
-    }
-    BlockSums b =
-        accumulate_block<false, false, false, Load>(load, b0, len, st.shift, scale, 0.0f, nullptr);
-    gmax[grp] = b.max;
-    if (!hinted || b.max == kInf) {
-      if (b.max == kInf) st.max = kInf;
-      st.sum += b.sum;
-      continue;
-    }
-    if ((b.max - st.shift) * scale > 64.0f) {  // exps relative to the old shift may overflow
-      st.rebase<false>(b.max, scale);
-      b = accumulate_block<false, false, false, Load>(load, b0, len, st.shift, scale, 0.0f,
-                                                      nullptr);
-    }
-    st.sum += b.sum;
-    if (b.max > st.shift) st.rebase<false>(b.max, scale);
-    if (b.max > st.max) st.max = b.max;
-  }
-}
-
 // sum_{j in [b0, b0 + len)} [x_j >= c] exp((x_j - m) * scale): the mass a cut keeps there.
 template <class Load>
 ASTRAI_INLINE float mass_at_least(const Load& load, int64_t b0, int64_t len, float c, float m,
@@ -282,7 +247,8 @@ ASTRAI_INLINE void forward_rows(const SampledArgs& a, int64_t n0, int64_t n1) {
     const RawLoad<T, C> load{a.x.row<S>(n), sv};
     const float x_y = load(y);
     OnlineLse st;
-    lse_with_group_maxima(V, load, st, x_y, inv_t, g, gmax);
+    // pass 1: the row's online reduction in groups of g, each group's max kept
+    online_lse_row<false, false>(V, load, st, x_y, inv_t, nullptr, nullptr, g, gmax);
     const float m = st.max;
     if (!(std::isfinite(m) && st.sum >= 1.0f && std::isfinite(st.sum))) {
       // NaN or +inf in the row (or all -inf): its results are NaN, and it stays in the support
