@@ -23,18 +23,24 @@ from .ops.grpo_options import GRPOOptions, options_from, options_or_keywords
 
 def token_logprobs(logits: Tensor, target: Tensor, temperature: float = 1.0,
                    ignore_index: int = -100) -> Tuple[Tensor, Tensor]:
-    """``(logp, entropy)`` of ``softmax(logits / T)`` at ``target``; ignored rows give 0."""
+    """``(logp, entropy)`` of ``softmax(logits / T)`` at ``target``; ignored rows give 0.
+
+    ``target [...]`` holds one target a row; ``target [..., K]`` (``logits``' rank) K of them:
+    ``logp [..., K]`` (ignored entries 0) and ``entropy [...]`` (0 where all K are ignored)."""
+    columns = target.dim() == logits.dim()
     valid = target != ignore_index
+    row_valid = valid.any(-1) if columns else valid
     # Ignored rows are replaced by zeros before the softmax: their values (inf, NaN) never
     # reach the result or the gradient.
-    logits = torch.where(valid.unsqueeze(-1), logits, 0.0)
+    logits = torch.where(row_valid.unsqueeze(-1), logits, 0.0)
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
-    safe = torch.where(valid, target, 0).long().unsqueeze(-1)
-    logp = logp_all.gather(-1, safe).squeeze(-1)
+    safe = torch.where(valid, target, 0).long()
+    logp = logp_all.gather(-1, safe if columns else safe.unsqueeze(-1))
+    logp = logp if columns else logp.squeeze(-1)
     p = logp_all.exp()
     # Terms with p = 0 (logits of -inf) contribute 0, not 0 * -inf, and no NaN gradient.
     entropy = -(p * torch.where(p > 0, logp_all, 0.0)).sum(-1)
-    return torch.where(valid, logp, 0.0), torch.where(valid, entropy, 0.0)
+    return torch.where(valid, logp, 0.0), torch.where(row_valid, entropy, 0.0)
 
 
 def transform_logits(logits: Tensor, logit_scale: float = 1.0,

@@ -18,6 +18,7 @@ import astrai_kernels as ak
 from astrai_kernels import reference
 from astrai_kernels.ops import grpo as grpo_op
 from astrai_kernels.ops import vocab_parallel
+from astrai_kernels.ops._common import LogitsShape
 from astrai_kernels.testing import assert_close, assert_close_elementwise, spec
 from astrai_kernels.testing.multiprocess import (
     assert_ranks_passed,
@@ -155,7 +156,7 @@ def _check_grpo(group, start, stop, dtype, name):
     full, target, mask, advantages, old, ref = _grpo_inputs(dtype)
     options = dict(GRPO_OPTIONS[name], mask=mask, old_logprobs=old, ref_logprobs=ref)
     if name == "token":
-        checked = grpo_op.plan(full, target, advantages, **options)
+        checked = grpo_op.plan(LogitsShape.of(full), target, advantages, **options)
         params, weight = checked.params, checked.flat_rows().weight
         expected, naive = spec_expected_and_naive(
             spec_grpo, full, target.reshape(-1), params.temperature,
@@ -366,7 +367,7 @@ def case_linear_grpo(group, start, stop, dtype):
     def grad_logits_terms(_, inputs64):
         # dL/dlogp is formed from exps of log-prob differences: judge by spec.grpo_terms
         logits = F.linear(*(t.detach() for t in inputs64))
-        checked = grpo_op.plan(logits.float(), target, advantages, **options)
+        checked = grpo_op.plan(LogitsShape.of(logits.float()), target, advantages, **options)
         rows, params = checked.flat_rows(), checked.params
         return spec.grpo_terms(logits, target.reshape(-1), params.temperature, rows.advantages,
                                rows.old, rows.ref, rows.weight, params.clip_eps_low,

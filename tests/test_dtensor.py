@@ -306,6 +306,27 @@ def _refused(dtype):
 CASES["refused_placements"] = _refused
 
 
+def _no_dtensor_route(dtype):
+    """The ops whose door has no DTensor route refuse a DTensor argument by name, before any
+    of torch's mixed Tensor/DTensor errors."""
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = _mesh((2,))
+    full, target = _logits(dtype), _target()
+    sharded = distribute_tensor(full, mesh, _placements(-1))
+    with pytest.raises(TypeError, match=r"distill_loss does not take DTensor arguments \(got "
+                       r"student_logits\)"):
+        ak.distill_loss(sharded, full.detach(), target)
+    ids = torch.zeros(*target.shape, 3, dtype=torch.int64)
+    with pytest.raises(TypeError, match=r"topk_distill_loss does not take DTensor arguments "
+                       r"\(got student_logits\)"):
+        ak.topk_distill_loss(sharded, ids, torch.full(ids.shape, -1.5))
+
+
+_no_dtensor_route.fp32_only = True
+CASES["no_dtensor_route"] = _no_dtensor_route
+
+
 def _inplace(dtype):
     """``inplace_backward=True``: on the vocabulary path the gradient is written over the local
     logits; on a row shard the op cannot write over ``to_local()``'s view (autograd forbids it),

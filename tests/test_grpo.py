@@ -3,6 +3,7 @@ import torch
 
 import astrai_kernels as ak
 from astrai_kernels import reference
+from astrai_kernels.ops._common import LogitsShape
 from astrai_kernels.testing import assert_close, spec
 
 from cases import (
@@ -158,7 +159,7 @@ def test_kl_ratio_correction_in_the_single_pass_kernel(backend, policy, dtype):
     kwargs = dict(old_logprobs=None if policy == "on_policy" else old, ref_logprobs=ref,
                   beta=0.3, kl_ratio_correction=True, loss_type="grpo", temperature=0.8,
                   delta=1.1 if policy == "delta" else None)
-    checked = grpo_op.plan(base[:, :-1], target, advantages, mask=mask, **kwargs)
+    checked = grpo_op.plan(LogitsShape.of(base[:, :-1]), target, advantages, mask=mask, **kwargs)
     assert checked.fused
     _check(backend, dtype, base, target, advantages, mask,
            grad_terms=_surrogate_grad_terms(base, target, checked, 0.7), **kwargs)

@@ -14,6 +14,7 @@ from test_linear import _inputs as _linear_inputs
 
 import astrai_kernels as ak
 from astrai_kernels import reference
+from astrai_kernels.ops._common import LogitsShape
 from astrai_kernels.testing import assert_close
 
 from cases import KERNEL_BACKENDS, reference_and_naive, spec_logprobs
@@ -427,8 +428,9 @@ def test_importance_weights_fold_into_the_fused_kernel():
     data = _batch(torch.float32)
     common = dict(mask=data["mask"], old_logprobs=data["old"],
                   importance_weights=data["weights"])
-    folded = grpo_op.plan(data["base"][:, :-1], data["target"], data["advantages"], **common)
-    with_kl = grpo_op.plan(data["base"][:, :-1], data["target"], data["advantages"],
+    logits = LogitsShape.of(data["base"][:, :-1])
+    folded = grpo_op.plan(logits, data["target"], data["advantages"], **common)
+    with_kl = grpo_op.plan(logits, data["target"], data["advantages"],
                            ref_logprobs=data["ref"], beta=0.1, **common)
     assert folded.fused and not with_kl.fused
 

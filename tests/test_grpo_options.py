@@ -5,6 +5,7 @@ import torch
 
 import astrai_kernels as ak
 from astrai_kernels import reference
+from astrai_kernels.ops._common import LogitsShape
 
 KEYWORDS = dict(beta=0.04, clip_eps_low=0.1, clip_eps_high=0.3, loss_type="dapo",
                 temperature=0.7, entropy_coef=0.01, top_entropy_quantile=0.5)
@@ -113,8 +114,8 @@ def test_the_plan_refuses_a_keyword_beside_options():
 
     logits, target, mask, advantages, ref = _batch()
     with pytest.raises(ValueError, match=r"\['beta'\] given beside options"):
-        grpo_op.plan(logits, target, advantages, ak.GRPOOptions(beta=0.04), ref_logprobs=ref,
-                     beta=0.0)
+        grpo_op.plan(LogitsShape.of(logits), target, advantages, ak.GRPOOptions(beta=0.04),
+                     ref_logprobs=ref, beta=0.0)
 
 
 def _keyword_defaults(function):

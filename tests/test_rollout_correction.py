@@ -21,6 +21,7 @@ from test_linear import _inputs as linear_inputs
 
 import astrai_kernels as ak
 from astrai_kernels import reference
+from astrai_kernels.ops._common import LogitsShape
 from astrai_kernels.testing import assert_close
 
 BACKENDS = ["cpp", "torch"]  # and triton once: test_triton_backend
@@ -380,8 +381,8 @@ def test_fused_and_unfused_paths_are_both_taken():
     x = data["base"][:, :-1]
 
     def plan(**kwargs):
-        return grpo_op.plan(x, data["target"], data["advantages"], mask=data["mask"],
-                            sampling_logprobs=data["sampling"], **kwargs)
+        return grpo_op.plan(LogitsShape.of(x), data["target"], data["advantages"],
+                            mask=data["mask"], sampling_logprobs=data["sampling"], **kwargs)
 
     truncated = dict(rollout_is="token_truncate", rollout_is_min=0.8)
     assert plan(old_logprobs=data["old"], **truncated).fused
@@ -697,8 +698,8 @@ def test_linear_form():
     trl_kwargs, _, _ = _trl_modes(data, kwargs)
     rs_kwargs, _, _, modified = _rejection_case(data, "token_k3", {})
     kwargs.update(rollout_rs="token_k3", rollout_rs_threshold=rs_kwargs["rollout_rs_threshold"])
-    assert grpo_op.plan(logits, data["target"], data["advantages"], mask=data["mask"],
-                        **kwargs).fused
+    assert grpo_op.plan(LogitsShape.of(logits), data["target"], data["advantages"],
+                        mask=data["mask"], **kwargs).fused
     trl_data = dict(data, mask=modified)
     trl_args = {("old" if k == "old_logprobs" else k): v for k, v in trl_kwargs.items()}
 

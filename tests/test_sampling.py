@@ -535,3 +535,112 @@ def test_logits_whose_quotients_tie_are_tied(backend):
                                       return_support=True, backend=backend)
     assert support["support_size"].item() == 3 and bool(support["in_support"])
     assert torch.isfinite(logp).all()
+
+
+def test_sampled_forward_declares_its_output_dtypes():
+    """The cpp primitive returns what ``SAMPLING_PRIMITIVES`` declares: four float32 rows, then
+    support_size int64 and in_support bool."""
+    from astrai_kernels.kernels.cpp import backend as cpp_backend
+    from astrai_kernels.kernels.primitives import SAMPLING_PRIMITIVES, SamplingArgs
+    declared = SAMPLING_PRIMITIVES["sampled_logprobs_forward"]
+    logits = make_full((1, 3, 40), torch.float32, seed=1)[0]
+    outputs = cpp_backend.sampled_logprobs_forward(logits, torch.tensor([0, 5, -100]),
+                                                   SamplingArgs(0.7, 5, 0.9, 0.0, -100))
+    assert declared.output_dtypes == sampling_op.ROW_OUTPUT_DTYPES
+    assert tuple(out.dtype for out in outputs) == declared.output_dtypes
+    assert tuple(out.numel() for out in outputs) == declared.outputs(None, 3)
+
+
+def _non_finite_rows(vocab):
+    """``(rows, target, bad)``: LM-like rows, some made non-finite (NaN or +inf, at the target
+    or elsewhere, all -inf, NaN with -inf), and which rows those are."""
+    rows = torch.randn(9, vocab, generator=torch.Generator().manual_seed(4)) * 3.0
+    target = torch.randint(0, vocab, (9,), generator=torch.Generator().manual_seed(5))
+    rows[1, 7], target[1] = math.nan, 3
+    rows[2, 7], target[2] = math.nan, 7
+    rows[3, 9], target[3] = math.inf, 3
+    rows[4, 9], target[4] = math.inf, 9
+    rows[5] = -math.inf
+    rows[6, ::5], rows[6, 2] = -math.inf, math.nan
+    rows[7, :] = math.nan
+    bad = torch.zeros(9, dtype=torch.bool)
+    bad[1:8] = True
+    return rows, target, bad
+
+
+@pytest.mark.parametrize("settings", LONG_SETTINGS, ids=lambda s: "-".join(
+    f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("vocab", [VOCAB, LONG_VOCAB])
+def test_cpp_rows_with_nan_or_inf_are_nan_as_in_the_plain_op(vocab, settings):
+    """A row holding NaN or +inf (or only -inf) has no distribution: the plain op gives NaN
+    log-probs and a NaN gradient there, and so does the cpp sampling kernel (in_support, every
+    token counted), whatever its filters; it never hangs, and the other rows are untouched."""
+    params = ak.SamplingParams(temperature=0.8, **settings)
+    rows, target, bad = _non_finite_rows(vocab)
+    x, x_plain = (rows.clone().requires_grad_(True) for _ in range(2))
+    logp, support = ak.token_logprobs(x, target, sampling=params, return_support=True,
+                                      backend="cpp")
+    plain = ak.token_logprobs(x_plain, target, temperature=0.8, backend="cpp")
+    logp.backward(torch.ones_like(logp))
+    plain.backward(torch.ones_like(plain))
+    assert torch.isnan(plain[bad]).all() and torch.isnan(x_plain.grad[bad]).any(-1).all()
+    assert torch.isnan(logp[bad]).all() and torch.isnan(x.grad[bad]).any(-1).all()
+    assert torch.isnan(support["log_kept_mass"][bad]).all()
+    assert support["in_support"][bad].all()
+    assert torch.all(support["support_size"][bad] == vocab)
+    finite = ~bad
+    alone = rows[finite].clone().requires_grad_(True)
+    logp_alone, support_alone = ak.token_logprobs(alone, target[finite], sampling=params,
+                                                  return_support=True, backend="cpp")
+    logp_alone.backward(torch.ones_like(logp_alone))
+    assert torch.equal(logp[finite], logp_alone)
+    assert torch.equal(x.grad[finite], alone.grad)
+    for name in support:
+        assert torch.equal(support[name][finite], support_alone[name])
+    check_against_vllm(rows[finite], target[finite], params, "cpp")
+
+
+def _rows_with_minus_inf(vocab):
+    """``(rows, target)``: rows holding -inf entries: a third of them, all but one (the target
+    or another token), all but three, and a target at -inf among finite logits."""
+    rows = torch.randn(6, vocab, generator=torch.Generator().manual_seed(6)) * 3.0
+    target = torch.tensor([4, 3, 5, 2, vocab - 1, 1])
+    rows[0, ::3] = -math.inf
+    rows[1, ::3] = -math.inf  # target 3 at -inf
+    rows[2:5] = -math.inf
+    rows[2:4, 5] = 1.0
+    rows[4, [5, vocab // 2, vocab - 1]] = torch.tensor([1.0, 2.0, 0.5])
+    rows[5, 1] = -math.inf
+    return rows, target
+
+
+@pytest.mark.parametrize("settings", [*LONG_SETTINGS, {"top_k": 2}, {"top_k": 4, "top_p": 0.99}],
+                         ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("vocab", [VOCAB, LONG_VOCAB])
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_rows_with_minus_inf_match_the_spec(backend, vocab, settings):
+    """-inf logits are tokens of probability 0: the float64 spec
+    (``reference.sampled_token_logprobs``) keeps them only where the threshold is -inf (top_k
+    above the number of finite logits), and they count in support_size there."""
+    params = ak.SamplingParams(temperature=0.8, **settings)
+    rows, target = _rows_with_minus_inf(vocab)
+    x = rows.clone().requires_grad_(True)
+    logp, support = ak.token_logprobs(x, target, sampling=params, return_support=True,
+                                      backend=backend)
+    upstream = torch.rand(target.shape, generator=torch.Generator().manual_seed(8)) + 0.5
+    logp.backward(upstream)
+    spec = {}
+    for precision in (torch.float64, torch.float32):
+        xr = rows.to(precision).requires_grad_(True)
+        result = ak.reference.sampled_token_logprobs(
+            xr, target, params.temperature, params.top_k, params.top_p, params.min_p)
+        result[0].backward(upstream.to(precision))
+        spec[precision] = (*result, xr.grad)
+    want, naive = spec[torch.float64], spec[torch.float32]
+    assert torch.equal(support["in_support"], want[3])
+    assert torch.equal(support["support_size"], want[2])
+    assert_close(logp, want[0], "value", torch.float32, "logp", naive=naive[0])
+    assert_close(support["log_kept_mass"], want[1], "value", torch.float32, "log_kept_mass",
+                 naive=naive[1])
+    assert not torch.isnan(x.grad).any()
+    assert_close(x.grad, want[4], "grad", torch.float32, "grad", naive=naive[4])

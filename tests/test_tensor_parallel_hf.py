@@ -11,6 +11,7 @@ the weights load whole), then patched: the same two steps, the same result. Its 
 the attention and MLP too, so its result is judged the same way against the unsharded run.
 """
 
+import dataclasses
 import functools
 from unittest import mock
 
@@ -83,14 +84,16 @@ def _colwise_lm_head_and_patch(backend):
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from astrai_kernels.integrations import transformers as hf
-    from astrai_kernels.ops import dtensor
+    from astrai_kernels.ops import linear
 
     model = _model()
     parallelize_module(model, _mesh(), {"lm_head": ColwiseParallel(use_local_output=False)})
     assert isinstance(model.lm_head.weight, DTensor)
     hf.patch(model, backend=backend)
-    with mock.patch.object(dtensor, "linear_cross_entropy",
-                           wraps=dtensor.linear_cross_entropy) as front_door:
+    door = linear.LINEAR_CROSS_ENTROPY
+    front_door = mock.Mock(wraps=door.dtensor)
+    with mock.patch.object(linear, "LINEAR_CROSS_ENTROPY",
+                           dataclasses.replace(door, dtensor=front_door)):
         got = _train(model)
     assert front_door.call_count == 2  # each step's loss went through the DTensor front door
     _assert_trained_as_one_process(got)

@@ -254,13 +254,15 @@ NONE, ALWAYS, OPTIONAL = "none", "always", "optional"
 @dataclass(frozen=True)
 class Primitive:
     """One primitive: the tensors it takes (in order; ``Optional`` ones may be None), its
-    params class, the lengths of its per-row float32 outputs given the params and N, and
-    whether it writes the gradient of its first tensor (``grad`` is then its last argument)."""
+    params class, the lengths of its per-row outputs given the params and N, and whether it
+    writes the gradient of its first tensor (``grad`` is then its last argument). The outputs
+    are float32 unless ``output_dtypes`` gives each one's dtype."""
     name: str
     tensors: Tuple[Tuple[str, object], ...]
     params: type
     outputs: Callable[[object, int], Tuple[int, ...]]
     gradient: str = NONE
+    output_dtypes: Optional[Tuple[torch.dtype, ...]] = None
 
 
 def _rows(count: int) -> Callable[[object, int], Tuple[int, ...]]:
@@ -301,7 +303,7 @@ SHARD_PRIMITIVE = Primitive(
 #: ``ops/sampling.py``'s own custom ops call them)
 SAMPLING_PRIMITIVES = {p.name: p for p in (
     Primitive("sampled_logprobs_forward", (("logits", _T), ("target", _T)), SamplingArgs,
-              _rows(6)),
+              _rows(6), output_dtypes=(torch.float32,) * 4 + (torch.int64, torch.bool)),
     Primitive("sampled_logprobs_backward",
               (("logits", _T), ("target", _T), ("lse_kept", _T), ("threshold", _T),
                ("coef", _T)), SamplingArgs, _rows(0), ALWAYS),

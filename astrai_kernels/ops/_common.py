@@ -3,6 +3,7 @@
 import math
 import numbers
 import operator
+from typing import NamedTuple, Tuple
 
 import torch
 
@@ -27,7 +28,24 @@ def check_logits(logits, name="logits", allow_empty_vocab=False):
         raise ValueError(f"{name} must have shape [..., V] with V >= 1, got {tuple(logits.shape)}")
 
 
-def check_target(target, logits, ignore_index=None, name="target", where=None):
+class LogitsShape(NamedTuple):
+    """What the checks read of the logits, which the fused head and a vocabulary shard never
+    hold whole: the rows' shape, the (whole) vocabulary and the device."""
+    lead: Tuple[int, ...]
+    vocab: int
+    device: torch.device
+
+    @classmethod
+    def of(cls, logits: torch.Tensor) -> "LogitsShape":
+        return cls(tuple(logits.shape[:-1]), logits.shape[-1], logits.device)
+
+    @classmethod
+    def of_head(cls, hidden: torch.Tensor, weight: torch.Tensor) -> "LogitsShape":
+        """The logits ``hidden @ weight.T`` would have."""
+        return cls(tuple(hidden.shape[:-1]), weight.shape[0], hidden.device)
+
+
+def check_target(target, logits: LogitsShape, ignore_index=None, name="target", where=None):
     """Type, shape and device of ``target``, and (one host sync) that its entries are in range.
 
     ``where`` (a bool tensor of target's shape) limits the range check to the rows it selects.
@@ -36,12 +54,12 @@ def check_target(target, logits, ignore_index=None, name="target", where=None):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(target).__name__}")
     if target.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name} must be int32 or int64, got {target.dtype}")
-    if tuple(target.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"{name} must have shape {tuple(logits.shape[:-1])} (logits' shape "
+    if tuple(target.shape) != logits.lead:
+        raise ValueError(f"{name} must have shape {logits.lead} (logits' shape "
                          f"without V), got {tuple(target.shape)}")
     if target.device != logits.device:
         raise ValueError(f"{name} is on {target.device} but logits are on {logits.device}")
-    vocab = logits.shape[-1]
+    vocab = logits.vocab
     bad = (target < 0) | (target >= vocab)
     if ignore_index is not None:
         bad &= target != ignore_index

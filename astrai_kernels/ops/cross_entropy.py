@@ -28,6 +28,7 @@ from ..kernels.registry import backend_module, resolve_backend
 from . import dtensor, vocab_parallel
 from ._common import (
     AttachGrad,
+    LogitsShape,
     check_choice,
     check_in_range,
     check_index,
@@ -43,6 +44,7 @@ from ._common import (
     refuse_double_backward,
     rows_view,
 )
+from .door import Checked, Door
 from .reduction import (
     check_zero_normalizer,
     checked_normalizer,
@@ -109,13 +111,10 @@ def _call(logits_rows, target_flat, params, grad_scale, grad_out=None):
                                           grad_scale is not None, params.backend)
 
 
-def checked_params(logits, target, ignore_index, reduction, label_smoothing, z_loss, softcap,
-                   normalizer, inplace_backward, backend, logit_scale=1.0):
-    """Validate every argument; ``(params, normalizer as a device tensor or None)``.
-
-    ``logits`` may be a zero-byte stand-in of the logits' shape (the fused LM head's checks).
-    """
-    check_logits(logits)
+def checked_params(logits: LogitsShape, target, ignore_index, reduction, label_smoothing, z_loss,
+                   softcap, normalizer, inplace_backward, backend, logit_scale=1.0):
+    """Validate every argument but the logits tensor itself (the fused head and a vocabulary
+    shard have none); ``(params, normalizer as a device tensor or None)``."""
     ignore_index = check_index(ignore_index, "ignore_index")
     check_target(target, logits, ignore_index)
     check_choice(reduction, "reduction", REDUCTIONS)
@@ -126,7 +125,6 @@ def checked_params(logits, target, ignore_index, reduction, label_smoothing, z_l
     normalizer_t = checked_normalizer(normalizer, reduction, logits.device)
     if normalizer_t is not None:
         check_zero_normalizer(normalizer_t, target != ignore_index)
-    check_inplace(logits, inplace_backward)
     params = CrossEntropyParams(
         ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
         softcap=softcap_value, logit_scale=logit_scale, reduction=reduction,
@@ -182,33 +180,40 @@ def cross_entropy(
     count (always compared: a mismatch would hang) and, when True (the default), the sum and
     count of its counted targets, so ranks that disagree raise ``ValueError`` on every rank.
     """
-    if dtensor.has_dtensor(logits, target, normalizer):  # locals(): every argument
-        return dtensor.cross_entropy(cross_entropy, **locals())
-    if process_group is not None:
-        if check_in_range(logit_scale, "logit_scale", -math.inf, math.inf) != 1.0:
-            raise ValueError("logit_scale is not supported with process_group")
-        return _vocab_parallel_cross_entropy(
-            logits, target, process_group, ignore_index, reduction, label_smoothing, z_loss,
-            softcap, normalizer, inplace_backward, backend, check_consistency)
-    params, normalizer_t = checked_params(logits, target, ignore_index, reduction,
-                                          label_smoothing, z_loss, softcap, normalizer,
-                                          inplace_backward, backend, logit_scale)
-    if params.backend == "reference":
-        if normalizer_t is None:
-            return reference.cross_entropy(logits.float(), target, ignore_index, reduction,
-                                           label_smoothing, z_loss, softcap,
-                                           logit_scale=params.logit_scale)
-        total = reference.cross_entropy(logits.float(), target, ignore_index, "sum",
-                                        label_smoothing, z_loss, softcap,
-                                        logit_scale=params.logit_scale)
-        return total * inverse_or_zero(normalizer_t)
+    return CROSS_ENTROPY.enter(locals())
+
+
+def _check(call) -> Checked:
+    logits = call["logits"]
+    check_logits(logits)
+    check_inplace(logits, call["inplace_backward"])
+    return Checked(*checked_params(
+        LogitsShape.of(logits), call["target"], call["ignore_index"], call["reduction"],
+        call["label_smoothing"], call["z_loss"], call["softcap"], call["normalizer"],
+        call["inplace_backward"], call["backend"], call["logit_scale"]))
+
+
+def _reference(call, checked: Checked):
+    params, normalizer_t = checked
+    logits, target = call["logits"].float(), call["target"]
+    reduction = params.reduction if normalizer_t is None else "sum"
+    loss = reference.cross_entropy(logits, target, params.ignore_index, reduction,
+                                   params.label_smoothing, params.z_loss, call["softcap"],
+                                   logit_scale=params.logit_scale)
+    return loss if normalizer_t is None else loss * inverse_or_zero(normalizer_t)
+
+
+def _local(call, checked: Checked):
+    logits, target = call["logits"], call["target"]
+    params, normalizer_t = checked
+    reduction = params.reduction
     logits_rows, target_flat = rows_view(logits), flat_target(target)
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
     if reduction == "none":
         if not needs_grad:
             loss, _, _ = _call(logits_rows, target_flat, params, None)
             return loss.view(target.shape)
-        inplace = inplace_grad_owner(logits, logits_rows) if inplace_backward else None
+        inplace = inplace_grad_owner(logits, logits_rows) if params.inplace_backward else None
         if inplace is None:
             params = replace(params, inplace_backward=False)
             inplace = (logits, None)
@@ -219,7 +224,7 @@ def cross_entropy(
     if not needs_grad:
         loss, _, _ = _call(logits_rows, target_flat, params, None)
         return reduce_loss(loss, grad_scale, params)
-    inplace = inplace_grad_owner(logits, logits_rows) if inplace_backward else None
+    inplace = inplace_grad_owner(logits, logits_rows) if params.inplace_backward else None
     with torch.no_grad():
         if inplace is None:
             loss, _, grad = _call(logits_rows, target_flat, params, grad_scale)
@@ -232,25 +237,28 @@ def cross_entropy(
     return AttachGrad.apply(owner, value, grad, "cross_entropy", TORCH_EQUIVALENT)
 
 
-def _vocab_parallel_cross_entropy(logits, target, process_group, ignore_index, reduction,
-                                  label_smoothing, z_loss, softcap, normalizer, inplace_backward,
-                                  backend, check_consistency):
+def _vocab_parallel(call):
     """``cross_entropy`` of a vocabulary shard (``ops/vocab_parallel.py``)."""
+    logits, target = call["logits"], call["target"]
+    if check_in_range(call["logit_scale"], "logit_scale", -math.inf, math.inf) != 1.0:
+        raise ValueError("logit_scale is not supported with process_group")
     check_logits(logits, allow_empty_vocab=True)
-    layout = vocab_parallel.shard_layout(process_group, logits.shape[-1], logits.device, target,
-                                         ignore_index, check_consistency)
+    layout = vocab_parallel.shard_layout(call["process_group"], logits.shape[-1], logits.device,
+                                         target, call["ignore_index"], call["check_consistency"])
     params, normalizer_t = checked_params(
-        vocab_parallel.global_stand_in(logits, logits.shape[:-1], layout), target, ignore_index,
-        reduction, label_smoothing, z_loss, softcap, normalizer, False, backend)
-    check_inplace(logits, inplace_backward)
+        vocab_parallel.whole_logits(logits, layout), target, call["ignore_index"],
+        call["reduction"], call["label_smoothing"], call["z_loss"], call["softcap"],
+        call["normalizer"], call["inplace_backward"], call["backend"])
+    check_inplace(logits, params.inplace_backward)
     if params.backend == "reference":
-        return cross_entropy(vocab_parallel.gathered_logits(logits, layout), target,
-                             ignore_index=ignore_index, reduction=reduction,
-                             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                             normalizer=normalizer, backend="reference")
+        return vocab_parallel.on_gathered_logits(cross_entropy, call, layout)
     target_flat = flat_target(target)
-    rows_loss = vocab_parallel.shard_cross_entropy_rows(
-        logits, target_flat, replace(params, inplace_backward=inplace_backward), layout, backend)
-    if reduction == "none":
+    rows_loss = vocab_parallel.shard_cross_entropy_rows(logits, target_flat, params, layout,
+                                                        call["backend"])
+    if params.reduction == "none":
         return rows_loss.view(target.shape)
     return reduce_loss(rows_loss, loss_grad_scale(target_flat, params, normalizer_t), params)
+
+
+CROSS_ENTROPY = Door(cross_entropy, ("logits", "target", "normalizer"), _check, _local,
+                     _reference, _vocab_parallel, dtensor.cross_entropy)

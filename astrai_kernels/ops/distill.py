@@ -12,8 +12,9 @@ loss pass keeps: no exp or log more) and the backward only rescales it, as ``cro
 with ``reduction="none"`` the backward reads both rows once more and writes it.
 """
 
+import math
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -25,6 +26,7 @@ from ..kernels.primitives import DistillArgs
 from ..kernels.registry import backend_module, resolve_backend
 from ._common import (
     AttachGrad,
+    LogitsShape,
     check_choice,
     check_in_range,
     check_index,
@@ -35,6 +37,7 @@ from ._common import (
     refuse_double_backward,
     rows_view,
 )
+from .door import Checked, Door
 from .head import (
     AttachHeadGrads,
     ChunkedHead,
@@ -43,7 +46,6 @@ from .head import (
     fake_head_gradients,
     grad_or_none,
     head_needs,
-    logits_like,
     reference_logits,
     row_floats,
 )
@@ -60,16 +62,14 @@ class DistillParams(DistillArgs):
     backend: str
 
 
-def checked_params(student, teacher, target, beta, temperature, ignore_index, reduction,
-                   normalizer, hard_weight, backend):
-    """Validate every argument; ``(params, normalizer as a device tensor or None)``.
-
-    ``student`` and ``teacher`` may be zero-byte stand-ins of the logits (the fused head)."""
-    check_logits(student, "student_logits")
-    check_logits(teacher, "teacher_logits")
-    if tuple(teacher.shape) != tuple(student.shape):
+def checked_params(student: LogitsShape, teacher: LogitsShape, target, beta, temperature,
+                   ignore_index, reduction, normalizer, hard_weight, backend):
+    """Validate every argument but the logits tensors themselves (the fused head has none);
+    ``(params, normalizer as a device tensor or None)``."""
+    if teacher.lead + (teacher.vocab,) != student.lead + (student.vocab,):
         raise ValueError(f"teacher_logits must have student_logits' shape "
-                         f"{tuple(student.shape)}, got {tuple(teacher.shape)}")
+                         f"{student.lead + (student.vocab,)}, got "
+                         f"{teacher.lead + (teacher.vocab,)}")
     if teacher.device != student.device:
         raise ValueError(f"teacher_logits are on {teacher.device} but student_logits are on "
                          f"{student.device}")
@@ -88,7 +88,7 @@ def checked_params(student, teacher, target, beta, temperature, ignore_index, re
     normalizer_t = checked_normalizer(normalizer, "mean", student.device)
     if normalizer_t is not None:
         counted = (target != ignore_index if target is not None
-                   else torch.tensor(student.shape[:-1].numel() > 0, device=student.device))
+                   else torch.tensor(math.prod(student.lead) > 0, device=student.device))
         check_zero_normalizer(normalizer_t, counted)
     if target is None:
         ignore_index = -1  # the primitives then read zeros as targets: every row counts
@@ -211,20 +211,35 @@ def distill_loss(
     a row whose loss is +inf is not defined (backends may give NaN or inf there); a row whose
     logits are all -inf on either side has no softmax and gives NaN.
     """
-    params, normalizer_t = checked_params(student_logits, teacher_logits, target, beta,
-                                          temperature, ignore_index, reduction, normalizer,
-                                          hard_weight, backend)
-    teacher_logits = teacher_logits.detach()
-    if params.backend == "reference":
-        return reference.distill_loss(
-            student_logits.float(), teacher_logits.float(), target, params.beta,
-            params.temperature, params.ignore_index, reduction,
-            normalizer_t, params.hard_weight)
+    return DISTILL_LOSS.enter(locals())
+
+
+def _check(call) -> Checked:
+    student, teacher = call["student_logits"], call["teacher_logits"]
+    check_logits(student, "student_logits")
+    check_logits(teacher, "teacher_logits")
+    return Checked(*checked_params(
+        LogitsShape.of(student), LogitsShape.of(teacher), call["target"], call["beta"],
+        call["temperature"], call["ignore_index"], call["reduction"], call["normalizer"],
+        call["hard_weight"], call["backend"]))
+
+
+def _reference(call, checked: Checked):
+    params, normalizer_t = checked
+    return reference.distill_loss(
+        call["student_logits"].float(), call["teacher_logits"].detach().float(), call["target"],
+        params.beta, params.temperature, params.ignore_index, params.reduction, normalizer_t,
+        params.hard_weight)
+
+
+def _local(call, checked: Checked):
+    params, normalizer_t = checked
+    student_logits, teacher_logits = call["student_logits"], call["teacher_logits"].detach()
     lead_shape = student_logits.shape[:-1]
     vocab = student_logits.shape[-1]
-    target_flat = row_targets(target, lead_shape.numel(), student_logits.device)
+    target_flat = row_targets(call["target"], lead_shape.numel(), student_logits.device)
     needs_grad = torch.is_grad_enabled() and student_logits.requires_grad
-    if needs_grad and reduction == "none":
+    if needs_grad and params.reduction == "none":
         rows_loss = _DistillRows.apply(student_logits, teacher_logits, target_flat, params)
         return reduce_rows(rows_loss, target_flat, params, normalizer_t, vocab, lead_shape)
     student_rows, teacher_rows = matching_rows(student_logits, teacher_logits)
@@ -354,13 +369,28 @@ def linear_distill_loss(
     transform each head's logits before the temperature, as in ``linear_token_logprobs``
     (``hard_weight``'s cross-entropy reads the student's transformed logits).
     """
-    transforms = (checked_transform(logit_scale, softcap),
-                  checked_transform(teacher_logit_scale, teacher_softcap))
-    student_rows = check_head(student_hidden, student_weight, student_bias,
-                                         chunk_size)
+    return LINEAR_DISTILL_LOSS.enter(locals())
+
+
+class _HeadDistill(NamedTuple):
+    """A checked ``linear_distill_loss`` call: the logits op's checked call and each head's
+    transform."""
+    checked: Checked
+    transforms: Tuple[Tuple[float, float], Tuple[float, float]]
+
+    @property
+    def backend(self) -> str:
+        return self.checked.backend
+
+
+def _check_linear(call) -> _HeadDistill:
+    student_hidden, student_weight = call["student_hidden"], call["student_weight"]
+    teacher_hidden, teacher_weight = call["teacher_hidden"], call["teacher_weight"]
+    transforms = (checked_transform(call["logit_scale"], call["softcap"]),
+                  checked_transform(call["teacher_logit_scale"], call["teacher_softcap"]))
+    check_head(student_hidden, student_weight, call["student_bias"], call["chunk_size"])
     try:
-        teacher_rows = check_head(teacher_hidden, teacher_weight, teacher_bias,
-                                             chunk_size)
+        check_head(teacher_hidden, teacher_weight, call["teacher_bias"], call["chunk_size"])
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"teacher head: {exc}") from None
     if teacher_weight.shape[0] != student_weight.shape[0]:
@@ -370,20 +400,33 @@ def linear_distill_loss(
         raise ValueError(f"teacher_hidden must have student_hidden's leading shape "
                          f"{tuple(student_hidden.shape[:-1])}, got "
                          f"{tuple(teacher_hidden.shape[:-1])}")
-    backend = resolve_backend(backend, student_hidden.device)
-    options = dict(beta=beta, temperature=temperature, ignore_index=ignore_index,
-                   reduction=reduction, normalizer=normalizer, hard_weight=hard_weight)
-    if backend == "reference":
-        return distill_loss(
-            reference_logits(student_hidden, student_weight, student_bias,
-                                        logit_scale, softcap),
-            reference_logits(teacher_hidden, teacher_weight, teacher_bias,
-                                        teacher_logit_scale, teacher_softcap),
-            target, backend="reference", **options)
-    params, normalizer_t = checked_params(
-        logits_like(student_hidden, student_weight),
-        logits_like(teacher_hidden, teacher_weight), target, beta, temperature,
-        ignore_index, reduction, normalizer, hard_weight, backend)
+    checked = Checked(*checked_params(
+        LogitsShape.of_head(student_hidden, student_weight),
+        LogitsShape.of_head(teacher_hidden, teacher_weight), call["target"], call["beta"],
+        call["temperature"], call["ignore_index"], call["reduction"], call["normalizer"],
+        call["hard_weight"], call["backend"]))
+    return _HeadDistill(checked, transforms)
+
+
+def _reference_linear(call, checked: _HeadDistill):
+    return distill_loss(
+        reference_logits(call["student_hidden"], call["student_weight"], call["student_bias"],
+                         call["logit_scale"], call["softcap"]),
+        reference_logits(call["teacher_hidden"], call["teacher_weight"], call["teacher_bias"],
+                         call["teacher_logit_scale"], call["teacher_softcap"]),
+        call["target"], beta=call["beta"], temperature=call["temperature"],
+        ignore_index=call["ignore_index"], reduction=call["reduction"],
+        normalizer=call["normalizer"], hard_weight=call["hard_weight"], backend="reference")
+
+
+def _local_linear(call, head: _HeadDistill):
+    student_hidden, student_weight = call["student_hidden"], call["student_weight"]
+    student_bias, teacher_bias = call["student_bias"], call["teacher_bias"]
+    teacher_hidden, teacher_weight = call["teacher_hidden"], call["teacher_weight"]
+    (params, normalizer_t), transforms = head.checked, head.transforms
+    chunk_size, reduction, target = call["chunk_size"], params.reduction, call["target"]
+    student_rows = student_hidden.reshape(-1, student_hidden.shape[-1])
+    teacher_rows = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
     teacher_args = (teacher_rows.detach(), teacher_weight.detach(),
                     None if teacher_bias is None else teacher_bias.detach())
     lead_shape = student_hidden.shape[:-1]
@@ -410,3 +453,11 @@ def linear_distill_loss(
     return AttachHeadGrads.apply(student_rows, student_weight, student_bias, value,
                                             grad_hidden, grad_weight, grad_bias,
                                             "linear_distill_loss", None)
+
+
+DISTILL_LOSS = Door(distill_loss, ("student_logits", "teacher_logits", "target", "normalizer"),
+                    _check, _local, _reference)
+LINEAR_DISTILL_LOSS = Door(linear_distill_loss, (
+    "student_hidden", "student_weight", "teacher_hidden", "teacher_weight", "target",
+    "student_bias", "teacher_bias", "normalizer"), _check_linear, _local_linear,
+    _reference_linear)

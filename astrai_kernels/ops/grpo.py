@@ -29,6 +29,7 @@ from ..kernels.registry import resolve_backend
 from . import dtensor, rollout_correction, vocab_parallel
 from ._common import (
     AttachGrad,
+    LogitsShape,
     check_bool,
     check_in_range,
     check_logits,
@@ -37,6 +38,7 @@ from ._common import (
     flat_target,
     rows_view,
 )
+from .door import Door
 from .grpo_options import (
     DEFAULT_OPTIONS,
     GLOBAL_COUNT_LOSS_TYPES,
@@ -178,15 +180,14 @@ def _check_option_inputs(options: GRPOOptions, ref: Optional[Tensor],
                          "rollout_rs too")
 
 
-def _check(logits, target, advantages, options: GRPOOptions, mask, old_logprobs, ref_logprobs,
-           normalizer, backend, importance_weights=None,
+def _check(logits: LogitsShape, target, advantages, options: GRPOOptions, mask, old_logprobs,
+           ref_logprobs, normalizer, backend, importance_weights=None,
            sampling_logprobs=None) -> Tuple[_Inputs, GRPOParams]:
     if not isinstance(options, GRPOOptions):
         raise TypeError(f"options must be a GRPOOptions, got {type(options).__name__}")
-    check_logits(logits)
-    if logits.dim() != 3:
-        raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
-    shape, device = tuple(logits.shape[:2]), logits.device
+    if len(logits.lead) != 2:
+        raise ValueError(f"logits must have shape [B, T, V], got {logits.lead + (logits.vocab,)}")
+    shape, device = logits.lead, logits.device
     if mask is None:
         valid = torch.ones(shape, dtype=torch.bool, device=device)
     else:
@@ -243,8 +244,14 @@ class GRPOPlan:
     correction_pending: bool = False
     #: ``sampling=``: the support is known once the token log-probs are (``with_support``)
     support_pending: bool = False
+    #: ``sampling=``: the sampler's processed distribution the tokens are scored under
+    sampling: Optional[SamplingParams] = None
     #: the rollout correction's metrics, once computed
     correction_metrics: Optional[Dict[str, Tensor]] = None
+
+    @property
+    def backend(self) -> str:
+        return self.params.backend
 
     @property
     def fused(self) -> bool:
@@ -272,13 +279,13 @@ class GRPOPlan:
 
 
 @options_or_keywords
-def plan(logits: Tensor, target: Tensor, advantages: Tensor,
+def plan(logits: LogitsShape, target: Tensor, advantages: Tensor,
          options: Optional[GRPOOptions] = None, *, mask=None, old_logprobs=None,
          ref_logprobs=None, normalizer=None, importance_weights=None, sampling_logprobs=None,
-         backend="auto", return_token_values=False, **keywords) -> GRPOPlan:
-    """Check a call's arguments and weigh its tokens. ``logits`` may be a zero-byte stand-in of
-    the logits' shape, dtype and device (the fused LM head's checks). The options come as
-    ``options`` or as ``GRPOOptions``' fields in ``keywords``."""
+         backend="auto", return_token_values=False, sampling=None, **keywords) -> GRPOPlan:
+    """Check a call's arguments (all but the logits tensor, which the fused head and a
+    vocabulary shard do not have) and weigh its tokens. The options come as ``options`` or
+    as ``GRPOOptions``' fields in ``keywords``."""
     check_bool(return_token_values, "return_token_values")
     unknown = set(keywords) - set(OPTION_NAMES)
     if unknown:
@@ -288,7 +295,10 @@ def plan(logits: Tensor, target: Tensor, advantages: Tensor,
                             ref_logprobs, normalizer, backend, importance_weights,
                             sampling_logprobs)
     weight = _token_weight(inputs.valid, params.options, inputs.normalizer)
-    checked = GRPOPlan(inputs, params, weight, return_token_values)
+    if sampling is not None:
+        sampling = check_sampling(sampling, params.options, return_token_values)
+    checked = GRPOPlan(inputs, params, weight, return_token_values,
+                       support_pending=sampling is not None, sampling=sampling)
     if not params.options.rollout_correction_on:
         return checked
     if inputs.old is None:
@@ -411,27 +421,40 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
         rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
         rollout_rs_threshold=rollout_rs_threshold,
         rollout_rs_threshold_lower=rollout_rs_threshold_lower))
-    if sampling is not None:
-        return _sampled_grpo_loss(logits, target, advantages, options, sampling, backend,
-                                  process_group, dtensor.has_dtensor(logits), dict(
-                                      mask=mask, old_logprobs=old_logprobs,
-                                      ref_logprobs=ref_logprobs, normalizer=normalizer,
-                                      importance_weights=importance_weights,
-                                      sampling_logprobs=sampling_logprobs,
-                                      return_token_values=return_token_values))
-    if dtensor.has_dtensor(logits, target, advantages, mask, old_logprobs, ref_logprobs,
-                           normalizer, importance_weights, sampling_logprobs):
-        return dtensor.grpo_loss(grpo_loss, **locals())  # locals(): every argument, options
-    inputs = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                  normalizer=normalizer, importance_weights=importance_weights,
-                  sampling_logprobs=sampling_logprobs, return_token_values=return_token_values)
-    if process_group is not None:
-        return _vocab_parallel_grpo_loss(logits, target, advantages, process_group, backend,
-                                         check_consistency, options, inputs)
-    checked = plan(logits, target, advantages, options, backend=backend, **inputs)
-    params = checked.params
-    if params.backend == "reference":
-        return reference_loss(logits, target, checked)
+    return GRPO_LOSS.enter(locals())
+
+
+def call_inputs(call) -> Dict[str, object]:
+    """The per-token inputs and flags of a GRPO call, as ``plan`` takes them."""
+    return {name: call[name] for name in (
+        "mask", "old_logprobs", "ref_logprobs", "normalizer", "importance_weights",
+        "sampling_logprobs", "return_token_values", "sampling")}
+
+
+def without_option_keywords(call) -> Dict[str, object]:
+    """A GRPO call's arguments with the options as ``options`` only (to call the op again)."""
+    return {name: value for name, value in call.items() if name not in OPTION_NAMES}
+
+
+def _check_call(call) -> GRPOPlan:
+    logits = call["logits"]
+    check_logits(logits)
+    return plan(LogitsShape.of(logits), call["target"], call["advantages"], call["options"],
+                backend=call["backend"], **call_inputs(call))
+
+
+def _reference(call, checked: GRPOPlan):
+    if checked.sampling is not None:
+        return _local(call, checked)
+    return reference_loss(call["logits"], call["target"], checked)
+
+
+def _local(call, checked: GRPOPlan):
+    logits, target, params = call["logits"], call["target"], checked.params
+    if checked.sampling is not None:
+        return from_logprobs(sampled_logprobs_of(lambda masked_target: token_logprobs(
+            logits, masked_target, ignore_index=-100, sampling=checked.sampling,
+            backend=params.backend)), target, checked)
     if not checked.fused:
         def logprobs_of(masked_target: Tensor, with_entropy: bool):
             out = token_logprobs(logits, masked_target, temperature=params.temperature,
@@ -442,8 +465,15 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
     return _token_level(logits, target, checked)
 
 
+def _dtensor(op, **call):
+    if call["sampling"] is not None:
+        check_sampling(call["sampling"], call["options"], call["return_token_values"],
+                       sharded=True)
+    return dtensor.grpo_loss(op, **call)
+
+
 def check_sampling(sampling, options: GRPOOptions, token_values: bool,
-                   sharded: bool) -> SamplingParams:
+                   sharded: bool = False) -> SamplingParams:
     """``sampling`` of a GRPO call, and what it cannot go with."""
     return checked_sampling(sampling, options.temperature,
                             top_entropy_quantile=options.top_entropy_quantile < 1.0,
@@ -458,19 +488,6 @@ def sampled_logprobs_of(score: Callable[[Tensor], Tensor]):
     def logprobs_of(masked_target: Tensor, with_entropy: bool):
         return score(masked_target), None
     return logprobs_of
-
-
-def _sampled_grpo_loss(logits, target, advantages, options, sampling, backend, process_group,
-                       sharded, inputs):
-    """``grpo_loss(..., sampling=...)``: the token log-probs under the sampler's processed
-    distribution, a token outside its support masked (``from_logprobs``)."""
-    sampling = check_sampling(sampling, options, inputs["return_token_values"],
-                              sharded or process_group is not None)
-    checked = dataclasses.replace(plan(logits, target, advantages, options, backend=backend,
-                                       **inputs), support_pending=True)
-    return from_logprobs(sampled_logprobs_of(lambda masked_target: token_logprobs(
-        logits, masked_target, ignore_index=-100, sampling=sampling,
-        backend=checked.params.backend)), target, checked)
 
 
 def with_support(checked: GRPOPlan, logp: Tensor) -> Tuple[GRPOPlan, Tensor]:
@@ -514,27 +531,28 @@ def reference_loss(logits: Tensor, target: Tensor, checked: GRPOPlan):
     return with_token_values(result, checked, logp, entropy)
 
 
-def _vocab_parallel_grpo_loss(logits, target, advantages, process_group, backend,
-                              check_consistency, options, inputs):
+def _vocab_parallel(call):
     """``grpo_loss`` of a vocabulary shard: the differentiable token log-probs of the group,
     then the per-token objective in torch (``ops/vocab_parallel.py``)."""
+    logits, target = call["logits"], call["target"]
+    if call["sampling"] is not None:
+        check_sampling(call["sampling"], call["options"], call["return_token_values"],
+                       sharded=True)
     check_logits(logits, allow_empty_vocab=True)
-    if logits.dim() != 3:
-        raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
     # the row count here; the targets' fingerprint (masked ones ignored) in token_logprobs
-    layout = vocab_parallel.shard_layout(process_group, logits.shape[-1], logits.device, target,
-                                         check_consistency=False)
-    vocab_parallel.check_consistency_flag(check_consistency)
-    checked = plan(vocab_parallel.global_stand_in(logits, logits.shape[:-1], layout), target,
-                   advantages, options, backend=backend, **inputs)
+    layout = vocab_parallel.shard_layout(call["process_group"], logits.shape[-1], logits.device,
+                                         target, check_consistency=False)
+    check_consistency = vocab_parallel.check_consistency_flag(call["check_consistency"])
+    checked = plan(vocab_parallel.whole_logits(logits, layout), target, call["advantages"],
+                   call["options"], backend=call["backend"], **call_inputs(call))
     if checked.params.backend == "reference":
-        return grpo_loss(vocab_parallel.gathered_logits(logits, layout), target, advantages,
-                         backend="reference", options=options, **inputs)
+        return vocab_parallel.on_gathered_logits(grpo_loss, without_option_keywords(call),
+                                                 layout)
 
     def logprobs_of(masked_target, with_entropy):
-        out = token_logprobs(logits, masked_target, process_group=process_group,
+        out = token_logprobs(logits, masked_target, process_group=call["process_group"],
                              temperature=checked.params.temperature, ignore_index=-100,
-                             return_entropy=with_entropy, backend=backend,
+                             return_entropy=with_entropy, backend=call["backend"],
                              check_consistency=check_consistency)
         return out if with_entropy else (out, None)
 
@@ -767,3 +785,9 @@ def _entropy_bonus(entropy: Tensor, keep: Tensor, checked: GRPOPlan) -> Tensor:
         return torch.where(keep, entropy * checked.weight, 0.0).sum()
     count = keep.sum().clamp(min=1).to(torch.float32)
     return torch.where(keep, entropy, 0.0).sum() / count
+
+
+GRPO_LOSS = Door(grpo_loss, ("logits", "target", "advantages", "mask", "old_logprobs",
+                             "ref_logprobs", "normalizer", "importance_weights",
+                             "sampling_logprobs"),
+                 _check_call, _local, _reference, _vocab_parallel, _dtensor)

@@ -419,10 +419,6 @@ def check_chunk_size(chunk_size):
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
 
 
-def logits_like(hidden, weight):
-    """A zero-byte stand-in with the logits' shape, dtype and device, for the shared checks."""
-    return hidden.new_zeros(()).expand(*hidden.shape[:-1], weight.shape[0])
-
 def reference_logits(hidden, weight, bias, logit_scale, softcap):
     """The transformed logits for ``backend="reference"``: float32 math on the product."""
     logits = torch.nn.functional.linear(hidden, weight, bias)

@@ -17,7 +17,7 @@ The chunk walk, its chunk rule and its compute dtype are ``ops/head.py``'s.
 """
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Dict, Literal, Optional, Sequence, Tuple, Union, overload
 
 import torch
@@ -31,7 +31,15 @@ from . import cross_entropy as ce_op
 from . import dtensor, vocab_parallel
 from . import grpo as grpo_op
 from . import logprobs as lp_op
-from ._common import check_bool, check_in_range, dense_grad, flat_target, refuse_double_backward
+from ._common import (
+    LogitsShape,
+    check_bool,
+    check_in_range,
+    dense_grad,
+    flat_target,
+    refuse_double_backward,
+)
+from .door import Checked, Door
 from .grpo_options import GRPOOptions, options_from, options_or_keywords
 from .head import (
     AttachHeadGrads,
@@ -43,7 +51,6 @@ from .head import (
     grad_or_none,
     head_any_grad,
     head_needs,
-    logits_like,
     reference_logits,
     row_floats,
 )
@@ -315,43 +322,47 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     (``ops/vocab_parallel.py``; ``check_consistency`` as in ``cross_entropy``; no
     ``logit_scale`` there).
     """
-    if dtensor.has_dtensor(hidden, weight, target, bias, normalizer):  # locals(): every argument
-        return dtensor.linear_cross_entropy(linear_cross_entropy, **locals())
-    if process_group is not None:
-        if check_in_range(logit_scale, "logit_scale", -math.inf, math.inf) != 1.0:
-            raise ValueError("logit_scale is not supported with process_group")
-        return _vocab_parallel_cross_entropy(
-            hidden, weight, target, process_group, bias, ignore_index, reduction,
-            label_smoothing, z_loss, softcap, normalizer, chunk_size, backend, check_consistency)
-    hidden_rows = check_head(hidden, weight, bias, chunk_size)
-    backend = resolve_backend(backend, hidden.device)
-    if backend == "reference":
-        return ce_op.cross_entropy(torch.nn.functional.linear(hidden, weight, bias), target,
-                                   ignore_index=ignore_index, reduction=reduction,
-                                   label_smoothing=label_smoothing, z_loss=z_loss,
-                                   softcap=softcap, logit_scale=logit_scale,
-                                   normalizer=normalizer, backend="reference")
-    # The logits op's own checks and scale rules, run on a zero-byte stand-in for the logits.
-    params, normalizer_t = ce_op.checked_params(
-        logits_like(hidden, weight), target, ignore_index, reduction, label_smoothing, z_loss,
-        softcap, normalizer, False, backend, logit_scale)
-    target_flat = flat_target(target)
-    ce_args = params  # a CrossEntropyArgs subclass: the walk reads its declared fields
+    return LINEAR_CROSS_ENTROPY.enter(locals())
+
+
+def _check_cross_entropy(call) -> Checked:
+    hidden, weight = call["hidden"], call["weight"]
+    check_head(hidden, weight, call["bias"], call["chunk_size"])
+    return Checked(*ce_op.checked_params(
+        LogitsShape.of_head(hidden, weight), call["target"], call["ignore_index"],
+        call["reduction"], call["label_smoothing"], call["z_loss"], call["softcap"],
+        call["normalizer"], False, call["backend"], call["logit_scale"]))
+
+
+def _reference_cross_entropy(call, checked: Checked):
+    logits = torch.nn.functional.linear(call["hidden"], call["weight"], call["bias"])
+    return ce_op.cross_entropy(logits, call["target"], ignore_index=call["ignore_index"],
+                               reduction=call["reduction"],
+                               label_smoothing=call["label_smoothing"], z_loss=call["z_loss"],
+                               softcap=call["softcap"], logit_scale=call["logit_scale"],
+                               normalizer=call["normalizer"], backend="reference")
+
+
+def _local_cross_entropy(call, checked: Checked):
+    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
+    params, normalizer_t = checked
+    chunk_size = call["chunk_size"]
+    hidden_rows, target_flat = hidden.reshape(-1, hidden.shape[-1]), flat_target(target)
     head_args = HeadArgs(chunk_size, params.backend)
-    if reduction == "none":
+    if params.reduction == "none":
         if head_any_grad(hidden, weight, bias):
             loss = _LinearCrossEntropyRows.apply(hidden_rows, weight, bias, target_flat,
-                                                 ce_args, head_args)
+                                                 params, head_args)
         else:
             loss, _, _, _ = _linear_cross_entropy(hidden_rows, weight, bias, target_flat,
-                                                  ce_args, None, False, False, False,
+                                                  params, None, False, False, False,
                                                   chunk_size, params.backend)
         return loss.view(target.shape)
     scale = loss_grad_scale(target_flat, params, normalizer_t)
     needs = head_needs(hidden, weight, bias) if torch.is_grad_enabled() else (False,) * 3
     with torch.no_grad():
         loss, grad_hidden, grad_weight, grad_bias = _linear_cross_entropy(
-            hidden_rows, weight, bias, target_flat, ce_args, scale if any(needs) else None,
+            hidden_rows, weight, bias, target_flat, params, scale if any(needs) else None,
             *needs, chunk_size, params.backend)
         value = reduce_loss(loss, scale, params)
     if not any(needs):
@@ -401,60 +412,98 @@ def linear_token_logprobs(hidden, weight, target, *, bias=None, temperature=1.0,
     parallel, as in ``linear_cross_entropy`` (no softcap, logit scale or statistics there).
     ``sampling`` and ``return_support``: as in ``token_logprobs``, on the transformed logits
     (not with ``return_entropy``, ``statistics`` or ``process_group``).
+
+    ``target [..., K]`` (``hidden``'s rank: K targets a row) gives float32 ``[..., K]`` as
+    ``token_logprobs`` does, from one walk (one more in backward; no ``[N, V]`` float32),
+    softcap and logit scale included; not with ``statistics``, ``process_group``,
+    ``sampling`` or DTensors.
     """
-    if dtensor.has_dtensor(hidden, weight, target, bias):  # locals(): every argument
-        return dtensor.linear_token_logprobs(linear_token_logprobs, **locals())
-    logit_scale, softcap_value = checked_transform(logit_scale, softcap)
-    stats_mask = _statistics_mask(statistics)
-    if sampling is not None or check_bool(return_support, "return_support"):
-        sampling = checked_sampling(sampling, temperature, return_entropy=return_entropy,
-                                    statistics=bool(stats_mask),
-                                    process_group=process_group is not None)
-        check_head(hidden, weight, bias, chunk_size)
-        if sampling.filters(weight.shape[0]):
-            return linear_sampled_token_logprobs(hidden, weight, bias, target, sampling,
-                                                 ignore_index, return_support, logit_scale,
-                                                 softcap, chunk_size, backend)
-        logp = linear_token_logprobs(hidden, weight, target, bias=bias,
-                                     temperature=sampling.temperature, ignore_index=ignore_index,
-                                     softcap=softcap, logit_scale=logit_scale,
-                                     chunk_size=chunk_size, backend=backend)
-        if return_support:
-            return logp, full_support(target, ignore_index, weight.shape[0])
-        return logp
-    if process_group is not None:
-        _refuse_transform_with_process_group(logit_scale, softcap_value, stats_mask)
-        return _vocab_parallel_token_logprobs(
-            hidden, weight, target, process_group, bias, temperature, ignore_index,
-            return_entropy, chunk_size, backend, check_consistency)
-    hidden_rows = check_head(hidden, weight, bias, chunk_size)
-    backend = resolve_backend(backend, hidden.device)
-    if backend == "reference":
-        logits = reference_logits(hidden, weight, bias, logit_scale, softcap)
-        out = lp_op.token_logprobs(logits, target, temperature=temperature,
-                                   ignore_index=ignore_index, return_entropy=return_entropy,
-                                   backend="reference")
-        if not stats_mask:
-            return out
-        with torch.no_grad():
-            stats = reference.token_statistics(logits.detach().float(), target, temperature,
-                                               ignore_index)
-        stats = {name: stats[name] for name in _chosen_statistics(stats_mask)}
-        return (*out, stats) if return_entropy else (out, stats)
-    params = lp_op.checked_params(logits_like(hidden, weight), target, temperature,
-                                  ignore_index, return_entropy, False, backend)
-    target_flat = flat_target(target)
-    transform = (logit_scale, softcap_value)
+    if lp_op.has_target_columns(hidden, target):
+        return _multi_target_linear_token_logprobs(**locals())
+    return LINEAR_TOKEN_LOGPROBS.enter(locals())
+
+
+@dataclass(frozen=True)
+class _HeadLogprobs:
+    """A checked ``linear_token_logprobs`` call: the logits op's params (None under
+    ``sampling``), the sampler's distribution (or None), the transform and the statistics."""
+    params: Optional[lp_op.LogprobsParams]
+    sampling: Optional[SamplingParams]
+    transform: Tuple[float, float]
+    stats_mask: int
+    backend: str
+
+
+def _check_token_logprobs(call) -> _HeadLogprobs:
+    hidden, weight = call["hidden"], call["weight"]
+    transform = checked_transform(call["logit_scale"], call["softcap"])
+    stats_mask = _statistics_mask(call["statistics"])
+    check_head(hidden, weight, call["bias"], call["chunk_size"])
+    backend = resolve_backend(call["backend"], hidden.device)
+    if call["sampling"] is not None or check_bool(call["return_support"], "return_support"):
+        sampling = checked_sampling(call["sampling"], call["temperature"],
+                                    return_entropy=call["return_entropy"],
+                                    statistics=bool(stats_mask))
+        return _HeadLogprobs(None, sampling, transform, stats_mask, backend)
+    params = lp_op.checked_params(LogitsShape.of_head(hidden, weight), call["target"],
+                                  call["temperature"], call["ignore_index"],
+                                  call["return_entropy"], False, backend)
+    return _HeadLogprobs(params, None, transform, stats_mask, backend)
+
+
+def _sampled_token_logprobs(call, checked: _HeadLogprobs):
+    """``sampling=``: the processed distribution's log-probs (``ops/sampling.py``)."""
+    hidden, weight, target = call["hidden"], call["weight"], call["target"]
+    sampling = checked.sampling
+    if sampling.filters(weight.shape[0]):
+        return linear_sampled_token_logprobs(hidden, weight, call["bias"], target, sampling,
+                                             call["ignore_index"], call["return_support"],
+                                             call["logit_scale"], call["softcap"],
+                                             call["chunk_size"], checked.backend)
+    logp = linear_token_logprobs(hidden, weight, target, bias=call["bias"],
+                                 temperature=sampling.temperature,
+                                 ignore_index=call["ignore_index"], softcap=call["softcap"],
+                                 logit_scale=call["logit_scale"], chunk_size=call["chunk_size"],
+                                 backend=checked.backend)
+    if call["return_support"]:
+        return logp, full_support(target, call["ignore_index"], weight.shape[0])
+    return logp
+
+
+def _reference_token_logprobs(call, checked: _HeadLogprobs):
+    if checked.sampling is not None:
+        return _sampled_token_logprobs(call, checked)
+    params, target = checked.params, call["target"]
+    logits = reference_logits(call["hidden"], call["weight"], call["bias"], call["logit_scale"],
+                              call["softcap"])
+    out = lp_op.token_logprobs(logits, target, temperature=params.temperature,
+                               ignore_index=params.ignore_index,
+                               return_entropy=params.with_entropy, backend="reference")
+    if not checked.stats_mask:
+        return out
+    with torch.no_grad():
+        stats = reference.token_statistics(logits.detach().float(), target, params.temperature,
+                                           params.ignore_index)
+    stats = {name: stats[name] for name in _chosen_statistics(checked.stats_mask)}
+    return (*out, stats) if params.with_entropy else (out, stats)
+
+
+def _local_token_logprobs(call, checked: _HeadLogprobs):
+    if checked.sampling is not None:
+        return _sampled_token_logprobs(call, checked)
+    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
+    params, stats_mask, chunk_size = checked.params, checked.stats_mask, call["chunk_size"]
+    hidden_rows, target_flat = hidden.reshape(-1, hidden.shape[-1]), flat_target(target)
     if head_any_grad(hidden, weight, bias):
         logp, entropy, stats = _LinearTokenLogprobs.apply(
             hidden_rows, weight, bias, target_flat, params,
-            HeadArgs(chunk_size, params.backend), transform, stats_mask)
+            HeadArgs(chunk_size, params.backend), checked.transform, stats_mask)
     else:
         logp, entropy, _, stats = _linear_logprobs_forward(
             hidden_rows, weight, bias, target_flat, params, chunk_size, params.backend,
-            *transform, stats_mask)
+            *checked.transform, stats_mask)
     logp = logp.view(target.shape)
-    out = (logp, entropy.view(target.shape)) if return_entropy else logp
+    out = (logp, entropy.view(target.shape)) if params.with_entropy else logp
     if not stats_mask:
         return out
     valid = (target_flat != params.ignore_index).view(target.shape)
@@ -462,8 +511,7 @@ def linear_token_logprobs(hidden, weight, target, *, bias=None, temperature=1.0,
     for row, name in zip(stats, _chosen_statistics(stats_mask)):
         value = row.view(target.shape)
         named[name] = (value > 0) & valid if name == "is_top1" else torch.where(valid, value, 0.0)
-    return (*out, named) if return_entropy else (out, named)
-
+    return (*out, named) if params.with_entropy else (out, named)
 
 
 def _refuse_transform_with_process_group(logit_scale, softcap, stats_mask):
@@ -481,19 +529,34 @@ def linear_sequence_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, mas
     """Per-sequence sum (or mean over ``mask``) of token log-probs; hidden ``[B, T, H]``;
     ``softcap`` and ``logit_scale`` as in ``linear_token_logprobs``; ``sampling`` as in
     ``sequence_logprobs`` (a sequence with a token outside the support gets ``-inf``)."""
-    if dtensor.has_dtensor(hidden, weight, target, mask, bias):  # locals(): every argument
-        return dtensor.linear_sequence_logprobs(linear_sequence_logprobs, linear_token_logprobs,
-                                                lp_op.reduce_sequence, **locals())
-    check_head(hidden, weight, bias, chunk_size)
+    return LINEAR_SEQUENCE_LOGPROBS.enter(locals())
+
+
+def _check_sequence(call) -> lp_op.SequenceCall:
+    hidden, weight = call["hidden"], call["weight"]
+    check_head(hidden, weight, call["bias"], call["chunk_size"])
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
-    keep = lp_op.checked_sequence_mask(logits_like(hidden, weight), target, mask, average)
-    masked_target = torch.where(keep, target, torch.full_like(target, -100))
-    logp = linear_token_logprobs(hidden, weight, masked_target, bias=bias,
-                                 temperature=temperature, ignore_index=-100, softcap=softcap,
-                                 logit_scale=logit_scale, chunk_size=chunk_size,
-                                 backend=backend, sampling=sampling)
-    return lp_op.reduce_sequence(logp, mask, average)
+    keep = lp_op.checked_sequence_mask(LogitsShape.of_head(hidden, weight), call["target"],
+                                       call["mask"], call["average"])
+    return lp_op.SequenceCall(keep, resolve_backend(call["backend"], hidden.device))
+
+
+def _sequence_logprobs(call, checked: lp_op.SequenceCall):
+    """Both routes: the token log-probs (the reference's on the reference backend) reduced."""
+    target = call["target"]
+    masked_target = torch.where(checked.keep, target, torch.full_like(target, -100))
+    logp = linear_token_logprobs(call["hidden"], call["weight"], masked_target, bias=call["bias"],
+                                 temperature=call["temperature"], ignore_index=-100,
+                                 softcap=call["softcap"], logit_scale=call["logit_scale"],
+                                 chunk_size=call["chunk_size"], backend=checked.backend,
+                                 sampling=call["sampling"])
+    return lp_op.reduce_sequence(logp, call["mask"], call["average"])
+
+
+def _sequence_dtensor(op, **call):
+    return dtensor.linear_sequence_logprobs(op, linear_token_logprobs, lp_op.reduce_sequence,
+                                            **call)
 
 
 @options_or_keywords
@@ -551,44 +614,59 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
         rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
         rollout_rs_threshold=rollout_rs_threshold,
         rollout_rs_threshold_lower=rollout_rs_threshold_lower))
-    sharded = dtensor.has_dtensor(hidden, weight, target, advantages, bias, mask, old_logprobs,
-                                  ref_logprobs, normalizer, importance_weights, sampling_logprobs)
-    if sampling is not None:
-        sampling = grpo_op.check_sampling(sampling, options, return_token_values,
-                                          sharded or process_group is not None)
-    elif sharded:
-        return dtensor.linear_grpo_loss(linear_grpo_loss, **locals())  # locals(): every argument
-    logit_scale, softcap_value = checked_transform(logit_scale, softcap)
-    inputs = dict(mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                  normalizer=normalizer, importance_weights=importance_weights,
-                  sampling_logprobs=sampling_logprobs, return_token_values=return_token_values)
-    if process_group is not None:
-        _refuse_transform_with_process_group(logit_scale, softcap_value, 0)
-        return _vocab_parallel_grpo_loss(hidden, weight, target, advantages, process_group, bias,
-                                         chunk_size, backend, check_consistency, options, inputs)
-    check_head(hidden, weight, bias, chunk_size)
+    return LINEAR_GRPO_LOSS.enter(locals())
+
+
+@dataclass(frozen=True)
+class _HeadGRPO:
+    """A checked ``linear_grpo_loss`` call: the GRPO plan and the logits' transform."""
+    plan: grpo_op.GRPOPlan
+    transform: Tuple[float, float]
+
+    @property
+    def backend(self) -> str:
+        return self.plan.backend
+
+
+def _check_grpo(call) -> _HeadGRPO:
+    hidden, weight = call["hidden"], call["weight"]
+    transform = checked_transform(call["logit_scale"], call["softcap"])
+    check_head(hidden, weight, call["bias"], call["chunk_size"])
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
-    backend = resolve_backend(backend, hidden.device)
-    if backend == "reference":
-        logits = reference_logits(hidden, weight, bias, logit_scale, softcap)
-        return grpo_op.grpo_loss(logits, target, advantages, backend="reference",
-                                 options=options, sampling=sampling, **inputs)
-    plan = grpo_op.plan(logits_like(hidden, weight), target, advantages, options,
-                        backend=backend, **inputs)
-    if sampling is not None:
+    plan = grpo_op.plan(LogitsShape.of_head(hidden, weight), call["target"],
+                        call["advantages"], call["options"], backend=call["backend"],
+                        **grpo_op.call_inputs(call))
+    return _HeadGRPO(plan, transform)
+
+
+def _reference_grpo(call, checked: _HeadGRPO):
+    logits = reference_logits(call["hidden"], call["weight"], call["bias"], call["logit_scale"],
+                              call["softcap"])
+    keywords = grpo_op.without_option_keywords(call)
+    for name in ("hidden", "weight", "bias", "softcap", "logit_scale", "chunk_size"):
+        del keywords[name]
+    return grpo_op.grpo_loss(logits=logits, **{**keywords, "backend": "reference"})
+
+
+def _local_grpo(call, checked: _HeadGRPO):
+    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
+    plan, chunk_size = checked.plan, call["chunk_size"]
+    params = plan.params
+
+    def head_logprobs(masked_target, **keywords):
+        return linear_token_logprobs(hidden, weight, masked_target, bias=bias,
+                                     softcap=call["softcap"], logit_scale=call["logit_scale"],
+                                     chunk_size=chunk_size, backend=params.backend, **keywords)
+
+    if plan.sampling is not None:
         return grpo_op.from_logprobs(grpo_op.sampled_logprobs_of(
-            lambda masked_target: linear_token_logprobs(
-                hidden, weight, masked_target, bias=bias, ignore_index=-100, softcap=softcap,
-                logit_scale=logit_scale, chunk_size=chunk_size, backend=plan.params.backend,
-                sampling=sampling)), target, replace(plan, support_pending=True))
+            lambda masked_target: head_logprobs(masked_target, ignore_index=-100,
+                                                sampling=plan.sampling)), target, plan)
     if not plan.fused:
         def logprobs_of(masked_target, with_entropy):
-            out = linear_token_logprobs(hidden, weight, masked_target, bias=bias,
-                                        temperature=plan.params.temperature,
-                                        return_entropy=with_entropy, softcap=softcap,
-                                        logit_scale=logit_scale, chunk_size=chunk_size,
-                                        backend=plan.params.backend)
+            out = head_logprobs(masked_target, temperature=params.temperature,
+                                return_entropy=with_entropy)
             return out if with_entropy else (out, None)
         return grpo_op.from_logprobs(logprobs_of, target, plan)
     needs = head_needs(hidden, weight, bias) if torch.is_grad_enabled() else (False,) * 3
@@ -597,8 +675,8 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
     with torch.no_grad():
         logp, token_loss, entropy, grad_hidden, grad_weight, grad_bias = _linear_grpo_forward(
             hidden_rows, weight, bias, flat_target(target), flat.advantages, flat.old,
-            flat.ref, flat.weight, replace(plan.params, with_entropy=plan.token_values),
-            *needs, chunk_size, plan.params.backend, logit_scale, softcap_value)
+            flat.ref, flat.weight, replace(params, with_entropy=plan.token_values),
+            *needs, chunk_size, params.backend, *checked.transform)
         value, metrics, *values = grpo_op.token_level_result(logp, token_loss, entropy, plan)
     if not any(needs):
         return (value, metrics, *values)
@@ -607,21 +685,29 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
     return (loss, metrics, *values)
 
 
-def _vocab_parallel_cross_entropy(hidden, weight, target, process_group, bias, ignore_index,
-                                  reduction, label_smoothing, z_loss, softcap, normalizer,
-                                  chunk_size, backend, check_consistency):
+def _grpo_dtensor(op, **call):
+    if call["sampling"] is not None:
+        grpo_op.check_sampling(call["sampling"], call["options"], call["return_token_values"],
+                               sharded=True)
+    return dtensor.linear_grpo_loss(op, **call)
+
+
+def _vocab_parallel_cross_entropy(call):
     """``linear_cross_entropy`` with this rank's vocabulary shard of the head."""
+    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
+    chunk_size, backend = call["chunk_size"], call["backend"]
+    if check_in_range(call["logit_scale"], "logit_scale", -math.inf, math.inf) != 1.0:
+        raise ValueError("logit_scale is not supported with process_group")
     hidden_rows, layout, needs_grad = vocab_parallel.head_setup(
-        hidden, weight, bias, chunk_size, process_group, target, ignore_index, check_consistency)
+        hidden, weight, bias, chunk_size, call["process_group"], target, call["ignore_index"],
+        call["check_consistency"])
     params, normalizer_t = ce_op.checked_params(
-        vocab_parallel.global_stand_in(hidden, hidden.shape[:-1], layout), target, ignore_index,
-        reduction, label_smoothing, z_loss, softcap, normalizer, False, backend)
+        vocab_parallel.whole_logits(hidden, layout), target, call["ignore_index"],
+        call["reduction"], call["label_smoothing"], call["z_loss"], call["softcap"],
+        call["normalizer"], False, backend)
     if params.backend == "reference":
-        logits = vocab_parallel.head_reference_logits(hidden, weight, bias, process_group)
-        return ce_op.cross_entropy(logits, target, process_group=process_group,
-                                   ignore_index=ignore_index, reduction=reduction,
-                                   label_smoothing=label_smoothing, z_loss=z_loss,
-                                   softcap=softcap, normalizer=normalizer, backend="reference")
+        return vocab_parallel.on_head_logits(ce_op.cross_entropy, call)
+    reduction = params.reduction
     target_flat = flat_target(target)
     if reduction != "none" and needs_grad:  # the gradient factor is known: one walk
         scale = loss_grad_scale(target_flat, params, normalizer_t)
@@ -640,52 +726,174 @@ def _vocab_parallel_cross_entropy(hidden, weight, target, process_group, bias, i
     return reduce_loss(rows_loss, loss_grad_scale(target_flat, params, normalizer_t), params)
 
 
-def _vocab_parallel_token_logprobs(hidden, weight, target, process_group, bias, temperature,
-                                   ignore_index, return_entropy, chunk_size, backend,
-                                   check_consistency):
+def _vocab_parallel_token_logprobs(call):
     """``linear_token_logprobs`` with this rank's vocabulary shard of the head."""
+    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
+    chunk_size, backend = call["chunk_size"], call["backend"]
+    if call["sampling"] is not None or check_bool(call["return_support"], "return_support"):
+        checked_sampling(call["sampling"], call["temperature"], process_group=True)
+    logit_scale, softcap = checked_transform(call["logit_scale"], call["softcap"])
+    _refuse_transform_with_process_group(logit_scale, softcap,
+                                         _statistics_mask(call["statistics"]))
     hidden_rows, layout, needs_grad = vocab_parallel.head_setup(
-        hidden, weight, bias, chunk_size, process_group, target, ignore_index, check_consistency)
-    params = lp_op.checked_params(vocab_parallel.global_stand_in(hidden, hidden.shape[:-1],
-                                                                 layout),
-                                  target, temperature, ignore_index, return_entropy, False,
-                                  backend)
+        hidden, weight, bias, chunk_size, call["process_group"], target, call["ignore_index"],
+        call["check_consistency"])
+    params = lp_op.checked_params(vocab_parallel.whole_logits(hidden, layout), target,
+                                  call["temperature"], call["ignore_index"],
+                                  call["return_entropy"], False, backend)
     if params.backend == "reference":
-        logits = vocab_parallel.head_reference_logits(hidden, weight, bias, process_group)
-        return lp_op.token_logprobs(logits, target, process_group=process_group,
-                                    temperature=temperature, ignore_index=ignore_index,
-                                    return_entropy=return_entropy, backend="reference")
+        return vocab_parallel.on_head_logits(lp_op.token_logprobs, call)
     logp, entropy = vocab_parallel.head_shard_token_logprobs(
         hidden_rows, weight, bias, flat_target(target), params, layout, chunk_size, backend,
         needs_grad)
     logp = logp.view(target.shape)
-    return (logp, entropy.view(target.shape)) if return_entropy else logp
+    return (logp, entropy.view(target.shape)) if params.with_entropy else logp
 
 
-def _vocab_parallel_grpo_loss(hidden, weight, target, advantages, process_group, bias,
-                              chunk_size, backend, check_consistency, options, inputs):
+def _vocab_parallel_grpo_loss(call):
     """``linear_grpo_loss`` with this rank's vocabulary shard of the head: its token log-probs,
     then the per-token objective in torch."""
+    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
+    chunk_size, process_group = call["chunk_size"], call["process_group"]
+    if call["sampling"] is not None:
+        grpo_op.check_sampling(call["sampling"], call["options"], call["return_token_values"],
+                               sharded=True)
+    logit_scale, softcap = checked_transform(call["logit_scale"], call["softcap"])
+    _refuse_transform_with_process_group(logit_scale, softcap, 0)
     vocab_parallel.check_shard_head(hidden, weight, bias, chunk_size)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
     # the row count here; the targets' fingerprint (masked ones ignored) in the log-probs call
     layout = vocab_parallel.shard_layout(process_group, weight.shape[0], hidden.device, target,
                                          check_consistency=False)
-    vocab_parallel.check_consistency_flag(check_consistency)
-    checked = grpo_op.plan(vocab_parallel.global_stand_in(hidden, hidden.shape[:-1], layout),
-                           target, advantages, options, backend=backend, **inputs)
+    check_consistency = vocab_parallel.check_consistency_flag(call["check_consistency"])
+    checked = grpo_op.plan(vocab_parallel.whole_logits(hidden, layout), target,
+                           call["advantages"], call["options"], backend=call["backend"],
+                           **grpo_op.call_inputs(call))
     if checked.params.backend == "reference":
-        logits = vocab_parallel.head_reference_logits(hidden, weight, bias, process_group)
-        return grpo_op.grpo_loss(logits, target, advantages, process_group=process_group,
-                                 backend="reference", options=options, **inputs)
+        return vocab_parallel.on_head_logits(grpo_op.grpo_loss,
+                                             grpo_op.without_option_keywords(call))
 
     def logprobs_of(masked_target, with_entropy):
         out = linear_token_logprobs(hidden, weight, masked_target, process_group=process_group,
                                     bias=bias, temperature=checked.params.temperature,
                                     ignore_index=-100, return_entropy=with_entropy,
-                                    chunk_size=chunk_size, backend=backend,
+                                    chunk_size=chunk_size, backend=call["backend"],
                                     check_consistency=check_consistency)
         return out if with_entropy else (out, None)
 
     return grpo_op.from_logprobs(logprobs_of, target, checked)
+
+
+LINEAR_CROSS_ENTROPY = Door(linear_cross_entropy,
+                            ("hidden", "weight", "target", "bias", "normalizer"),
+                            _check_cross_entropy, _local_cross_entropy, _reference_cross_entropy,
+                            _vocab_parallel_cross_entropy, dtensor.linear_cross_entropy)
+LINEAR_TOKEN_LOGPROBS = Door(linear_token_logprobs, ("hidden", "weight", "target", "bias"),
+                             _check_token_logprobs, _local_token_logprobs,
+                             _reference_token_logprobs, _vocab_parallel_token_logprobs,
+                             dtensor.linear_token_logprobs)
+LINEAR_SEQUENCE_LOGPROBS = Door(linear_sequence_logprobs,
+                                ("hidden", "weight", "target", "mask", "bias"), _check_sequence,
+                                _sequence_logprobs, _sequence_logprobs,
+                                dtensor=_sequence_dtensor)
+LINEAR_GRPO_LOSS = Door(linear_grpo_loss, ("hidden", "weight", "target", "advantages", "bias",
+                                           "mask", "old_logprobs", "ref_logprobs", "normalizer",
+                                           "importance_weights", "sampling_logprobs"),
+                        _check_grpo, _local_grpo, _reference_grpo, _vocab_parallel_grpo_loss,
+                        _grpo_dtensor)
+
+
+# ``target [..., K]`` on the fused head: the logits op's way (``ops/logprobs.py``, "target
+# [..., K]") run on each chunk of ChunkedHead's walk, the target columns of a chunk's logit
+# gradient overwritten before it is folded.
+
+def _linear_column_walk(hidden_rows, weight, bias, target_rows, params, chunk_size, transform):
+    """``(logp [N, K], entropy, lse, row_target, best)`` from one forward walk."""
+    head = ChunkedHead(hidden_rows, weight, bias, chunk_size, (False,) * 3, *transform)
+    kernels = backend_module(params.backend)
+    n_rows, device = hidden_rows.shape[0], hidden_rows.device
+    logp = torch.empty(target_rows.shape, dtype=torch.float32, device=device)
+    lse = row_floats(n_rows, device)
+    entropy = row_floats(n_rows if params.with_entropy else 0, device)
+    row_target = torch.empty(n_rows, dtype=torch.long, device=device)
+    best = torch.empty((n_rows, 1), dtype=torch.long, device=device)
+
+    def chunk_forward(chunk_logits, chunk_row_target):
+        return kernels.logprobs_forward(chunk_logits, chunk_row_target, params)
+
+    for start, stop, logits in head.chunks():
+        rows = slice(start, stop)
+        logp[rows], chunk_entropy, lse[rows], row_target[rows], best[rows] = (
+            lp_op.column_logprobs_forward(logits, target_rows[rows], params, chunk_forward))
+        if params.with_entropy:
+            entropy[rows] = chunk_entropy
+    return logp, entropy, lse, row_target, best
+
+
+class _LinearTokenLogprobsColumns(torch.autograd.Function):
+    """``linear_token_logprobs`` of ``target [..., K]``: ``(logp [N, K], entropy [N])``; the
+    backward walks the chunks again."""
+
+    @staticmethod
+    def forward(ctx, hidden_rows, weight, bias, target_rows, params, chunk_size, transform):
+        logp, entropy, lse, row_target, best = _linear_column_walk(
+            hidden_rows, weight, bias, target_rows, params, chunk_size, transform)
+        ctx.save_for_backward(hidden_rows, weight, bias, target_rows, logp, entropy, lse,
+                              row_target, best)
+        ctx.params, ctx.chunk_size, ctx.transform = params, chunk_size, transform
+        return logp, entropy if params.with_entropy else lse.new_zeros(lse.shape)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        refuse_double_backward("linear_token_logprobs", LOGPROBS_EQUIVALENT)
+        hidden_rows, weight, bias, target_rows, logp, entropy, lse, row_target, best = (
+            ctx.saved_tensors)
+        params = ctx.params
+        grad_logp = torch.zeros_like(logp) if grad_logp is None else grad_logp
+        grad_entropy = torch.zeros_like(lse) if grad_entropy is None else grad_entropy
+        row_grad, grad_entropy, columns, values = lp_op.column_grads(
+            logp, grad_logp, target_rows, best, row_target, entropy, grad_entropy, params)
+        head = ChunkedHead(hidden_rows, weight, bias, ctx.chunk_size,
+                           tuple(ctx.needs_input_grad[:3]), *ctx.transform)
+        kernels = backend_module(params.backend)
+        with_entropy = params.with_entropy
+        for start, stop, logits in head.chunks():
+            rows = slice(start, stop)
+            kernels.logprobs_backward(
+                logits, row_target[rows], lse[rows], entropy[rows] if with_entropy else entropy,
+                row_grad[rows], grad_entropy[rows] if with_entropy else grad_entropy, params,
+                logits)
+            logits[0].scatter_(1, columns[rows], values[rows].to(logits.dtype))
+            head.fold(start, stop, logits)
+        grads = head.gradients()
+        return (*(grad_or_none(g) for g in grads), None, None, None, None)
+
+
+def _multi_target_linear_token_logprobs(hidden, weight, target, *, bias, temperature,
+                                        ignore_index, return_entropy, softcap, logit_scale,
+                                        statistics, chunk_size, backend, process_group,
+                                        check_consistency, sampling, return_support):
+    """``linear_token_logprobs`` of ``target [..., K]`` -> float32 ``[..., K]`` (and the rows'
+    entropy ``[...]``), as ``token_logprobs`` of ``target [..., K]`` on the head's logits."""
+    lp_op.refuse_with_target_columns(
+        "linear_token_logprobs", hidden, weight, target, bias,
+        statistics=len(statistics) > 0, process_group=process_group is not None,
+        sampling=sampling is not None, return_support=return_support is not False)
+    transform = checked_transform(logit_scale, softcap)
+    hidden_rows = check_head(hidden, weight, bias, chunk_size)
+    params = lp_op.checked_target_columns(LogitsShape.of_head(hidden, weight), target,
+                                          temperature, ignore_index, return_entropy, backend)
+    if params.backend == "reference":
+        return lp_op.token_logprobs(reference_logits(hidden, weight, bias, logit_scale, softcap),
+                                    target, temperature=temperature, ignore_index=ignore_index,
+                                    return_entropy=return_entropy, backend="reference")
+    target_rows = target.reshape(-1, target.shape[-1]).contiguous()
+    if head_any_grad(hidden, weight, bias):
+        logp, entropy = _LinearTokenLogprobsColumns.apply(hidden_rows, weight, bias, target_rows,
+                                                          params, chunk_size, transform)
+    else:
+        logp, entropy, *_ = _linear_column_walk(hidden_rows, weight, bias, target_rows, params,
+                                                chunk_size, transform)
+    logp = logp.view(target.shape)
+    return (logp, entropy.view(target.shape[:-1])) if return_entropy else logp

@@ -11,7 +11,7 @@ The forward keeps one float32 ``lse`` (and entropy) per row; the backward recomp
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Dict, Literal, Optional, Tuple, Union, overload
+from typing import TYPE_CHECKING, Dict, Literal, NamedTuple, Optional, Tuple, Union, overload
 
 import torch
 
@@ -24,6 +24,7 @@ from ..kernels.primitives import LogprobsArgs, args_of
 from ..kernels.registry import backend_module, resolve_backend
 from . import dtensor, vocab_parallel
 from ._common import (
+    LogitsShape,
     check_bool,
     check_index,
     check_inplace,
@@ -39,6 +40,7 @@ from ._common import (
     refuse_double_backward,
     rows_view,
 )
+from .door import Door
 from .sampling import SamplingParams, checked_sampling, full_support, sampled_token_logprobs
 
 # named by the error of a double backward (refuse_double_backward)
@@ -53,13 +55,13 @@ class LogprobsParams(LogprobsArgs):
     backend: str
 
 
-def checked_params(logits, target, temperature, ignore_index, return_entropy,
-                    inplace_backward, backend):
-    check_logits(logits)
+def checked_params(logits: LogitsShape, target, temperature, ignore_index, return_entropy,
+                   inplace_backward, backend):
+    """Validate every argument but the logits tensor itself (the fused head and a vocabulary
+    shard have none)."""
     ignore_index = check_index(ignore_index, "ignore_index")
     check_target(target, logits, ignore_index)
     check_bool(return_entropy, "return_entropy")
-    check_inplace(logits, inplace_backward)
     return LogprobsParams(temperature=check_positive(temperature, "temperature"),
                           ignore_index=ignore_index, with_entropy=return_entropy,
                           inplace_backward=inplace_backward,
@@ -177,67 +179,96 @@ def token_logprobs(
     under the full tempered softmax), ``support_size`` (int64) and ``in_support`` (bool: the
     target is kept); ignored rows give 0, 0 and False. Neither goes with ``return_entropy``,
     ``inplace_backward`` or ``process_group``.
+
+    ``target [..., K]`` (one more dim than the rows: K targets a row, verl's top-k log-probs)
+    gives float32 ``[..., K]`` from one pass over each row (its lse computed once), ignored
+    entries 0 with no gradient, and with ``return_entropy`` the rows' entropy ``[...]``; not
+    with ``inplace_backward``, ``process_group``, ``sampling`` or DTensors.
     """
-    if dtensor.has_dtensor(logits, target):  # locals(): every argument
-        return dtensor.token_logprobs(token_logprobs, **locals())
-    if sampling is not None or check_bool(return_support, "return_support"):
-        sampling = checked_sampling(sampling, temperature, return_entropy=return_entropy,
-                                    inplace_backward=inplace_backward,
-                                    process_group=process_group is not None)
-        check_logits(logits)
-        if sampling.filters(logits.shape[-1]):
-            return sampled_token_logprobs(logits, target, sampling, ignore_index,
-                                          return_support, backend)
-        logp = token_logprobs(logits, target, temperature=sampling.temperature,
-                              ignore_index=ignore_index, backend=backend)
-        if return_support:
-            return logp, full_support(target, ignore_index, logits.shape[-1])
-        return logp
-    if process_group is not None:
-        return _vocab_parallel_token_logprobs(
-            logits, target, process_group, temperature, ignore_index, return_entropy,
-            inplace_backward, backend, check_consistency)
-    params = checked_params(logits, target, temperature, ignore_index, return_entropy,
-                             inplace_backward, backend)
-    lead_shape = target.shape
-    if params.backend == "reference":
-        logp, entropy = reference.token_logprobs(logits.float(), target, params.temperature,
-                                                 params.ignore_index)
+    if has_target_columns(logits, target):
+        return _multi_target_token_logprobs(**locals())
+    return TOKEN_LOGPROBS.enter(locals())
+
+
+@dataclass(frozen=True)
+class _Sampled:
+    """A checked ``token_logprobs`` call under ``sampling=`` (or ``return_support``)."""
+    sampling: SamplingParams
+    backend: str
+
+
+def _check(call) -> Union[LogprobsParams, _Sampled]:
+    logits = call["logits"]
+    check_logits(logits)
+    if call["sampling"] is not None or check_bool(call["return_support"], "return_support"):
+        sampling = checked_sampling(call["sampling"], call["temperature"],
+                                    return_entropy=call["return_entropy"],
+                                    inplace_backward=call["inplace_backward"])
+        return _Sampled(sampling, resolve_backend(call["backend"], logits.device))
+    check_inplace(logits, call["inplace_backward"])
+    return checked_params(LogitsShape.of(logits), call["target"], call["temperature"],
+                          call["ignore_index"], call["return_entropy"], call["inplace_backward"],
+                          call["backend"])
+
+
+def _sampled(call, checked: _Sampled):
+    """``sampling=``: the processed distribution's log-probs (``ops/sampling.py``)."""
+    logits, target, sampling = call["logits"], call["target"], checked.sampling
+    if sampling.filters(logits.shape[-1]):
+        return sampled_token_logprobs(logits, target, sampling, call["ignore_index"],
+                                      call["return_support"], checked.backend)
+    logp = token_logprobs(logits, target, temperature=sampling.temperature,
+                          ignore_index=call["ignore_index"], backend=checked.backend)
+    if call["return_support"]:
+        return logp, full_support(target, call["ignore_index"], logits.shape[-1])
+    return logp
+
+
+def _reference(call, checked):
+    if isinstance(checked, _Sampled):
+        return _sampled(call, checked)
+    logp, entropy = reference.token_logprobs(call["logits"].float(), call["target"],
+                                             checked.temperature, checked.ignore_index)
+    return (logp, entropy) if checked.with_entropy else logp
+
+
+def _local(call, checked):
+    if isinstance(checked, _Sampled):
+        return _sampled(call, checked)
+    logits, target, params = call["logits"], call["target"], checked
+    logits_rows, target_flat = rows_view(logits), flat_target(target)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        inplace = inplace_grad_owner(logits, logits_rows) if params.inplace_backward else None
+        if inplace is None:
+            params = replace(params, inplace_backward=False)
+            inplace = (logits, None)
+        base, starts = inplace
+        logp, entropy = _TokenLogprobs.apply(logits, None if starts is None else base,
+                                             target_flat, params, starts)
     else:
-        logits_rows, target_flat = rows_view(logits), flat_target(target)
-        if torch.is_grad_enabled() and logits.requires_grad:
-            inplace = inplace_grad_owner(logits, logits_rows) if inplace_backward else None
-            if inplace is None:
-                params = replace(params, inplace_backward=False)
-                inplace = (logits, None)
-            base, starts = inplace
-            logp, entropy = _TokenLogprobs.apply(logits, None if starts is None else base,
-                                                 target_flat, params, starts)
-        else:
-            logp, entropy = _forward_only(logits_rows, target_flat, params)
-        logp, entropy = logp.view(lead_shape), entropy.view(lead_shape) if return_entropy else None
-    return (logp, entropy) if return_entropy else logp
-
-
-def _vocab_parallel_token_logprobs(logits, target, process_group, temperature, ignore_index,
-                                   return_entropy, inplace_backward, backend, check_consistency):
-    """``token_logprobs`` of a vocabulary shard (``ops/vocab_parallel.py``)."""
-    check_logits(logits, allow_empty_vocab=True)
-    layout = vocab_parallel.shard_layout(process_group, logits.shape[-1], logits.device, target,
-                                         ignore_index, check_consistency)
-    stand_in = vocab_parallel.global_stand_in(logits, logits.shape[:-1], layout)
-    params = checked_params(stand_in, target, temperature, ignore_index, return_entropy, False,
-                            backend)
-    check_inplace(logits, inplace_backward)
-    if params.backend == "reference":
-        return token_logprobs(vocab_parallel.gathered_logits(logits, layout), target,
-                              temperature=temperature, ignore_index=ignore_index,
-                              return_entropy=return_entropy, backend="reference")
-    params = replace(params, inplace_backward=inplace_backward)
-    logp, entropy = vocab_parallel.shard_token_logprobs(logits, flat_target(target), params,
-                                                        layout, backend)
+        logp, entropy = _forward_only(logits_rows, target_flat, params)
     logp = logp.view(target.shape)
-    return (logp, entropy.view(target.shape)) if return_entropy else logp
+    return (logp, entropy.view(target.shape)) if params.with_entropy else logp
+
+
+def _vocab_parallel(call):
+    """``token_logprobs`` of a vocabulary shard (``ops/vocab_parallel.py``)."""
+    logits, target = call["logits"], call["target"]
+    if call["sampling"] is not None or check_bool(call["return_support"], "return_support"):
+        checked_sampling(call["sampling"], call["temperature"], process_group=True)
+    check_logits(logits, allow_empty_vocab=True)
+    layout = vocab_parallel.shard_layout(call["process_group"], logits.shape[-1], logits.device,
+                                         target, call["ignore_index"], call["check_consistency"])
+    params = checked_params(vocab_parallel.whole_logits(logits, layout), target,
+                            call["temperature"], call["ignore_index"], call["return_entropy"],
+                            call["inplace_backward"], call["backend"])
+    check_inplace(logits, params.inplace_backward)
+    if params.backend == "reference":
+        return vocab_parallel.on_gathered_logits(token_logprobs, call, layout)
+    logp, entropy = vocab_parallel.shard_token_logprobs(logits, flat_target(target), params,
+                                                        layout, call["backend"])
+    logp = logp.view(target.shape)
+    return (logp, entropy.view(target.shape)) if params.with_entropy else logp
 
 
 def sequence_logprobs(
@@ -258,27 +289,49 @@ def sequence_logprobs(
     ``-inf`` (its probability under the sampler is 0), never a finite stand-in; its other
     tokens keep their gradients. ``token_logprobs(..., return_support=True)`` says which.
     """
-    if dtensor.has_dtensor(logits, target, mask):  # locals(): every argument
-        return dtensor.sequence_logprobs(sequence_logprobs, token_logprobs, reduce_sequence,
-                                         **locals())
-    keep = checked_sequence_mask(logits, target, mask, average)
-    backend = resolve_backend(backend, logits.device)
-    if backend == "reference" and sampling is None:
-        return reference.sequence_logprobs(logits.float(), torch.where(keep, target, -100), mask,
-                                           average, check_positive(temperature, "temperature"))
-    masked_target = torch.where(keep, target, torch.full_like(target, -100))
-    logp = token_logprobs(logits, masked_target, temperature=temperature, ignore_index=-100,
-                          backend=backend, sampling=sampling)
-    return reduce_sequence(logp, mask, average)
+    return SEQUENCE_LOGPROBS.enter(locals())
 
 
-def checked_sequence_mask(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
-                          average: bool) -> torch.Tensor:
-    """Check ``[B, T, V]`` logits (or a zero-byte stand-in), ``mask``, ``average`` and the
-    targets the mask keeps; the mask as bool."""
+class SequenceCall(NamedTuple):
+    """A checked ``sequence_logprobs`` call: the mask as bool, the resolved backend."""
+    keep: torch.Tensor
+    backend: str
+
+
+def _check_sequence(call) -> SequenceCall:
+    logits = call["logits"]
     check_logits(logits)
-    if logits.dim() != 3:
-        raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
+    keep = checked_sequence_mask(LogitsShape.of(logits), call["target"], call["mask"],
+                                 call["average"])
+    return SequenceCall(keep, resolve_backend(call["backend"], logits.device))
+
+
+def _sequence_reference(call, checked: SequenceCall):
+    if call["sampling"] is not None:
+        return _sequence_local(call, checked)
+    return reference.sequence_logprobs(
+        call["logits"].float(), torch.where(checked.keep, call["target"], -100), call["mask"],
+        call["average"], check_positive(call["temperature"], "temperature"))
+
+
+def _sequence_local(call, checked: SequenceCall):
+    target = call["target"]
+    masked_target = torch.where(checked.keep, target, torch.full_like(target, -100))
+    logp = token_logprobs(call["logits"], masked_target, temperature=call["temperature"],
+                          ignore_index=-100, backend=checked.backend, sampling=call["sampling"])
+    return reduce_sequence(logp, call["mask"], call["average"])
+
+
+def _sequence_dtensor(op, **call):
+    return dtensor.sequence_logprobs(op, token_logprobs, reduce_sequence, **call)
+
+
+def checked_sequence_mask(logits: LogitsShape, target: torch.Tensor, mask: torch.Tensor,
+                          average: bool) -> torch.Tensor:
+    """Check ``mask``, ``average`` and the targets the mask keeps against ``[B, T, V]``
+    logits; the mask as bool."""
+    if len(logits.lead) != 2:
+        raise ValueError(f"logits must have shape [B, T, V], got {logits.lead + (logits.vocab,)}")
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
     if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(target.shape):
@@ -297,3 +350,177 @@ def reduce_sequence(logp: torch.Tensor, mask: torch.Tensor, average: bool) -> to
     weight = mask.to(torch.float32)
     total = (logp * weight).sum(-1)
     return total / weight.sum(-1).clamp(min=1.0) if average else total
+
+
+TOKEN_LOGPROBS = Door(token_logprobs, ("logits", "target"), _check, _local, _reference,
+                      _vocab_parallel, dtensor.token_logprobs)
+SEQUENCE_LOGPROBS = Door(sequence_logprobs, ("logits", "target", "mask"), _check_sequence,
+                         _sequence_local, _sequence_reference, dtensor=_sequence_dtensor)
+
+
+# ``target [..., K]``: K log-probs of each row from one pass over it. The row's lse comes from
+# the kernels' single-target walk, run with one of the row's own targets (the one of largest
+# logit); the K logits are gathered, and the gradient is that walk's, run with the sum of the
+# row's upstream gradients, with the target columns overwritten by their exact values.
+
+def has_target_columns(rows, target):
+    """True for ``target [..., K]`` beside ``rows [..., V]`` (``[..., H]`` hidden states): one
+    more trailing dim than the rows, K targets a row."""
+    return (isinstance(rows, torch.Tensor) and isinstance(target, torch.Tensor)
+            and rows.dim() >= 1 and target.dim() == rows.dim())
+
+
+def refuse_with_target_columns(op, *tensors, **unserved):
+    """ValueError naming the first argument in ``unserved`` (name -> whether it was set) that
+    ``op`` does not serve with ``[..., K]`` targets; DTensors among ``tensors`` are refused."""
+    if dtensor.has_dtensor(*tensors):
+        raise ValueError(f"{op} with target [..., K] does not take DTensor inputs; pass "
+                         f"full_tensor() of each, or one target per row")
+    for name, is_set in unserved.items():
+        if is_set:
+            raise ValueError(f"{op}: {name} is not supported with target [..., K] (K targets "
+                             f"a row); pass one target per row for it")
+
+
+def checked_target_columns(logits: LogitsShape, target, temperature, ignore_index,
+                           return_entropy, backend):
+    """``checked_params`` for ``target [..., K]``: the logits' rows ``[...]`` then ``K >= 1``,
+    every entry in range."""
+    if tuple(target.shape[:-1]) != logits.lead or target.shape[-1] < 1:
+        raise ValueError(f"target [..., K] must have the logits' leading shape {logits.lead} "
+                         f"followed by K >= 1, got {tuple(target.shape)}")
+    columns = LogitsShape(tuple(target.shape), logits.vocab, logits.device)
+    return checked_params(columns, target, temperature, ignore_index, return_entropy, False,
+                          backend)
+
+
+def _row_targets(z, valid, safe, ignore_index):
+    """``(best [N, 1], row_target [N])``: each row's first valid column of largest gathered
+    logit ``z`` (a NaN counts as largest) and its id; ``ignore_index`` where none is valid."""
+    key = torch.where(valid, z, float("-inf"))
+    top = key.amax(-1, keepdim=True)
+    is_top = valid & ((key == top) | key.isnan())
+    best = is_top.to(torch.uint8).argmax(-1, keepdim=True)
+    row_target = torch.where(valid.any(-1), safe.gather(-1, best).squeeze(-1), ignore_index)
+    return best, row_target.contiguous()
+
+
+def column_logprobs_forward(logits_rows, target_rows, params, logprobs_forward):
+    """``(logp [N, K], entropy, lse, row_target, best)`` of ``[A, B, V]`` logits and
+    ``target_rows [N, K]``; ``logprobs_forward(logits_rows, row_target)`` is the backend's
+    primitive (``(logp, entropy, lse)`` per row).
+
+    ``logp_k = logp_best + (z_k - z_best) / T``: ``z_best`` is the largest valid target logit,
+    so ``logp_k <= logp_best <= 0`` and the sum never cancels (``z_k / T - lse`` would lose
+    ``eps * |lse|`` on a confident row of large logits)."""
+    outer, inner, _ = logits_rows.shape
+    valid = target_rows != params.ignore_index
+    safe = torch.where(valid, target_rows, 0).long()
+    z = logits_rows.gather(2, safe.view(outer, inner, -1)).reshape(safe.shape).float()
+    best, row_target = _row_targets(z, valid, safe, params.ignore_index)
+    row_logp, entropy, lse = logprobs_forward(logits_rows, row_target)
+    z_best = z.gather(-1, best)
+    step = torch.where(z == z_best, 0.0, z - z_best)  # equal -inf logits: 0, not NaN
+    logp = torch.where(valid, row_logp.unsqueeze(-1) + step / params.temperature, 0.0)
+    return logp, entropy, lse, row_target, best
+
+
+def _same_target_sums(ids, values):
+    """``S[n, k] = sum of values[n, k']`` over the ``k'`` with ``ids[n, k'] == ids[n, k]``:
+    each row sorted, then summed by runs of equal ids."""
+    sorted_ids, order = ids.sort(-1)
+    run_start = torch.ones_like(sorted_ids, dtype=torch.bool)
+    run_start[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    run = run_start.cumsum(-1) - 1
+    totals = torch.zeros_like(values).scatter_add_(-1, run, values.gather(-1, order))
+    return torch.empty_like(values).scatter_(-1, order, totals.gather(-1, run))
+
+
+def column_grads(logp, grad_logp, target_rows, best, row_target, entropy, grad_entropy,
+                 params):
+    """``(row_grad, grad_entropy, columns, values)`` for the backward of ``[..., K]`` targets.
+
+    ``dL/dz_j = (S_j - G p_j - g_H p_j (log p_j + H)) / T`` with ``S_j`` the sum of the
+    ``g_k`` whose target is ``j`` and ``G = sum_k g_k``: the single-target primitive run with
+    ``row_target`` and ``row_grad = G`` writes every column but the targets' right; ``values``
+    (float32 ``[N, K]``) are the exact gradient at ``columns`` (the targets; an ignored entry
+    repeats the row's best column), to scatter over it. ``S_j - G p_j`` is formed as
+    ``(S_j - G) - G expm1(log p_j)``: exact when the row's targets are one id, as ``p_j -> 1``.
+    """
+    valid = target_rows != params.ignore_index
+    row_valid = valid.any(-1)
+    g = torch.where(valid, grad_logp.reshape(logp.shape).float(), 0.0)
+    row_grad = g.sum(-1)
+    ids = torch.where(valid, target_rows.long(), -1)
+    numer = (_same_target_sums(ids, g) - row_grad.unsqueeze(-1)
+             - row_grad.unsqueeze(-1) * torch.expm1(logp))
+    if params.with_entropy:
+        grad_entropy = torch.where(row_valid, grad_entropy.reshape(-1).float(), 0.0)
+        p = logp.exp()
+        spread = torch.where(p > 0, p * (logp + entropy.unsqueeze(-1)), 0.0)
+        numer = numer - grad_entropy.unsqueeze(-1) * spread
+    else:
+        grad_entropy = logp.new_empty(0)
+    values = torch.where(valid, numer / params.temperature,
+                         (numer / params.temperature).gather(-1, best))
+    values = torch.where(row_valid.unsqueeze(-1), values, 0.0)
+    safe_row = torch.where(row_valid, row_target, 0).unsqueeze(-1)
+    columns = torch.where(valid, ids, safe_row)
+    return row_grad, grad_entropy, columns, values
+
+
+class _TokenLogprobsColumns(torch.autograd.Function):
+    """``token_logprobs`` of ``target [..., K]``: ``(logp [N, K], entropy [N])``."""
+
+    @staticmethod
+    def forward(ctx, logits, target_rows, params):
+        logp, entropy, lse, row_target, best = column_logprobs_forward(
+            rows_view(logits), target_rows, params,
+            lambda rows, row_target: library.logprobs_forward(rows, row_target, params,
+                                                              params.backend))
+        ctx.save_for_backward(logits, target_rows, logp, entropy, lse, row_target, best)
+        ctx.params = params
+        return logp, entropy if params.with_entropy else lse.new_zeros(lse.shape)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        refuse_double_backward("token_logprobs", TORCH_EQUIVALENT)
+        logits, target_rows, logp, entropy, lse, row_target, best = ctx.saved_tensors
+        params = ctx.params
+        grad_logp = torch.zeros_like(logp) if grad_logp is None else grad_logp
+        grad_entropy = torch.zeros_like(lse) if grad_entropy is None else grad_entropy
+        row_grad, grad_entropy, columns, values = column_grads(
+            logp, grad_logp, target_rows, best, row_target, entropy, grad_entropy, params)
+        grad = library.logprobs_backward(rows_view(logits), row_target, lse, entropy,
+                                         row_grad, grad_entropy, params, params.backend)
+        grad_rows = grad.view(-1, grad.shape[-1])
+        grad_rows.scatter_(1, columns, values.to(grad_rows.dtype))
+        return grad.view(logits.shape), None, None
+
+
+def _multi_target_token_logprobs(logits, target, *, temperature, ignore_index, return_entropy,
+                                 inplace_backward, backend, process_group, check_consistency,
+                                 sampling, return_support):
+    """``token_logprobs`` of ``target [..., K]`` -> float32 ``[..., K]`` (and entropy ``[...]``,
+    0 on rows whose K targets are all ignored)."""
+    refuse_with_target_columns(
+        "token_logprobs", logits, target, inplace_backward=inplace_backward is not False,
+        process_group=process_group is not None, sampling=sampling is not None,
+        return_support=return_support is not False)
+    check_logits(logits)
+    params = checked_target_columns(LogitsShape.of(logits), target, temperature, ignore_index,
+                                    return_entropy, backend)
+    if params.backend == "reference":
+        logp, entropy = reference.token_logprobs(logits.float(), target, params.temperature,
+                                                 params.ignore_index)
+        return (logp, entropy) if return_entropy else logp
+    target_rows = target.reshape(-1, target.shape[-1]).contiguous()
+    if torch.is_grad_enabled() and logits.requires_grad:
+        logp, entropy = _TokenLogprobsColumns.apply(logits, target_rows, params)
+    else:
+        logp, entropy, *_ = column_logprobs_forward(
+            rows_view(logits), target_rows, params,
+            lambda rows, row_target: library.logprobs_forward(rows, row_target, params,
+                                                              params.backend))
+    logp = logp.view(target.shape)
+    return (logp, entropy.view(target.shape[:-1])) if return_entropy else logp

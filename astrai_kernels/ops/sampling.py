@@ -43,9 +43,10 @@ from torch import Tensor
 from .. import reference
 from ..kernels.library import traceable_op
 from ..kernels.memory import cached_empty
-from ..kernels.primitives import SamplingArgs
+from ..kernels.primitives import SAMPLING_PRIMITIVES, SamplingArgs
 from ..kernels.registry import backend_module, resolve_backend
 from ._common import (
+    LogitsShape,
     check_bool,
     check_in_range,
     check_index,
@@ -64,7 +65,6 @@ from .head import (
     fake_head_gradients,
     grad_or_none,
     head_any_grad,
-    logits_like,
     reference_logits,
 )
 
@@ -294,7 +294,8 @@ FORWARD_BUFFERS = ("scaled", "shifted_exp", "mass", "keys", "bins", "mask")
 BACKWARD_BUFFERS = ("scaled", "mask")
 
 
-ROW_OUTPUT_DTYPES = (torch.float32,) * 4 + (torch.int64, torch.bool)
+# (logp, lse_kept, threshold, log_kept_mass) float32, support_size int64, in_support bool
+ROW_OUTPUT_DTYPES = SAMPLING_PRIMITIVES["sampled_logprobs_forward"].output_dtypes
 
 
 def _sampling_kernels(backend: str):
@@ -417,7 +418,7 @@ def sampled_token_logprobs(logits: Tensor, target: Tensor, sampling: SamplingPar
     checked: float32 ``logp [...]``, and the support dict with ``return_support``."""
     check_logits(logits)
     ignore_index = check_index(ignore_index, "ignore_index")
-    check_target(target, logits, ignore_index)
+    check_target(target, LogitsShape.of(logits), ignore_index)
     check_bool(return_support, "return_support")
     backend = resolve_backend(backend, logits.device)
     if backend == "reference":
@@ -546,7 +547,7 @@ def linear_sampled_token_logprobs(hidden: Tensor, weight: Tensor, bias: Optional
     with ``return_support``."""
     hidden_rows = check_head(hidden, weight, bias, chunk_size)
     ignore_index = check_index(ignore_index, "ignore_index")
-    check_target(target, logits_like(hidden, weight), ignore_index)
+    check_target(target, LogitsShape.of_head(hidden, weight), ignore_index)
     backend = resolve_backend(backend, hidden.device)
     if backend == "reference":
         logits = reference_logits(hidden, weight, bias, logit_scale, softcap)

@@ -45,6 +45,7 @@ from ._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     AttachGrad,
+    LogitsShape,
     check_bool,
     check_choice,
     check_in_range,
@@ -53,6 +54,7 @@ from ._common import (
     refuse_double_backward,
     rows_view,
 )
+from .door import Door
 from .head import (
     AttachHeadGrads,
     ChunkedHead,
@@ -60,7 +62,6 @@ from .head import (
     chunk_rows,
     grad_or_none,
     head_needs,
-    logits_like,
     reference_logits,
 )
 
@@ -176,13 +177,12 @@ def checked_inputs(student, support_ids, teacher_logprobs, labels, support_mask,
                    temperature, tail, reduction, objective="trl_jsd", normalize_topk=None,
                    log_prob_min_clamp=VERL_LOG_PROB_MIN_CLAMP,
                    loss_max_clamp=VERL_LOSS_MAX_CLAMP):
-    """Validate every argument; ``(params, SupportRows)``. ``student`` may be a zero-byte
-    stand-in of the logits (the fused head)."""
-    check_logits(student, "student_logits")
-    lead, vocab, device = tuple(student.shape[:-1]), student.shape[-1], student.device
+    """Validate every argument but the logits tensor itself (the fused head has none);
+    ``(params, SupportRows)``."""
+    lead, vocab, device = student.lead, student.vocab, student.device
     if not isinstance(support_ids, torch.Tensor):
         raise TypeError(f"support_ids must be a torch.Tensor, got {type(support_ids).__name__}")
-    if support_ids.dim() != student.dim() or support_ids.shape[-1] < 1:
+    if support_ids.dim() != len(lead) + 1 or support_ids.shape[-1] < 1:
         raise ValueError(f"support_ids must have shape [..., K] with K >= 1 and student_logits' "
                          f"leading shape {lead}, got {tuple(support_ids.shape)}")
     shape = tuple(support_ids.shape)
@@ -583,16 +583,43 @@ def topk_distill_loss(
     ``tail`` applies only to ``trl_jsd``, ``normalize_topk`` to ``axolotl_kd``, the two clamps
     to ``verl_forward_kl``; another objective refuses them (a clamp at its default is allowed).
     """
-    params, rows = checked_inputs(student_logits, support_ids, teacher_logprobs, labels,
-                                  support_mask, beta, temperature, tail, reduction, objective,
-                                  normalize_topk, log_prob_min_clamp, loss_max_clamp)
-    if topk_backend(backend) == "reference":
-        return reference.topk_distill_loss(
-            student_logits.float(), support_ids, teacher_logprobs.detach().float(), labels,
-            params.beta, params.temperature, params.tail, support_mask, reduction,
-            objective=params.objective, normalize_topk=params.normalize_topk,
-            log_prob_min_clamp=params.log_prob_min_clamp,
-            loss_max_clamp=params.loss_max_clamp)
+    return TOPK_DISTILL_LOSS.enter(locals())
+
+
+class _Checked(NamedTuple):
+    """A checked top-k distillation call: its params and support rows, the backend."""
+    params: "TopkDistillParams"
+    rows: SupportRows
+    backend: str
+
+
+def _checked(call, student: LogitsShape) -> _Checked:
+    params, rows = checked_inputs(
+        student, call["support_ids"], call["teacher_logprobs"], call["labels"],
+        call["support_mask"], call["beta"], call["temperature"], call["tail"], call["reduction"],
+        call["objective"], call["normalize_topk"], call["log_prob_min_clamp"],
+        call["loss_max_clamp"])
+    return _Checked(params, rows, topk_backend(call["backend"]))
+
+
+def _check(call) -> _Checked:
+    check_logits(call["student_logits"], "student_logits")
+    return _checked(call, LogitsShape.of(call["student_logits"]))
+
+
+def _reference(call, checked: _Checked):
+    params = checked.params
+    return reference.topk_distill_loss(
+        call["student_logits"].float(), call["support_ids"],
+        call["teacher_logprobs"].detach().float(), call["labels"], params.beta,
+        params.temperature, params.tail, call["support_mask"], params.reduction,
+        objective=params.objective, normalize_topk=params.normalize_topk,
+        log_prob_min_clamp=params.log_prob_min_clamp, loss_max_clamp=params.loss_max_clamp)
+
+
+def _local(call, checked: _Checked):
+    student_logits, (params, rows, _) = call["student_logits"], checked
+    reduction = params.reduction
     lead_shape = student_logits.shape[:-1]
     needs_grad = torch.is_grad_enabled() and student_logits.requires_grad
     if needs_grad and reduction == "none":
@@ -687,18 +714,29 @@ def linear_topk_distill_loss(
     (``ops/head.py``), each chunk's loss and logit gradient are ``topk_distill_loss``'s, and
     the gradient is folded into those of ``hidden``, ``weight`` and ``bias`` per chunk. With a
     scalar reduction the gradients are produced in the forward's single walk."""
-    hidden_rows = check_head(hidden, weight, bias, chunk_size)
-    options = dict(beta=beta, temperature=temperature, tail=tail, support_mask=support_mask,
-                   reduction=reduction, objective=objective, normalize_topk=normalize_topk,
-                   log_prob_min_clamp=log_prob_min_clamp, loss_max_clamp=loss_max_clamp)
-    if topk_backend(backend) == "reference":
-        return topk_distill_loss(reference_logits(hidden, weight, bias, 1.0, None),
-                                 support_ids, teacher_logprobs, labels, backend="reference",
-                                 **options)
-    params, rows = checked_inputs(logits_like(hidden, weight), support_ids, teacher_logprobs,
-                                  labels, support_mask, beta, temperature, tail, reduction,
-                                  objective, normalize_topk, log_prob_min_clamp,
-                                  loss_max_clamp)
+    return LINEAR_TOPK_DISTILL_LOSS.enter(locals())
+
+
+def _check_linear(call) -> _Checked:
+    check_head(call["hidden"], call["weight"], call["bias"], call["chunk_size"])
+    return _checked(call, LogitsShape.of_head(call["hidden"], call["weight"]))
+
+
+def _reference_linear(call, checked: _Checked):
+    keywords = {name: call[name] for name in (
+        "support_ids", "teacher_logprobs", "labels", "beta", "temperature", "tail",
+        "support_mask", "reduction", "objective", "normalize_topk", "log_prob_min_clamp",
+        "loss_max_clamp")}
+    logits = reference_logits(call["hidden"], call["weight"], call["bias"], 1.0, None)
+    return topk_distill_loss(logits, backend="reference", **keywords)
+
+
+def _local_linear(call, checked: _Checked):
+    hidden, weight, bias = call["hidden"], call["weight"], call["bias"]
+    chunk_size = call["chunk_size"]
+    params, rows, _ = checked
+    reduction = params.reduction
+    hidden_rows = hidden.reshape(-1, hidden.shape[-1])
     lead_shape = hidden.shape[:-1]
     needs = (head_needs(hidden, weight, bias) if torch.is_grad_enabled() else (False,) * 3)
     if reduction == "none":
@@ -719,3 +757,11 @@ def linear_topk_distill_loss(
         return value
     return AttachHeadGrads.apply(hidden_rows, weight, bias, value, grad_hidden, grad_weight,
                                  grad_bias, "linear_topk_distill_loss", None)
+
+
+TOPK_DISTILL_LOSS = Door(topk_distill_loss, ("student_logits", "support_ids", "teacher_logprobs",
+                                             "labels", "support_mask"), _check, _local,
+                         _reference)
+LINEAR_TOPK_DISTILL_LOSS = Door(linear_topk_distill_loss, (
+    "hidden", "weight", "support_ids", "teacher_logprobs", "labels", "support_mask", "bias"),
+    _check_linear, _local_linear, _reference_linear)

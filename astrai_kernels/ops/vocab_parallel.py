@@ -51,6 +51,7 @@ tracing). ``backend="reference"`` all-gathers the full logits and runs the naive
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Tuple
@@ -63,6 +64,7 @@ from ..kernels.memory import cached_empty
 from ..kernels.primitives import CrossEntropyArgs, LogprobsArgs, ShardGradArgs
 from ..kernels.registry import backend_module
 from ._common import (
+    LogitsShape,
     check_bool,
     check_index,
     dense_grad,
@@ -166,9 +168,10 @@ def shard_layout(process_group, vocab_local: int, device: torch.device,
     return ShardLayout(process_group, sum(sizes[:rank]), vocab_local, sum(sizes), max(sizes))
 
 
-def global_stand_in(like: Tensor, lead_shape, layout: ShardLayout) -> Tensor:
-    """A zero-byte tensor of the full-vocabulary logits' shape, for the ops' shared checks."""
-    return like.new_zeros(()).expand(*lead_shape, layout.vocab_total)
+def whole_logits(rows: Tensor, layout: ShardLayout) -> LogitsShape:
+    """The group's logits as the checks see them: ``rows``' leading shape, the whole
+    vocabulary."""
+    return LogitsShape(tuple(rows.shape[:-1]), layout.vocab_total, rows.device)
 
 
 class LocalTargets(NamedTuple):
@@ -434,6 +437,13 @@ def gathered_logits(logits: Tensor, layout: ShardLayout) -> Tensor:
     return torch.cat(pieces, dim=-1)
 
 
+def on_gathered_logits(op, call, layout: ShardLayout):
+    """``backend="reference"`` under ``process_group``: ``op`` in one process on the gathered
+    full-vocabulary logits (each rank computes the whole result)."""
+    return op(**{**call, "logits": gathered_logits(call["logits"], layout),
+                 "process_group": None, "backend": "reference"})
+
+
 class SumGradOverGroup(torch.autograd.Function):
     """Identity forward; the backward all-reduces the gradient (the hidden states feed every
     rank's shard of the LM head)."""
@@ -631,10 +641,15 @@ def head_setup(hidden, weight, bias, chunk_size, process_group, target, ignore_i
     return hidden_rows, layout, any(needs)
 
 
-def head_reference_logits(hidden, weight, bias, process_group):
-    """This shard's logits with the hidden states' gradient summed over the group."""
-    return torch.nn.functional.linear(SumGradOverGroup.apply(hidden, process_group), weight,
-                                      bias)
+def on_head_logits(op, call):
+    """``backend="reference"`` under ``process_group`` for a fused-head op: its logits ``op``
+    on this shard's logits (the hidden states' gradient summed over the group), with the
+    call's arguments that ``op`` takes."""
+    hidden = SumGradOverGroup.apply(call["hidden"], call["process_group"])
+    logits = torch.nn.functional.linear(hidden, call["weight"], call["bias"])
+    accepted = inspect.signature(op).parameters
+    keywords = {name: value for name, value in call.items() if name in accepted}
+    return op(**{**keywords, "logits": logits, "backend": "reference"})
 
 
 def _shard_params(params, requested_backend, needs_grad, **changes):

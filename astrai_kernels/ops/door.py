@@ -1,0 +1,69 @@
+"""Each public op's one entrance: its body is ``return DOOR.enter(locals())``.
+
+``Door.enter`` routes every call the same way, in this order:
+
+1. a DTensor among the op's tensor arguments: the op's ``dtensor`` route (``ops/dtensor.py``),
+   which calls the op again on each rank's local tensors with a process group;
+2. ``process_group`` given: the op's ``vocab_parallel`` route (this rank's vocabulary shard);
+3. ``check(call)``: every argument checked once, into one object the routes share (its
+   ``backend`` resolved);
+4. ``backend="reference"``: the ``reference`` route (the float64 spec, ``reference.py``);
+5. otherwise the ``local`` route: the kernels of the resolved backend.
+
+``call`` is the op's arguments by name (``locals()`` at the top of its body), so the routes
+read them by the public names and ``torch.compile`` traces the dict like any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+
+import torch
+
+from .dtensor import has_dtensor
+
+Call = Dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Door:
+    """The routes of one public op (``op``), each a function of its file."""
+    op: Callable[..., Any]
+    #: the arguments a DTensor may arrive in
+    tensors: Tuple[str, ...]
+    check: Callable[[Call], Any]
+    local: Callable[[Call, Any], Any]
+    reference: Callable[[Call, Any], Any]
+    vocab_parallel: Optional[Callable[[Call], Any]] = None
+    dtensor: Optional[Callable[..., Any]] = None
+
+    def enter(self, call: Call):
+        if has_dtensor(*[call[name] for name in self.tensors]):
+            if self.dtensor is None:
+                raise TypeError(
+                    f"{self.op.__name__} does not take DTensor arguments (got "
+                    f"{_dtensor_names(call, self.tensors)}): pass local tensors, e.g. "
+                    f"x.full_tensor() or x.to_local()")
+            return self.dtensor(self.op, **call)
+        if call.get("process_group") is not None:
+            return self.vocab_parallel(call)
+        checked = self.check(call)
+        if checked.backend == "reference":
+            return self.reference(call, checked)
+        return self.local(call, checked)
+
+
+class Checked(NamedTuple):
+    """A checked call whose loss has a normalizer: the params and the normalizer as a device
+    tensor (or None)."""
+    params: Any
+    normalizer: Optional[torch.Tensor]
+
+    @property
+    def backend(self) -> str:
+        return self.params.backend
+
+
+def _dtensor_names(call: Call, names: Tuple[str, ...]) -> str:
+    return ", ".join(name for name in names if has_dtensor(call[name]))
