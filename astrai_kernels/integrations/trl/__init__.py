@@ -93,8 +93,11 @@ a TRL other than 1.16, a trainer whose models carry no TRL fused head, a GKD tra
 ``compute_loss`` is overridden or whose models ``integrations.transformers.fused_head``
 cannot serve, a MoE model whose config asks for router logits (the aux loss is not reproduced),
 an output embedding that is not a plain ``nn.Linear`` (e.g. a LoRA-adapted ``lm_head``),
-FSDP and DeepSpeed (sharded heads are not gathered here). A model that asks for router logits
-at call time gets an error, never TRL's head silently.
+FSDP1 and DeepSpeed (sharded heads are not gathered here). Under accelerate's FSDP2 every
+served head reads its weight inside the model's forward, where the root ``fully_shard`` has
+gathered it (``fused_loss``' GRPO loss too: the policy is called with ``astrai_loss=``); the
+GKD and distillation losses, which read heads outside the forwards, are refused there. A model
+that asks for router logits at call time gets an error, never TRL's head silently.
 
 The package: ``contract.py`` (what is relied on in TRL, read and refused once) and one adapter
 per trainer family (``head``, ``gkd``, ``grpo``, ``distillation``, ``server_distillation``),

@@ -1,7 +1,7 @@
 """What ``install`` relies on in TRL 1.16, stated once: the versions it serves, how TRL's fused
 head is recognised and read (its forward's closure: temperature, logit scale, final soft-cap,
 backbone, compute dtype, outputs), how TRL's trainer families are recognised, and the refusals
-shared by the adapters (sharded heads, FSDP/DeepSpeed, temperature and beta out of range).
+shared by the adapters (sharded heads, FSDP1/DeepSpeed, temperature and beta out of range).
 
 Each adapter (``head``, ``gkd``, ``grpo``, ``distillation``, ``server_distillation``) is an
 :class:`Adapter`: ``applies``, ``check`` (raises :class:`TRLHeadError`, changes nothing),
@@ -59,7 +59,7 @@ class Request:
 
 class Adapter:
     """One trainer family's part of ``install``."""
-    #: the adapter's loss calls the policy with ``astrai_hidden_states=True``
+    #: the adapter's loss calls the policy with ``astrai_hidden_states=True`` (or ``astrai_loss``)
     reads_hidden_states = False
 
     def applies(self, trainer, request: Request) -> bool:
@@ -102,7 +102,8 @@ def trl_version() -> str:
 
 
 def check_trl(trainer) -> None:
-    """The TRL version, its ``FusedCausalLMOutput`` and no sharded training (FSDP, DeepSpeed)."""
+    """The TRL version, its ``FusedCausalLMOutput`` and no sharded training but FSDP2's (no
+    DeepSpeed, no FSDP1)."""
     version = trl_version()
     if not version.startswith(TESTED_TRL):
         raise refuse(trainer, f"TRL {version} is installed; the fused-head contract served "
@@ -113,10 +114,30 @@ def check_trl(trainer) -> None:
     if fields != TRL_OUTPUT_FIELDS:
         raise refuse(trainer, f"TRL's FusedCausalLMOutput has fields {fields}, not "
                               f"{TRL_OUTPUT_FIELDS}")
-    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled",
-                                                             False):
-        raise refuse(trainer, "it runs under FSDP or DeepSpeed; their sharded LM heads are not "
-                              "gathered by this integration")
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise refuse(trainer, "it runs under DeepSpeed; its sharded LM heads are not gathered "
+                              "by this integration")
+    if getattr(trainer, "is_fsdp_enabled", False):
+        check_fsdp2(trainer)
+
+
+#: the families whose loss reads an LM head outside its model's forward, where FSDP2 keeps the
+#: weight a Shard(0) DTensor (GRPO's fused loss runs inside the policy's forward instead)
+_OUTSIDE_FORWARD_FAMILIES = ("gkd", "distillation", "server_distillation")
+
+
+def check_fsdp2(trainer) -> None:
+    """Under accelerate's FSDP, only FSDP2 (``fsdp_version: 2``), whose root module gathers the
+    LM head's weight for its forward, where every served head reads it."""
+    version = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1)
+    if version != 2:
+        raise refuse(trainer, f"it runs under FSDP{version}, whose flat parameters are not "
+                              f"read by this integration; FSDP2 (fsdp_version: 2) is served")
+    family = trainer_family(trainer)
+    if family in _OUTSIDE_FORWARD_FAMILIES:
+        raise refuse(trainer, f"it runs under FSDP2 and its {family} loss reads the LM heads "
+                              f"outside the models' forwards, where each weight is a Shard(0) "
+                              f"DTensor")
 
 
 def trainer_class(family: str):
@@ -282,16 +303,43 @@ def sharded(weight) -> bool:
     return isinstance(weight, DTensor)
 
 
+def gathered_in_forward(model: nn.Module, weight: Tensor) -> bool:
+    """``weight`` is FSDP2's shard of a parameter of ``model``'s own ``fully_shard`` group on a
+    1-D mesh: inside ``model``'s forward it is the whole plain tensor. (A submodule sharded on
+    its own, e.g. ``fully_shard(model.lm_head)``, gathers it only in that submodule's forward,
+    which the fused head never calls.)"""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule) or weight.device_mesh.ndim != 1:
+        return False
+    return not any(isinstance(module, FSDPModule)
+                   and any(parameter is weight for parameter in module.parameters())
+                   for name, module in model.named_modules() if name)
+
+
 def check_head_weight(trainer, role: str, model: nn.Module) -> Tensor:
-    """``model``'s output embedding weight: a local ``[V, H]`` tensor, else refused."""
+    """``model``'s output embedding weight: a local ``[V, H]`` tensor (or FSDP2's shard of one,
+    gathered in ``model``'s forward), else refused."""
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None)
     if not isinstance(weight, Tensor) or weight.dim() != 2:
         raise refuse(trainer, f"its {role}'s output embedding {type(head).__name__} has no "
                               f"[V, H] weight")
-    if sharded(weight):
-        raise refuse(trainer, f"its {role}'s LM head weight is a DTensor (sharded)")
+    if sharded(weight) and not gathered_in_forward(model, weight):
+        raise refuse(trainer, f"its {role}'s LM head weight is a DTensor (sharded) that its "
+                              f"forward does not gather (only FSDP2's fully_shard of the whole "
+                              f"model on a 1-D mesh is served)")
     return weight
+
+
+def check_gathered(weight: Tensor) -> None:
+    """Inside a served model's forward: the LM head's ``weight`` must be whole (FSDP2 gathers
+    only the parameters of the module whose forward runs)."""
+    if sharded(weight):
+        raise ValueError(f"astrai_kernels.integrations.trl: the LM head weight is still a "
+                         f"DTensor inside the model's forward (placements {weight.placements}): "
+                         f"a module whose forward the fused head does not call shards it "
+                         f"(fully_shard the whole model instead)")
 
 
 def check_temperature(trainer, temperature) -> None:

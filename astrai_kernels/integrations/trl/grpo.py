@@ -182,11 +182,19 @@ def _compute_loss(trainer, request: contract.Request):
         _check_inputs(inputs, options)
         mask = (inputs["completion_mask"] if "tool_mask" not in inputs
                 else inputs["completion_mask"] * inputs["tool_mask"])
-        if sampling is not None:
-            return _sampled_loss(trainer, request, model, inputs, mask, head, options, sampling)
-        hidden, dtype = _completion_hidden(trainer, model, inputs, head)
+
+        def loss_of(hidden, dtype):
+            if sampling is not None:
+                return _sampled_loss(trainer, request, hidden, dtype, inputs, mask, head,
+                                     options, sampling)
+            return fused_loss(hidden, dtype, inputs, mask)
+
+        return _in_policy_forward(trainer, model, inputs, head, loss_of)
+
+    def fused_loss(hidden, dtype, inputs, mask):
         lm_head = policy.get_output_embeddings()
         weight, bias, device = lm_head.weight, lm_head.bias, lm_head.weight.device
+        contract.check_gathered(weight)
         mode = "train" if trainer.model.training else "eval"
         with torch.autocast(hidden.device.type, enabled=False):
             loss, _, values = ak.linear_grpo_loss(
@@ -210,17 +218,18 @@ def _compute_loss(trainer, request: contract.Request):
     return compute_loss
 
 
-def _sampled_loss(trainer, request: contract.Request, model, inputs, mask: Tensor,
-                  head: TRLHead, options: "ak.GRPOOptions", sampling: "ak.SamplingParams"):
+def _sampled_loss(trainer, request: contract.Request, hidden: Tensor, dtype: torch.dtype,
+                  inputs, mask: Tensor, head: TRLHead, options: "ak.GRPOOptions",
+                  sampling: "ak.SamplingParams"):
     """``score_support="sampler"``: ``ak.linear_grpo_loss(..., sampling=...)``. A token whose
     old log-prob is ``-inf`` (outside the old policy's support) leaves the mask before the call,
     as the op drops one outside the current policy's; TRL's metrics come from two walks without
     gradient (the token log-probs under ``sampling``, the full tempered entropy), on the tokens
     the loss kept, plus ``sampling/out_of_support``: the share of the completion tokens outside
     either support."""
-    hidden, dtype = _completion_hidden(trainer, model, inputs, head)
     lm_head = contract.policy_model(trainer).get_output_embeddings()
     weight, bias, device = lm_head.weight, lm_head.bias, lm_head.weight.device
+    contract.check_gathered(weight)
     mode = "train" if trainer.model.training else "eval"
     record = LOSS_TYPE_RECORDS[options.loss_type]
     mask = mask.to(device)
@@ -279,17 +288,23 @@ def _check_inputs(inputs, options: "ak.GRPOOptions") -> None:
                          "log-probs, from which TRL's importance_sampling_ratio is formed)")
 
 
-def _completion_hidden(trainer, model, inputs, head: TRLHead):
-    """The policy's final hidden states at the completion positions, and TRL's compute dtype
-    (under the trainer's autocast, as TRL's head runs)."""
+def _in_policy_forward(trainer, model, inputs, head: TRLHead, loss_of):
+    """``loss_of(hidden, dtype)`` computed inside the policy's forward (where FSDP2 has gathered
+    the LM head's weight; its hooks then see the loss as the forward's output): the final
+    hidden states at the completion positions and TRL's compute dtype (under the trainer's
+    autocast, as TRL's head runs)."""
     completion_ids = inputs["completion_ids"]
     input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     keep = completion_ids.size(1)
+
+    def loss_in_forward(output):
+        hidden = output.last_hidden_state[:, -keep - 1:-1]
+        return loss_of(hidden, contract.compute_dtype(hidden, head.cast_lm_head_to_fp32))
+
     with trainer.accelerator.autocast():
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask,
-                       astrai_hidden_states=True).last_hidden_state[:, -keep - 1:-1]
-        return hidden, contract.compute_dtype(hidden, head.cast_lm_head_to_fp32)
+        return model(input_ids=input_ids, attention_mask=attention_mask,
+                     astrai_loss=loss_in_forward)
 
 
 def _normalizer(trainer, inputs, mode: str) -> Tensor:

@@ -3,7 +3,8 @@ PEFT base; ``ref_model``; ``teacher_model``) gets a forward with TRL's contract 
 the per-token fields with ``ak.linear_token_logprobs`` (the package docstring lists it).
 
 Also the forward plumbing the loss adapters share: :func:`hidden_forward` (a forward that, called
-with ``astrai_hidden_states=True``, returns the backbone's output), :func:`serve` and
+with ``astrai_hidden_states=True``, returns the backbone's output, with ``astrai_loss=fn`` the
+loss ``fn`` computes from it inside the forward), :func:`serve` and
 :func:`give_back` (a model's forward replaced and restored, its state under ``MODEL_STATE``).
 """
 
@@ -121,11 +122,14 @@ def _mixed_precision_forward(trainer, forward):
 
 def hidden_forward(inner, backbone_attr: str):
     """``inner`` (a bound forward) that, called with ``astrai_hidden_states=True``, runs only
-    the backbone and returns its output (``last_hidden_state``), still through ``__call__``."""
-    def forward(self, *args, astrai_hidden_states=False, **kwargs):
-        if astrai_hidden_states:
+    the backbone and returns its output (``last_hidden_state``), still through ``__call__``;
+    called with ``astrai_loss=fn``, returns ``fn(that output)`` computed inside the forward,
+    where FSDP2 has gathered the LM head's weight."""
+    def forward(self, *args, astrai_hidden_states=False, astrai_loss=None, **kwargs):
+        if astrai_hidden_states or astrai_loss is not None:
             kwargs["use_cache"] = False
-            return getattr(self, backbone_attr)(*args, **kwargs)
+            output = getattr(self, backbone_attr)(*args, **kwargs)
+            return output if astrai_loss is None else astrai_loss(output)
         return inner(*args, **kwargs)
 
     return functools.update_wrapper(forward, getattr(inner, "__func__", inner))
@@ -167,6 +171,7 @@ def _head_output(lm_head: nn.Module, hidden: Tensor, labels: Tensor, num_items_i
     from trl.trainer.utils import FusedCausalLMOutput
 
     weight, bias = lm_head.weight, lm_head.bias
+    contract.check_gathered(weight)
     labels = labels.to(weight.device)
     mask = labels != -100
     fields = (_token_fields(hidden.to(weight.device), weight, bias, labels, mask, head, options)
