@@ -1,6 +1,7 @@
 """Every ```python block of the README and of docs/*.md runs as shown (each file's blocks in
 order, in one namespace per file); the ```py blocks need more (transformers, torchrun) and are
-run elsewhere or not at all. docs/benchmarks.md's tables are written by bench/doc_tables.py."""
+run elsewhere or not at all: docs/distributed.md's, scripts for torchrun, by
+tests/test_distributed_docs.py. docs/benchmarks.md's tables are written by bench/doc_tables.py."""
 
 import importlib.util
 import json
