@@ -188,8 +188,10 @@ def add_bench_arguments(parser):
     def defaults(table):
         return "; ".join(f"{op} {','.join(map(str, v))}" for op, v in table.items())
 
-    parser.add_argument("--ops", default=",".join(bc.OPS),
-                        help="comma-separated, from %s (default: all)" % ", ".join(bc.OPS))
+    parser.add_argument("--ops", default=",".join(bc.DEFAULT_OPS),
+                        help="comma-separated, from %s (default: all but %s)" % (
+                            ", ".join(bc.OPS),
+                            ", ".join(op for op in bc.OPS if op not in bc.DEFAULT_OPS)))
     parser.add_argument("--rows", default=None,
                         help=f"token rows N, comma-separated (default on CPU: "
                              f"{defaults(bc.CPU_DEFAULT_ROWS)}; on CUDA {bc.GPU_DEFAULT_ROWS}); "

@@ -1,6 +1,6 @@
 """pytest-benchmark cases: each op's forward+backward for every backend and baseline, and the
-same-run ``copy_`` of the logits (the 2 S floor of the logits ops; the linear ops' floor is their
-``gemm`` case).
+same-run ``copy_`` of the logits (the 2 S floor of the logits ops, by the rule of
+``astrai_kernels.bench.measure.CopyFloor``; the linear ops' floor is their ``gemm`` case).
 
 Run ``make bench-pytest`` (``pytest bench --benchmark-only``); compare runs with
 pytest-benchmark's own tools (``--benchmark-save``, ``--benchmark-compare``,
@@ -15,7 +15,7 @@ import os
 import torch
 
 from astrai_kernels.bench import cases as bc
-from astrai_kernels.bench.measure import build_workload, measure_copy
+from astrai_kernels.bench.measure import COPIES_PER_CALL, MIN_COPIES, CopyFloor, build_workload
 
 
 def _sync(device):
@@ -27,24 +27,17 @@ def _group(op, dtype, rows, vocab):
 
 
 def test_copy_floor(benchmark, copy_case, settings):
-    """``dst.copy_(logits)`` (``clone`` on CUDA) of one logits tensor: 2 S bytes moved."""
+    """``dst.copy_(logits)`` of one logits tensor into a buffer allocated and first touched as
+    an op's gradient (``CopyFloor``): 2 S bytes moved."""
     dtype, vocab = copy_case
     device, rows = settings["device"], settings["rows"]
     src = torch.randn(rows, vocab, device=device).to(bc.torch_dtype(dtype))
-    sync = _sync(device)
-    if str(device).startswith("cuda"):
-        def run():
-            src.clone()
-            sync()
-    else:
-        dst = torch.empty_like(src)
-
-        def run():
-            dst.copy_(src)
+    floor = CopyFloor(src, str(device).startswith("cuda"))
     benchmark.group = f"copy {dtype} N={rows} V={vocab}"
     benchmark.extra_info.update({"logits_bytes": src.numel() * src.element_size(),
                                  "bytes_moved": 2 * src.numel() * src.element_size()})
-    benchmark.pedantic(run, rounds=max(5, settings["rounds"]), warmup_rounds=1, iterations=1)
+    benchmark.pedantic(floor.sample, args=(1,), rounds=max(MIN_COPIES, settings["rounds"]),
+                       warmup_rounds=0, iterations=1)
 
 
 def test_op(benchmark, bench_case, settings, medians, case_runner):
@@ -68,23 +61,31 @@ def test_op(benchmark, bench_case, settings, medians, case_runner):
     torch.set_num_threads(os.cpu_count() or 1)
     workload = build_workload(case)
     sync = _sync(device)
+    floor = (CopyFloor(workload.copy_source, str(device).startswith("cuda"))
+             if workload.copy_source is not None else None)
 
     def run():
         workload.run()
         sync()
 
+    def between_rounds():
+        workload.reset()
+        if floor is not None:  # the floor's copies between the op's calls, as `bench` times them
+            floor.sample(COPIES_PER_CALL)
+
     run()  # warm-up: kernel build/load, torch.compile
     workload.reset()
     benchmark.group = _group(op, dtype, rows, vocab)
-    benchmark.pedantic(run, setup=workload.reset, rounds=settings["rounds"], warmup_rounds=0,
+    benchmark.pedantic(run, setup=between_rounds, rounds=settings["rounds"], warmup_rounds=0,
                        iterations=1)
     workload.reset()
     median = benchmark.stats.stats.median
     same = medians.setdefault((op, dtype, rows, vocab), {})
     same[method] = median
     extra.update({"logits_bytes": workload.logits_bytes, **workload.info})
-    if workload.copy_source is not None:  # logits ops: the same-run copy floor
-        copy = measure_copy(workload.copy_source, 5, str(device).startswith("cuda"))
+    if floor is not None:  # logits ops: the same-run copy floor
+        floor.sample(MIN_COPIES - len(floor.times))
+        copy = floor.result()
         floor_s = copy["copy_s"] * workload.floor_bytes / (2 * workload.logits_bytes)
         extra.update({"floor_bytes": workload.floor_bytes, "copy_s": copy["copy_s"],
                       "copy_kind": copy["copy_kind"], "floor_s": floor_s,
@@ -93,5 +94,8 @@ def test_op(benchmark, bench_case, settings, medians, case_runner):
     for base in bc.BASELINES:
         if base in same:
             extra[f"ratio_vs_{base}"] = median / same[base]
+    plain = medians.get((bc.PLAIN_OP.get(op), dtype, rows, vocab), {}).get(method)
+    if plain:  # the op without its option, same method, timed earlier in this session
+        extra["ratio_vs_plain"] = median / plain
     benchmark.extra_info.update(extra)
 

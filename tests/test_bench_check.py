@@ -1,13 +1,14 @@
 """``astrai-kernels bench --check``: the comparison logic, with a fake clock (nothing is timed),
-and the bounds file kept in the repository."""
+the bounds file kept in the repository, and the same-run copy floor's rule (at a tiny shape)."""
 
 import os
+import statistics
 
 import pytest
 
 from astrai_kernels import cli
-from astrai_kernels.bench import check
-from astrai_kernels.bench.cases import LOGITS_OPS
+from astrai_kernels.bench import check, measure
+from astrai_kernels.bench.cases import FLOOR_FACTOR, LOGITS_OPS, Case
 
 S = 4096 * 32768 * 4  # the logits' bytes of the fp32 cases below
 
@@ -18,7 +19,7 @@ def fake_result(case, seconds, copy_s=None):
               "dtype": case.dtype, "device": case.device, "hidden": case.hidden,
               "median_s": seconds, "peak_extra_bytes": 0}
     if case.op in LOGITS_OPS:
-        factor = {"token_logprobs": 2, "cross_entropy": 2, "grpo": 4, "distill": 3}[case.op]
+        factor = FLOOR_FACTOR[case.op]
         result.update(logits_bytes=S, floor_bytes=factor * S, copy_s=copy_s,
                       clone_s=copy_s * 1.5 if copy_s else None)
     else:
@@ -275,3 +276,153 @@ def test_cli_reports_a_malformed_bounds_file_in_one_line(tmp_path, capsys, monke
     assert cli.main(["bench", "--check", "--bounds", str(path)]) == 2
     err = capsys.readouterr().err
     assert key in err and "Traceback" not in err
+
+
+PLAIN_BOUNDS = """
+[machine]
+class = "test machine"
+
+[[case]]
+op = "token_logprobs_sampling"
+method = "cpp"
+dtype = "fp32"
+rows = 4096
+vocab = 32768
+against = "plain"
+max_ratio = 1.5
+
+[[case]]
+op = "token_logprobs_sampling"
+method = "cpp"
+dtype = "fp32"
+rows = 4096
+vocab = 32768
+against = "naive"
+max_ratio = 0.2
+
+[[case]]
+op = "token_logprobs"
+method = "cpp"
+dtype = "fp32"
+rows = 4096
+vocab = 32768
+against = "copy"
+max_ratio = 2.5
+"""
+# sampled 0.28 s over the plain op's 0.2 s: 1.4x; over the naive 2.0 s: 0.14x
+PLAIN_WITHIN = {("token_logprobs_sampling", "cpp", "fp32"): 0.28,
+                ("token_logprobs_sampling", "naive", "fp32"): 2.0,
+                ("token_logprobs", "cpp", "fp32"): 0.2}
+
+
+def test_against_plain_divides_by_the_plain_op_of_the_same_method(tmp_path, capsys):
+    path = tmp_path / "bounds.toml"
+    path.write_text(PLAIN_BOUNDS)
+    clock = FakeClock(dict(PLAIN_WITHIN))
+    code, out = run(str(path), clock, capsys)
+    assert code == 0, out
+    assert "1.40x <= 1.50x" in out and "0.14x <= 0.20x" in out and "2.00x <= 2.50x" in out
+    # the plain op's case runs once, shared with its own bound
+    assert [(c.op, c.method) for c in clock.ran] == [
+        ("token_logprobs_sampling", "cpp"), ("token_logprobs", "cpp"),
+        ("token_logprobs_sampling", "naive")]
+    slower = dict(PLAIN_WITHIN)
+    slower[("token_logprobs_sampling", "cpp", "fp32")] = 0.32  # 1.6x the plain op, 0.16x naive
+    code, out = run(str(path), FakeClock(slower), capsys)
+    assert code == 1 and "2 ok, 1 over, 0 failed" in out
+    assert "over  token_logprobs_sampling cpp fp32 N=4096 V=32768 vs plain" in out
+
+
+def test_a_failed_plain_op_fails_the_plain_bound(tmp_path, capsys):
+    path = tmp_path / "bounds.toml"
+    path.write_text(PLAIN_BOUNDS)
+    code, out = run(str(path), FakeClock(dict(PLAIN_WITHIN), fail={("token_logprobs", "cpp")}),
+                    capsys)
+    assert code == 1 and "1 ok, 0 over, 2 failed" in out
+    assert "baseline token_logprobs cpp failed: boom" in out
+
+
+def test_plain_needs_an_op_with_a_plain_form(tmp_path):
+    path = tmp_path / "bounds.toml"
+    path.write_text(BOUNDS.replace('against = "copy"', 'against = "plain"', 1))
+    with pytest.raises(check.BoundsError, match="case 1: against 'plain' needs an op with a "
+                                                "plain form"):
+        check.load_bounds(str(path))
+
+
+def test_repository_bounds_hold_issue_33_cases():
+    """token_logprobs with the sampler (against the floor, the plain op and the naive code, fp32
+    and bf16) and topk_distill (against the floor), each with the issue's target."""
+    _, bounds = check.load_bounds(check.default_bounds_path())
+    by_key = {(b.op, b.dtype, b.against): b for b in bounds}
+    for dtype in ("fp32", "bf16"):
+        for against, target in (("copy", None), ("plain", 1.5), ("naive", 0.2)):
+            bound = by_key[("token_logprobs_sampling", dtype, against)]
+            assert (bound.method, bound.rows, bound.vocab) == ("cpp", 4096, 32768)
+            if target is not None:
+                assert bound.target == target
+    assert {("topk_distill", dtype, "copy") for dtype in ("fp32", "bf16")} <= set(by_key)
+    planned = check.planned_cases(bounds)
+    assert len(planned) == len(set(planned))
+    assert Case("token_logprobs", "cpp", 4096, 32768, "bf16") in planned
+
+
+class Recorder:
+    """The events of one ``measure`` call: each timed op call and each copy of the floor."""
+
+    def __init__(self, monkeypatch):
+        self.events = []
+        original_sample = measure.CopyFloor.sample
+        original_build = measure.build_workload
+
+        def sample(floor, count):
+            self.events.extend(["copy"] * max(0, count))
+            original_sample(floor, count)
+
+        def build(case):
+            workload = original_build(case)
+            run_op = workload.run
+
+            def run():
+                self.events.append("op")
+                run_op()
+            workload.run = run
+            return workload
+
+        monkeypatch.setattr(measure.CopyFloor, "sample", sample)
+        monkeypatch.setattr(measure, "build_workload", build)
+
+
+def test_floor_copies_run_between_the_timed_calls(monkeypatch):
+    """The floor's copies are timed after each timed call (not in one burst after them), at
+    least MIN_COPIES in all; copy_s is their median."""
+    recorder = Recorder(monkeypatch)
+    result = measure.measure(Case("token_logprobs", "cpp", 64, 4096, repeats=3, min_repeats=3))
+    per_call = ["op"] + ["copy"] * measure.COPIES_PER_CALL
+    top_up = measure.MIN_COPIES - 3 * measure.COPIES_PER_CALL
+    assert recorder.events == ["op"] + per_call * 3 + ["copy"] * top_up
+    assert len(result["copy_times_s"]) == measure.MIN_COPIES
+    assert result["copy_s"] == statistics.median(result["copy_times_s"])
+    assert result["repeats"] == 3 and result["clone_s"] > 0
+
+
+def test_floor_buffer_is_outside_the_peak():
+    """The floor's buffer is allocated and first touched before the peak's baseline: an
+    in-place op (no gradient buffer) adds well under one logits' size S."""
+    result = measure.measure(Case("token_logprobs", "cpp:inplace", 256, 16384, repeats=2))
+    if result["peak_method"].startswith("ru_maxrss"):
+        pytest.skip("/proc/self/clear_refs is not writable: the peak cannot be reset here")
+    assert result["peak_extra_bytes"] < 0.5 * result["logits_bytes"], result
+
+
+def test_floor_buffer_is_like_the_gradient():
+    import torch
+
+    src = torch.randn(64, 1 << 15)
+    floor = measure.CopyFloor(src)
+    assert floor.dst.shape == src.shape and floor.dst.dtype == src.dtype
+    assert floor.dst.is_contiguous()
+    assert torch.equal(floor.dst, src), "not first touched with the logits"
+    assert floor.dst.data_ptr() != src.data_ptr()
+    with pytest.raises(RuntimeError, match="never sampled"):
+        floor.result()

@@ -2,7 +2,9 @@
 point, and the default point sets of ``astrai-kernels bench``.
 
 A *case* is one (op, method, rows N, vocabulary V, hidden size H, dtype, device). The logits ops
-(``token_logprobs``, ``cross_entropy``, ``grpo``) take ``[N, V]`` logits; the fused-LM-head ops
+(``token_logprobs``, ``cross_entropy``, ``grpo``, ``distill``, ``token_logprobs_sampling``: token
+log-probs under :data:`BENCH_SAMPLING`, ``topk_distill``: ``topk_distill_loss`` against a
+teacher's top :data:`TOPK_DISTILL_K`) take ``[N, V]`` logits; the fused-LM-head ops
 (``linear_cross_entropy``, ``linear_token_logprobs``, ``linear_token_logprobs_entropy``,
 ``linear_grpo``, ``linear_distill``) take hidden states ``[N, H]`` and an LM head ``[V, H]``
 (distillation: the teacher's too) and never hold the logits. ``method`` is a kernel backend of
@@ -12,12 +14,21 @@ this package (``NAME:inplace`` for ``inplace_backward=True``) or a baseline (:da
 import json
 from dataclasses import asdict, dataclass
 
-LOGITS_OPS = ("token_logprobs", "cross_entropy", "grpo", "distill")
+LOGITS_OPS = ("token_logprobs", "cross_entropy", "grpo", "distill", "token_logprobs_sampling",
+              "topk_distill")
 LINEAR_OPS = ("linear_cross_entropy", "linear_token_logprobs", "linear_token_logprobs_entropy",
               "linear_grpo", "linear_distill")
 TENSOR_OPS = LOGITS_OPS + LINEAR_OPS  # the ops measured case by case (strategies are not)
 OPS = TENSOR_OPS + ("strategies",)
+# `astrai-kernels bench` without --ops (`make bench`): the RL ops' naive baselines take seconds
+# a call, so they run when named (and in `bench --check`)
+DEFAULT_OPS = tuple(op for op in OPS if op not in ("token_logprobs_sampling", "topk_distill"))
 INPLACE_OPS = ("token_logprobs", "cross_entropy")
+# issue 33's sampler: vLLM's temperature, then top_k, then top_p on the renormalised top-k
+BENCH_SAMPLING = {"temperature": 0.8, "top_k": 50, "top_p": 0.9}
+TOPK_DISTILL_K = 64
+# an op that is another op plus an option -> that other op ("against plain" in bench --check)
+PLAIN_OP = {"token_logprobs_sampling": "token_logprobs"}
 INPLACE_SUFFIX = ":inplace"
 
 KERNEL_BACKENDS = ("triton", "cpp", "torch", "reference")
@@ -33,7 +44,9 @@ METHOD_NOTES = {
     "naive": "the seed's path: log_softmax(logits.float()).gather (token log-probs), "
              "F.cross_entropy(logits.float(), y), the seed's GRPO loss on three "
              "log_softmax-gathers, TRL's generalized_jsd_loss on the student's and the "
-             "teacher's float logits (distill); for the linear ops F.linear(hidden, weight) "
+             "teacher's float logits (distill), vLLM's sort + cumsum top-k/top-p mask, then "
+             "log_softmax + gather (token_logprobs_sampling), reference.topk_distill_loss on "
+             "the float logits (topk_distill); for the linear ops F.linear(hidden, weight) "
              "first (token log-probs with entropy: -(p * log p).sum(-1) of the same fp32 "
              "log-softmax)",
     "compile": "torch.compile of the naive function (compiled in the warm-up)",
@@ -45,14 +58,17 @@ METHOD_NOTES = {
                  "(token log-probs: minus its reduction='none' result)",
     "torch_lce_chunked": "torch.nn.functional.linear_cross_entropy(options="
                          "torch.nn.LinearCrossEntropyOptions()), its chunked path",
-    "copy": "same-run dst.copy_(logits) (CPU) / logits.clone() (CUDA): 2 S bytes",
+    "copy": "same-run dst.copy_(logits), the median of copies between the timed calls into a "
+            "buffer allocated and first touched as the gradient cache's: 2 S bytes",
 }
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16",
                  "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16"}
-# x S bytes (logits ops); distill reads the student's and the teacher's logits, writes one grad
-FLOOR_FACTOR = {"token_logprobs": 2, "cross_entropy": 2, "grpo": 4, "distill": 3}
+# x S bytes (logits ops); distill reads the student's and the teacher's logits, writes one grad;
+# topk_distill reads the student's (the teacher's [N, K] log-probs are negligible)
+FLOOR_FACTOR = {"token_logprobs": 2, "cross_entropy": 2, "grpo": 4, "distill": 3,
+                "token_logprobs_sampling": 2, "topk_distill": 2}
 # linear_grpo: + the old and the reference model's forward; linear_distill: + the teacher's
 GEMM_COUNT = {"linear_cross_entropy": 3, "linear_token_logprobs": 3,
               "linear_token_logprobs_entropy": 3, "linear_grpo": 5, "linear_distill": 4}
@@ -78,18 +94,21 @@ LINEAR_WORKSPACE_BOUND = 96 * 2**20
 # every op's largest V first, then the strategies' steps, then torch.compile at the largest V,
 # then the smaller V; the deadline below skips whatever is left.
 CPU_DEFAULT_ROWS = {"token_logprobs": (4096,), "cross_entropy": (4096,), "grpo": (4096,),
-                    "distill": (2048,),
+                    "distill": (2048,), "token_logprobs_sampling": (4096,),
+                    "topk_distill": (4096,),
                     "linear_cross_entropy": (2048,), "linear_token_logprobs": (2048,),
                     "linear_token_logprobs_entropy": (2048,), "linear_grpo": (2048,),
                     "linear_distill": (2048,)}
 CPU_DEFAULT_VOCABS = {"token_logprobs": (4096, 8192, 16384, 32768),
                       "cross_entropy": (8192, 32768), "grpo": (32768,), "distill": (32768,),
+                      "token_logprobs_sampling": (32768,), "topk_distill": (32768,),
                       "linear_cross_entropy": (8192, 32768), "linear_token_logprobs": (8192,),
                       "linear_token_logprobs_entropy": (8192,), "linear_grpo": (8192,),
                       "linear_distill": (8192,), "strategies": (32768,)}
 DEFAULT_MIN_REPEATS = {op: 1 if op in LINEAR_OPS else 2 for op in TENSOR_OPS}
 CPU_DEFAULT_DTYPES = {"token_logprobs": ("fp32", "bf16"), "cross_entropy": ("fp32", "bf16"),
                       "grpo": ("fp32", "bf16"), "distill": ("fp32",),
+                      "token_logprobs_sampling": ("fp32", "bf16"), "topk_distill": ("fp32", "bf16"),
                       "linear_cross_entropy": ("fp32",),
                       "linear_token_logprobs": ("fp32",),
                       "linear_token_logprobs_entropy": ("fp32",), "linear_grpo": ("fp32",),

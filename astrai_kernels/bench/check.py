@@ -7,10 +7,11 @@ its bound, ``over`` above it, ``failed`` when it or its baseline did not run; th
 (``make bench-check``) before a kernel change lands and quotes its output.
 
 A bound: ``op``, ``method`` (a backend, ``NAME:inplace`` allowed), ``dtype``, ``rows``,
-``vocab``, ``hidden`` (linear ops), ``against`` (the ratio's denominator, :data:`AGAINST`) and
-``max_ratio``, and optionally ``target`` (where the ratio should get to: printed with
-whether it is met, not checked); the file's ``[machine]`` table names the machine class
-the bounds were set on.
+``vocab``, ``hidden`` (linear ops), ``against`` (the ratio's denominator, :data:`AGAINST`: the
+same-run copy floor, a baseline method of the same op, or ``plain``: the op without its option,
+:data:`~astrai_kernels.bench.cases.PLAIN_OP`, same method and shape) and ``max_ratio``, and
+optionally ``target`` (where the ratio should get to: printed with whether it is met, not
+checked); the file's ``[machine]`` table names the machine class the bounds were set on.
 """
 
 import math
@@ -22,6 +23,7 @@ from .cases import (
     DEFAULT_HIDDEN,
     DEFAULT_MIN_REPEATS,
     LINEAR_OPS,
+    PLAIN_OP,
     TENSOR_OPS,
     Case,
     normalize_dtype,
@@ -29,14 +31,17 @@ from .cases import (
 )
 from .report import add_ratios
 
-# against -> (result key of the ratio, the baseline method that must run beside the case)
+# against -> (result key of the ratio, the baseline method that must run beside the case; PLAIN:
+# the same method on the op's plain form)
+PLAIN = "plain"
 AGAINST = {
     "copy": ("ratio_vs_copy", None),
     "copy_fresh_grad": ("ratio_vs_floor_fresh_grad", None),
     "gemm": ("ratio_vs_gemm", "gemm"),
     "naive": ("ratio_vs_naive", "naive"),
+    PLAIN: ("ratio_vs_plain", PLAIN),
 }
-LOGITS_AGAINST = ("copy", "copy_fresh_grad", "naive")
+LOGITS_AGAINST = ("copy", "copy_fresh_grad", "naive", PLAIN)
 LINEAR_AGAINST = ("gemm", "naive")
 BOUND_KEYS = ("op", "method", "dtype", "rows", "vocab", "hidden", "against", "max_ratio",
               "target")
@@ -64,10 +69,18 @@ class Bound:
         return (f"{self.op} {self.method} {self.dtype} N={self.rows}{hidden} V={self.vocab}"
                 f" vs {self.against}")
 
-    def case(self, method=None, min_repeats=None, **case_options):
-        min_repeats = DEFAULT_MIN_REPEATS[self.op] if min_repeats is None else min_repeats
-        return Case(self.op, method or self.method, self.rows, self.vocab, self.dtype,
+    def case(self, method=None, min_repeats=None, op=None, **case_options):
+        op = op or self.op
+        min_repeats = DEFAULT_MIN_REPEATS[op] if min_repeats is None else min_repeats
+        return Case(op, method or self.method, self.rows, self.vocab, self.dtype,
                     hidden=self.hidden, min_repeats=min_repeats, **case_options)
+
+    def baseline(self):
+        """``(op, method)`` of the case the ratio divides by, None for a same-run floor."""
+        base = AGAINST[self.against][1]
+        if base is None:
+            return None
+        return (PLAIN_OP[self.op], self.method) if base == PLAIN else (self.op, base)
 
 
 @dataclass(frozen=True)
@@ -157,6 +170,9 @@ def _parse_case(entry, where):
     if entry["against"] not in allowed:
         raise BoundsError(f"{where}: {entry['op']} is measured against one of {allowed}, "
                           f"got {entry['against']!r}")
+    if entry["against"] == PLAIN and entry["op"] not in PLAIN_OP:
+        raise BoundsError(f"{where}: against {PLAIN!r} needs an op with a plain form "
+                          f"{sorted(PLAIN_OP)}, got {entry['op']!r}")
     sizes = {key: _positive_int(entry[key], key, where)
              for key in ("rows", "vocab", "hidden") if key in entry}
     ratio = _positive_number(entry["max_ratio"], "max_ratio", where)
@@ -190,9 +206,8 @@ def planned_cases(bounds, **case_options):
     """Each bound's case and the baseline case it is divided by, once each, in bound order."""
     cases = []
     for bound in bounds:
-        base = AGAINST[bound.against][1]
-        for method in (bound.method, base):
-            case = bound.case(method, **case_options) if method else None
+        for op, method in ((bound.op, bound.method), bound.baseline() or (None, None)):
+            case = bound.case(method, op=op, **case_options) if method else None
             if case is not None and case not in cases:
                 cases.append(case)
     return cases
@@ -203,8 +218,8 @@ def compare(bounds, results):
     results = add_ratios([dict(r) for r in results])
     verdicts = []
     for bound in bounds:
-        key, base = AGAINST[bound.against]
-        mine = [r for r in results if _matches(r, bound, bound.method)]
+        key = AGAINST[bound.against][0]
+        mine = [r for r in results if _matches(r, bound, bound.op, bound.method)]
         if not mine:
             verdicts.append(Verdict(bound, why="not run"))
             continue
@@ -214,8 +229,10 @@ def compare(bounds, results):
             continue
         ratio = result.get(key)
         if ratio is None:
-            base_rows = [r for r in results if base and _matches(r, bound, base)]
-            why = (f"baseline {base} failed: {base_rows[-1]['error']}"
+            base = bound.baseline()
+            base_rows = [r for r in results if base and _matches(r, bound, *base)]
+            name = base and (base[1] if base[0] == bound.op else f"{base[0]} {base[1]}")
+            why = (f"baseline {name} failed: {base_rows[-1]['error']}"
                    if base_rows and "error" in base_rows[-1] else f"no {key} in the result")
             verdicts.append(Verdict(bound, why=why))
             continue
@@ -223,8 +240,8 @@ def compare(bounds, results):
     return verdicts
 
 
-def _matches(result, bound, method):
-    return (result.get("op") == bound.op and result.get("method") == method
+def _matches(result, bound, op, method):
+    return (result.get("op") == op and result.get("method") == method
             and result.get("dtype") == bound.dtype and result.get("rows") == bound.rows
             and result.get("vocab") == bound.vocab
             and (bound.op not in LINEAR_OPS or result.get("hidden") == bound.hidden))

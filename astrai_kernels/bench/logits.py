@@ -2,19 +2,28 @@
 
 Every case is timed forward + backward (GRPO: policy forward + backward plus the old and
 reference forwards, one step). What a logits op must move (``S`` = bytes of one logits tensor)
-is its *floor*: ``2 S`` for token log-probs and cross-entropy (read the logits, write the
-gradient), ``4 S`` for the GRPO step (also read the old and the reference logits once), ``3 S``
-for distillation (read the student's and the teacher's logits, write the student's gradient). The
-linear ops' floor is a same-run GEMM case instead (:mod:`astrai_kernels.bench.linear`).
+is its *floor*: ``2 S`` for token log-probs (also under a sampler's top-k/top-p), cross-entropy
+and top-k distillation (read the logits, write the gradient), ``4 S`` for the GRPO step (also read
+the old and the reference logits once), ``3 S`` for distillation (read the student's and the
+teacher's logits, write the student's gradient). The linear ops' floor is a same-run GEMM case
+instead (:mod:`astrai_kernels.bench.linear`).
+
+The sampled token log-probs' targets are drawn from the sampler's distribution (as in RL, every
+target is in the support, so every row gets a gradient); the top-k distillation's teacher gives
+``K`` distinct ids per row (evenly spaced from a random offset) with log-probs that leave a tail
+mass outside them, as a real teacher's top ``K`` does.
 """
 
+from .. import reference
 from ..baselines import original
 from .cases import (
+    BENCH_SAMPLING,
     FLOOR_FACTOR,
     GRPO_BATCH,
     GRPO_CLIP_EPS,
     GRPO_KL_COEF,
     LOGITS_OPS,
+    TOPK_DISTILL_K,
     split_method,
     torch_dtype,
 )
@@ -25,7 +34,40 @@ from .workloads import (
     grpo_batch,
     naive_distill,
     naive_grpo_step,
+    naive_sampled_token_logprobs,
 )
+
+TARGET_DRAW_ROWS = 1024  # rows per block when drawing the sampled targets (bounded memory)
+
+
+def sampled_targets(logits, gen, temperature, top_k, top_p):
+    """One target per row drawn from vLLM's processed distribution (``top_k > 0``: the top-k
+    values, renormalised, keep a token iff the mass strictly above it is < ``top_p``)."""
+    import torch
+
+    if not 0 < top_k <= logits.shape[-1]:
+        raise ValueError(f"top_k must be in [1, V={logits.shape[-1]}] to draw targets, "
+                         f"got {top_k}")
+    blocks = []
+    for block in logits.detach().split(TARGET_DRAW_ROWS):
+        values, ids = (block.float() / temperature).topk(top_k, dim=-1)
+        probs = values.softmax(-1)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p, 0.0)
+        blocks.append(ids.gather(-1, torch.multinomial(probs, 1, generator=gen)).squeeze(-1))
+    return torch.cat(blocks)
+
+
+def teacher_topk(rows, vocab, k, device, gen):
+    """``(support_ids, teacher_logprobs)`` ``[rows, k]``: distinct ids (stride ``V // k`` from a
+    random offset), log-probs descending whose mass is below 1 (a (k+1)-th share is the tail)."""
+    import torch
+
+    if not 0 < k <= vocab:
+        raise ValueError(f"K must be in [1, V={vocab}], got {k}")
+    offset = torch.randint(0, vocab, (rows, 1), device=device, generator=gen)
+    ids = (offset + torch.arange(k, device=device) * (vocab // k)) % vocab
+    shares = torch.randn(rows, k + 1, device=device, generator=gen).log_softmax(-1)
+    return ids, shares[:, :k].sort(-1, descending=True).values
 
 
 def build_logits_workload(case):
@@ -80,6 +122,36 @@ def build_logits_workload(case):
 
             def run():
                 ak.distill_loss(policy, teacher, y, beta=DISTILL_BETA, backend=method).backward()
+    elif case.op == "token_logprobs_sampling":
+        policy = logits((rows,), True)
+        y = sampled_targets(policy, gen, **BENCH_SAMPLING)
+        if method in ("naive", "compile"):
+            fn = wrap(naive_sampled_token_logprobs)
+
+            def run():
+                fn(policy, y, **BENCH_SAMPLING).sum().backward()
+        else:
+            import astrai_kernels as ak
+
+            sampling = ak.SamplingParams(**BENCH_SAMPLING)
+
+            def run():
+                ak.token_logprobs(policy, y, sampling=sampling, backend=method).sum().backward()
+        info["sampling"] = dict(BENCH_SAMPLING)
+    elif case.op == "topk_distill":
+        policy = logits((rows,), True)
+        ids, teacher_logprobs = teacher_topk(rows, vocab, TOPK_DISTILL_K, device, gen)
+        if method in ("naive", "compile"):
+            fn = wrap(reference.topk_distill_loss)
+
+            def run():
+                fn(policy.float(), ids, teacher_logprobs).backward()
+        else:
+            import astrai_kernels as ak
+
+            def run():
+                ak.topk_distill_loss(policy, ids, teacher_logprobs, backend=method).backward()
+        info["topk"] = TOPK_DISTILL_K
     else:  # grpo
         if rows % GRPO_BATCH:
             raise ValueError(f"grpo needs rows divisible by B={GRPO_BATCH}, got {rows}")

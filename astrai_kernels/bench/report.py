@@ -16,6 +16,7 @@ from .cases import (
     LINEAR_OPS,
     LOGITS_BASELINES,
     LOGITS_OPS,
+    PLAIN_OP,
     TENSOR_OPS,
     split_method,
 )
@@ -33,6 +34,8 @@ def add_ratios(results):
     shape, ``ratio_vs_gemm``, ``effective_GFLOPs`` (the floor's matmul flops over the time),
     memory over S (the logits they never hold) and over ``peak_bound_bytes``. Both:
     ``ratio_vs_<baseline>`` for each baseline of the op's family (None where it did not run).
+    An op with a plain form (``PLAIN_OP``): ``ratio_vs_plain``, over that op's result of the
+    same method and shape (None where it did not run).
     """
     by_shape = {}
     for r in results:
@@ -50,6 +53,9 @@ def add_ratios(results):
         for base in baselines:
             other = by_shape.get(_shape_key(r, base))
             r[f"ratio_vs_{base}"] = r["median_s"] / other["median_s"] if other else None
+        if r["op"] in PLAIN_OP:
+            plain = by_shape.get((PLAIN_OP[r["op"]],) + _shape_key(r, r["method"])[1:])
+            r["ratio_vs_plain"] = r["median_s"] / plain["median_s"] if plain else None
         r["peak_extra_over_logits"] = r["peak_extra_bytes"] / r["logits_bytes"]
     return results
 
@@ -186,9 +192,10 @@ def _fmt(value, spec, missing="-"):
 def format_table(results, cuda=False):
     """The results as a text table (ratios: < 1 means faster/smaller than the baseline)."""
     mib = 1 << 20
-    head = (f"{'op':<15} {'method':<11} {'dtype':<5} {'N':>6} {'V':>7} {'median ms':>10} "
+    width = max(map(len, LOGITS_OPS))
+    head = (f"{'op':<{width}} {'method':<11} {'dtype':<5} {'N':>6} {'V':>7} {'median ms':>10} "
             f"{'n':>2} {'floor ms':>9} {'x floor':>8} {'x fresh':>8} {'x naive':>8} "
-            f"{'x compile':>9} {'peak MiB':>9} {'peak/S':>7}")
+            f"{'x compile':>9} {'x plain':>8} {'peak MiB':>9} {'peak/S':>7}")
     if cuda:
         head += f" {'GB/s':>7} {'clone GB/s':>10} {'%clone':>6}"
     has_logits_rows = any(r.get("op") in LOGITS_OPS for r in results)
@@ -199,7 +206,7 @@ def format_table(results, cuda=False):
                        r.get("vocab", 0),
                        method_rank(r.get("method"))))
     for r in tensor_rows:
-        prefix = (f"{r['op']:<15} {r['method']:<11} {r['dtype']:<5} {r['rows']:>6} "
+        prefix = (f"{r['op']:<{width}} {r['method']:<11} {r['dtype']:<5} {r['rows']:>6} "
                   f"{r['vocab']:>7} ")
         if "error" in r:
             lines.append(prefix + "FAILED: " + r["error"].splitlines()[-1][:100])
@@ -210,6 +217,7 @@ def format_table(results, cuda=False):
                 f"{_fmt(r.get('ratio_vs_floor_fresh_grad'), '>8.2f'):>8} "
                 f"{_fmt(r.get('ratio_vs_naive'), '>8.2f'):>8} "
                 f"{_fmt(r.get('ratio_vs_compile'), '>9.2f'):>9} "
+                f"{_fmt(r.get('ratio_vs_plain'), '>8.2f'):>8} "
                 f"{r['peak_extra_bytes'] / mib:>9.1f} {r['peak_extra_over_logits']:>7.2f}")
         if cuda:
             pct = r.get("bandwidth_vs_copy") and 100 * r["bandwidth_vs_copy"]
@@ -264,11 +272,12 @@ def format_linear_table(results):
 
 
 LEGEND = ("median ms: forward+backward (GRPO: one step); n: timed calls; floor ms: the same-run "
-          "copy_ of the logits (into a buffer already touched) scaled to the bytes the op must "
-          "move (2 S; GRPO 4 S; distill 3 S); x floor / x naive / x compile: time over that "
-          "(lower is better); x fresh (CPU): time over the floor plus the first touch of one "
-          "fresh S-sized buffer (clone - copy_ of the logits), what any op returning a new "
-          "gradient pays; "
+          "copy_ of the logits (median of copies between the timed calls, into a buffer already "
+          "touched) scaled to the bytes the op must move (2 S; GRPO 4 S; distill 3 S); x floor / "
+          "x naive / x compile: time over that floor, the naive path, its torch.compile; "
+          "x plain: token_logprobs_sampling's time over token_logprobs' (same method); lower is "
+          "better; x fresh (CPU): time over the floor plus the first touch of one fresh S-sized "
+          "buffer (clone - copy_ of the logits), what any op returning a new gradient pays; "
           "peak MiB: resident memory the call adds above its inputs (the gradient included); "
           "peak/S: that over the logits' bytes S.")
 LINEAR_LEGEND = (

@@ -26,6 +26,27 @@ def naive_grpo_step(policy, old_logits, ref_logits, target, advantages, mask,
                            kl_coef)
 
 
+def naive_sampled_token_logprobs(logits, target, temperature, top_k, top_p):
+    """What a user writes to score ``target`` under vLLM v1's sampler (``apply_top_k_top_p``
+    after the temperature): sort ascending, drop values below the ``top_k``-th largest, softmax
+    and cumsum what is left and drop where the cumsum is ``<= 1 - top_p`` (never the largest:
+    the token crossing ``top_p`` stays), scatter back, then ``log_softmax`` and gather."""
+    import torch
+
+    scaled = logits.float() / temperature
+    ascending, order = scaled.sort(dim=-1)
+    vocab = scaled.shape[-1]
+    if 0 < top_k < vocab:
+        kth_largest = ascending[..., vocab - top_k:vocab - top_k + 1]
+        ascending = ascending.masked_fill(ascending < kth_largest, -torch.inf)
+    if top_p < 1:
+        below = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        below[..., -1] = False
+        ascending = ascending.masked_fill(below, -torch.inf)
+    processed = ascending.scatter(-1, order, ascending)
+    return processed.log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+
+
 DISTILL_BETA = 0.5
 
 
