@@ -312,15 +312,16 @@ def _no_dtensor_route(dtype):
     from torch.distributed.tensor import distribute_tensor
 
     mesh = _mesh((2,))
-    full, target = _logits(dtype), _target()
-    sharded = distribute_tensor(full, mesh, _placements(-1))
-    with pytest.raises(TypeError, match=r"distill_loss does not take DTensor arguments \(got "
-                       r"student_logits\)"):
-        ak.distill_loss(sharded, full.detach(), target)
+    target = _target()
+    hidden, weight, _ = _head(dtype)
+    colwise = distribute_tensor(weight, mesh, _placements(0))
+    with pytest.raises(TypeError, match=r"linear_distill_loss does not take DTensor arguments "
+                       r"\(got student_weight\)"):
+        ak.linear_distill_loss(hidden, colwise, hidden, weight, target)
     ids = torch.zeros(*target.shape, 3, dtype=torch.int64)
-    with pytest.raises(TypeError, match=r"topk_distill_loss does not take DTensor arguments "
-                       r"\(got student_logits\)"):
-        ak.topk_distill_loss(sharded, ids, torch.full(ids.shape, -1.5))
+    with pytest.raises(TypeError, match=r"linear_topk_distill_loss does not take DTensor "
+                       r"arguments \(got weight\)"):
+        ak.linear_topk_distill_loss(hidden, colwise, ids, torch.full(ids.shape, -1.5))
 
 
 _no_dtensor_route.fp32_only = True

@@ -24,6 +24,7 @@ from ..kernels import library
 from ..kernels.library import traceable_op
 from ..kernels.primitives import DistillArgs
 from ..kernels.registry import backend_module, resolve_backend
+from . import dtensor
 from ._common import (
     AttachGrad,
     LogitsShape,
@@ -456,7 +457,7 @@ def _local_linear(call, head: _HeadDistill):
 
 
 DISTILL_LOSS = Door(distill_loss, ("student_logits", "teacher_logits", "target", "normalizer"),
-                    _check, _local, _reference)
+                    _check, _local, _reference, dtensor=dtensor.distill_loss)
 LINEAR_DISTILL_LOSS = Door(linear_distill_loss, (
     "student_hidden", "student_weight", "teacher_hidden", "teacher_weight", "target",
     "student_bias", "teacher_bias", "normalizer"), _check_linear, _local_linear,

@@ -2,8 +2,8 @@
 
 Each public op served here (``cross_entropy``, ``token_logprobs``, ``linear_cross_entropy``,
 ``linear_token_logprobs``, ``grpo_loss``, ``linear_grpo_loss``, ``sequence_logprobs``,
-``linear_sequence_logprobs``) first asks
-:func:`has_dtensor` and, on a DTensor, hands itself and every argument to its namesake below,
+``linear_sequence_logprobs``, ``distill_loss``, ``topk_distill_loss``) is routed by its front
+door (``ops/door.py``): on a DTensor it hands itself and every argument to its namesake below,
 which calls it back on this rank's local tensors (so this module imports no op module at import
 time; ``sequence_logprobs``' vocabulary path imports ``token_logprobs`` when called;
 DESIGN.md, "Distributed"; docs/distributed.md, "DTensor"). The
@@ -21,6 +21,9 @@ placements on each mesh dimension choose the path:
   parallel): the hidden rows are all-gathered (``[N, H]``, small next to ``[N, V]``), the
   vocabulary path runs, and per-row results come back sharded as the hidden states were.
 * ``Replicate``, and a plain tensor (read as replicated over the mesh): the op as it is.
+* ``distill_loss`` and ``topk_distill_loss``: rows or ``Replicate`` only (no vocabulary path);
+  the other logits and the ``[..., K]`` inputs follow the student's rows; the means divide the
+  rows' sum, summed over the shards, by the count summed over them.
 * ``grpo_loss`` and ``sequence_logprobs`` (and their ``linear_`` forms) serve rows as whole
   sequences only (``Shard(0)`` of ``[B, T, V]`` or ``[B, T, H]``; ``Shard(1)`` is refused):
   per-row inputs come as plain full-batch tensors (sliced) or DTensors (redistributed to the
@@ -106,6 +109,144 @@ def linear_token_logprobs(op, hidden, weight, target, *, bias=None, ignore_index
                    ignore_index=ignore_index,
              process_group=call.vocab_group, **options)
     return call.per_row(out)
+
+
+def distill_loss(op, student_logits, teacher_logits, target=None, *, reduction="batchmean",
+                 normalizer=None, ignore_index=-100, **options):
+    """``op`` (``ak.distill_loss``) of DTensor logits: rows sharded (each rank's rows, the
+    reduction's sum and count over the shards) or replicated. There is no vocabulary-parallel
+    distillation: a vocabulary shard is refused, naming the row layout that would serve."""
+    call, local = _rows_call("distill_loss", {"student_logits": student_logits,
+                                              "teacher_logits": teacher_logits},
+                             target, "target", normalizer)
+    vocab = student_logits.shape[-1]
+
+    def denominator():
+        # TRL's batchmean: the counted rows (without targets B); mean: every counted element
+        if reduction == "mean":
+            return _row_count(call, ignore_index, every_row=True) * vocab
+        return _row_count(call, ignore_index)
+
+    return _row_reduced(call, reduction, normalizer, denominator, lambda reduction: call.run(
+        op, local["student_logits"], local["teacher_logits"], call.target, reduction=reduction,
+        normalizer=None if normalizer is None else call.normalizer("sum", normalizer, None),
+        ignore_index=ignore_index, **options))
+
+
+def topk_distill_loss(op, student_logits, support_ids, teacher_logprobs, labels=None, *,
+                      support_mask=None, reduction="batchmean", **options):
+    """``op`` (``ak.topk_distill_loss``) of DTensor logits: rows sharded or replicated, as
+    :func:`distill_loss`; ``support_ids``, ``teacher_logprobs`` and ``support_mask``
+    (``[..., K]``) follow the rows."""
+    call, local = _rows_call("topk_distill_loss", {"student_logits": student_logits}, labels,
+                             "labels", None, dict(support_ids=support_ids,
+                                                  teacher_logprobs=teacher_logprobs,
+                                                  support_mask=support_mask))
+    support = {name: _per_row_columns(call, name, value) for name, value in (
+        ("support_ids", support_ids), ("teacher_logprobs", teacher_logprobs),
+        ("support_mask", support_mask))}
+
+    def denominator():
+        return _row_count(call, -100)
+
+    return _row_reduced(call, reduction, None, denominator, lambda reduction: call.run(
+        op, local["student_logits"], support["support_ids"], support["teacher_logprobs"],
+        call.target, support_mask=support["support_mask"], reduction=reduction, **options))
+
+
+def _rows_call(op_name, logits_named, target, target_name, normalizer, others=None):
+    """``_LocalCall`` of an op served on rows only (no vocabulary path): the first of
+    ``logits_named`` sets the layout (Replicate or a row ``Shard`` per mesh dimension); the
+    others must have it, or be replicated (a local slice); ``target`` (may be None) follows the
+    rows. Returns the call and the local logits by name."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    named = {**logits_named, target_name: target, **(others or {})}
+    mesh = _common_mesh(op_name, dict(named, normalizer=normalizer), None)
+    (lead_name, lead), *rest = [(name, _as_dtensor(value, mesh))
+                                for name, value in logits_named.items()]
+    if not isinstance(lead, torch.Tensor):
+        raise TypeError(f"{lead_name} must be a torch.Tensor, got {type(lead).__name__}")
+    row_mesh_dims = []
+    for mesh_dim, placement in enumerate(lead.placements):
+        if placement.is_replicate():
+            continue
+        if not _is_row_shard(placement, lead.ndim):
+            raise _unserved(op_name, lead_name, lead, mesh_dim,
+                            Shard(0) if _is_shard(placement, lead.ndim - 1, lead.ndim)
+                            else Replicate(),
+                            f"served: Replicate, Shard(d) of a row dimension d < "
+                            f"{lead.ndim - 1}; {op_name} has no vocabulary-parallel path")
+        row_mesh_dims.append(mesh_dim)
+    local = {lead_name: lead.to_local()}
+    for name, value in rest:
+        if tuple(value.shape) != tuple(lead.shape):
+            raise ValueError(f"{op_name}: {name} must have {lead_name}'s shape "
+                             f"{tuple(lead.shape)}, got {tuple(value.shape)}")
+        if tuple(value.placements) != tuple(lead.placements):
+            if not all(placement.is_replicate() for placement in value.placements):
+                raise ValueError(f"{op_name}: {name} has placements {tuple(value.placements)} "
+                                 f"but {lead_name} {tuple(lead.placements)}; "
+                                 f"{name}.redistribute({name}.device_mesh, "
+                                 f"{list(lead.placements)}) would serve it")
+            value = value.redistribute(mesh, lead.placements)  # replicated: a local slice
+        local[name] = value.to_local()
+    row_placements = _row_placements(lead.placements, row_mesh_dims, lead.ndim)
+    rows_shape = tuple(lead.shape[:-1])
+    if target is not None:
+        target = _rows_of(op_name, target, mesh, row_placements, rows_shape,
+                          lead_name).to_local()
+    return _LocalCall(op_name=op_name, mesh=mesh, vocab_group=None,
+                      row_groups=tuple(mesh.get_group(d) for d in row_mesh_dims),
+                      target=target, rows_shape=torch.Size(rows_shape),
+                      row_placements=row_placements, result_placements=row_placements,
+                      plain=_plain(named)), local
+
+
+def _per_row_columns(call, name, value):
+    """A ``[..., K]`` per-row input laid out like the rows (its local tensor); None as is."""
+    if value is None:
+        return None
+    value = _as_dtensor(value, call.mesh)
+    if not isinstance(value, torch.Tensor):
+        return value  # the op's own checks name what it is
+    if tuple(value.shape[:-1]) != tuple(call.rows_shape) or value.ndim != len(call.rows_shape) + 1:
+        raise ValueError(f"{call.op_name}: {name} must have shape {tuple(call.rows_shape)} + "
+                         f"(K,), got {tuple(value.shape)}")
+    for mesh_dim, placement in enumerate(value.placements):
+        if not (placement.is_replicate() or _is_row_shard(placement, value.ndim)):
+            raise _unserved(call.op_name, name, value, mesh_dim, call.row_placements[mesh_dim],
+                            "served: Replicate, Shard(d) of a row dimension (redistributed to "
+                            "the rows')")
+    if tuple(value.placements) != tuple(call.row_placements):
+        value = value.redistribute(call.mesh, call.row_placements)
+    return value.to_local()
+
+
+def _row_count(call, ignore_index, every_row=False) -> torch.Tensor:
+    """The rows a mean counts over the whole mesh: the targets not ``ignore_index`` summed over
+    the row shards; without targets the first dimension (TRL's ``batchmean``: B), or every row
+    with ``every_row``."""
+    if call.target is None:
+        rows = call.rows_shape.numel() if every_row else (
+            call.rows_shape[0] if len(call.rows_shape) else 1)
+        return torch.tensor(float(rows))
+    count = (call.target != ignore_index).sum(dtype=torch.int64)
+    return _summed(count, call.row_groups).to(torch.float32)
+
+
+def _row_reduced(call, reduction, normalizer, denominator, run):
+    """A distillation loss over sharded rows: per row as the rows; else this rank's sum (over
+    ``denominator()``, the global count, for a mean without ``normalizer``) summed over the row
+    shards into a Replicate result (TRL's means: a count of 0 gives 0, batchmean's is at least
+    1, so the clamp serves both)."""
+    if reduction == "none":
+        return call.per_row(run("none"))
+    if reduction == "sum" or normalizer is not None or not call.row_groups:
+        return call.reduced(run(reduction))
+    total = run("sum")
+    # a count of 0 has a sum of 0: the loss is 0 (never 0 / 0)
+    return call.reduced(total / denominator().to(total.device).clamp(min=1.0))
 
 
 # grpo_loss's token means: on a shard of whole sequences (Shard(0) of [B, T, V]) the full

@@ -41,6 +41,7 @@ from torch import Tensor
 from .. import reference
 from ..kernels.memory import cached_empty
 from ..kernels.registry import BACKENDS, ENV_VAR
+from . import dtensor
 from ._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -761,7 +762,7 @@ def _local_linear(call, checked: _Checked):
 
 TOPK_DISTILL_LOSS = Door(topk_distill_loss, ("student_logits", "support_ids", "teacher_logprobs",
                                              "labels", "support_mask"), _check, _local,
-                         _reference)
+                         _reference, dtensor=dtensor.topk_distill_loss)
 LINEAR_TOPK_DISTILL_LOSS = Door(linear_topk_distill_loss, (
     "hidden", "weight", "support_ids", "teacher_logprobs", "labels", "support_mask", "bias"),
     _check_linear, _local_linear, _reference_linear)
