@@ -418,20 +418,20 @@ def linear_token_logprobs(hidden, weight, target, *, bias=None, temperature=1.0,
     softcap and logit scale included; not with ``statistics``, ``process_group``,
     ``sampling`` or DTensors.
     """
-    if lp_op.has_target_columns(hidden, target):
-        return _multi_target_linear_token_logprobs(**locals())
     return LINEAR_TOKEN_LOGPROBS.enter(locals())
 
 
 @dataclass(frozen=True)
 class _HeadLogprobs:
     """A checked ``linear_token_logprobs`` call: the logits op's params (None under
-    ``sampling``), the sampler's distribution (or None), the transform and the statistics."""
+    ``sampling``), the sampler's distribution (or None), the transform and the statistics;
+    ``columns``: ``target [..., K]``."""
     params: Optional[lp_op.LogprobsParams]
     sampling: Optional[SamplingParams]
     transform: Tuple[float, float]
     stats_mask: int
     backend: str
+    columns: bool = False
 
 
 def _check_token_logprobs(call) -> _HeadLogprobs:
@@ -440,6 +440,15 @@ def _check_token_logprobs(call) -> _HeadLogprobs:
     stats_mask = _statistics_mask(call["statistics"])
     check_head(hidden, weight, call["bias"], call["chunk_size"])
     backend = resolve_backend(call["backend"], hidden.device)
+    if lp_op.has_target_columns(hidden, call["target"]):
+        lp_op.refuse_with_target_columns(
+            "linear_token_logprobs", statistics=bool(stats_mask),
+            sampling=call["sampling"] is not None,
+            return_support=call["return_support"] is not False)
+        params = lp_op.checked_target_columns(
+            LogitsShape.of_head(hidden, weight), call["target"], call["temperature"],
+            call["ignore_index"], call["return_entropy"], backend)
+        return _HeadLogprobs(params, None, transform, 0, backend, columns=True)
     if call["sampling"] is not None or check_bool(call["return_support"], "return_support"):
         sampling = checked_sampling(call["sampling"], call["temperature"],
                                     return_entropy=call["return_entropy"],
@@ -473,6 +482,12 @@ def _sampled_token_logprobs(call, checked: _HeadLogprobs):
 def _reference_token_logprobs(call, checked: _HeadLogprobs):
     if checked.sampling is not None:
         return _sampled_token_logprobs(call, checked)
+    if checked.columns:
+        return lp_op.token_logprobs(
+            reference_logits(call["hidden"], call["weight"], call["bias"], call["logit_scale"],
+                             call["softcap"]), call["target"],
+            temperature=call["temperature"], ignore_index=call["ignore_index"],
+            return_entropy=call["return_entropy"], backend="reference")
     params, target = checked.params, call["target"]
     logits = reference_logits(call["hidden"], call["weight"], call["bias"], call["logit_scale"],
                               call["softcap"])
@@ -491,6 +506,8 @@ def _reference_token_logprobs(call, checked: _HeadLogprobs):
 def _local_token_logprobs(call, checked: _HeadLogprobs):
     if checked.sampling is not None:
         return _sampled_token_logprobs(call, checked)
+    if checked.columns:
+        return _local_columns(call, checked)
     hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
     params, stats_mask, chunk_size = checked.params, checked.stats_mask, call["chunk_size"]
     hidden_rows, target_flat = hidden.reshape(-1, hidden.shape[-1]), flat_target(target)
@@ -730,6 +747,8 @@ def _vocab_parallel_token_logprobs(call):
     """``linear_token_logprobs`` with this rank's vocabulary shard of the head."""
     hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
     chunk_size, backend = call["chunk_size"], call["backend"]
+    if lp_op.has_target_columns(hidden, target):
+        lp_op.refuse_with_target_columns("linear_token_logprobs", process_group=True)
     if call["sampling"] is not None or check_bool(call["return_support"], "return_support"):
         checked_sampling(call["sampling"], call["temperature"], process_group=True)
     logit_scale, softcap = checked_transform(call["logit_scale"], call["softcap"])
@@ -870,24 +889,12 @@ class _LinearTokenLogprobsColumns(torch.autograd.Function):
         return (*(grad_or_none(g) for g in grads), None, None, None, None)
 
 
-def _multi_target_linear_token_logprobs(hidden, weight, target, *, bias, temperature,
-                                        ignore_index, return_entropy, softcap, logit_scale,
-                                        statistics, chunk_size, backend, process_group,
-                                        check_consistency, sampling, return_support):
+def _local_columns(call, checked: _HeadLogprobs):
     """``linear_token_logprobs`` of ``target [..., K]`` -> float32 ``[..., K]`` (and the rows'
     entropy ``[...]``), as ``token_logprobs`` of ``target [..., K]`` on the head's logits."""
-    lp_op.refuse_with_target_columns(
-        "linear_token_logprobs", hidden, weight, target, bias,
-        statistics=len(statistics) > 0, process_group=process_group is not None,
-        sampling=sampling is not None, return_support=return_support is not False)
-    transform = checked_transform(logit_scale, softcap)
-    hidden_rows = check_head(hidden, weight, bias, chunk_size)
-    params = lp_op.checked_target_columns(LogitsShape.of_head(hidden, weight), target,
-                                          temperature, ignore_index, return_entropy, backend)
-    if params.backend == "reference":
-        return lp_op.token_logprobs(reference_logits(hidden, weight, bias, logit_scale, softcap),
-                                    target, temperature=temperature, ignore_index=ignore_index,
-                                    return_entropy=return_entropy, backend="reference")
+    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
+    params, chunk_size, transform = checked.params, call["chunk_size"], checked.transform
+    hidden_rows = hidden.reshape(-1, hidden.shape[-1])
     target_rows = target.reshape(-1, target.shape[-1]).contiguous()
     if head_any_grad(hidden, weight, bias):
         logp, entropy = _LinearTokenLogprobsColumns.apply(hidden_rows, weight, bias, target_rows,
@@ -896,4 +903,4 @@ def _multi_target_linear_token_logprobs(hidden, weight, target, *, bias, tempera
         logp, entropy, *_ = _linear_column_walk(hidden_rows, weight, bias, target_rows, params,
                                                 chunk_size, transform)
     logp = logp.view(target.shape)
-    return (logp, entropy.view(target.shape[:-1])) if return_entropy else logp
+    return (logp, entropy.view(target.shape[:-1])) if params.with_entropy else logp

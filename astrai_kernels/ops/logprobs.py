@@ -185,8 +185,6 @@ def token_logprobs(
     entries 0 with no gradient, and with ``return_entropy`` the rows' entropy ``[...]``; not
     with ``inplace_backward``, ``process_group``, ``sampling`` or DTensors.
     """
-    if has_target_columns(logits, target):
-        return _multi_target_token_logprobs(**locals())
     return TOKEN_LOGPROBS.enter(locals())
 
 
@@ -197,9 +195,27 @@ class _Sampled:
     backend: str
 
 
-def _check(call) -> Union[LogprobsParams, _Sampled]:
+@dataclass(frozen=True)
+class _Columns:
+    """A checked ``token_logprobs`` call with ``target [..., K]``."""
+    params: LogprobsParams
+
+    @property
+    def backend(self) -> str:
+        return self.params.backend
+
+
+def _check(call) -> Union[LogprobsParams, _Sampled, _Columns]:
     logits = call["logits"]
     check_logits(logits)
+    if has_target_columns(logits, call["target"]):
+        refuse_with_target_columns(
+            "token_logprobs", inplace_backward=call["inplace_backward"] is not False,
+            sampling=call["sampling"] is not None,
+            return_support=call["return_support"] is not False)
+        return _Columns(checked_target_columns(
+            LogitsShape.of(logits), call["target"], call["temperature"], call["ignore_index"],
+            call["return_entropy"], call["backend"]))
     if call["sampling"] is not None or check_bool(call["return_support"], "return_support"):
         sampling = checked_sampling(call["sampling"], call["temperature"],
                                     return_entropy=call["return_entropy"],
@@ -227,14 +243,17 @@ def _sampled(call, checked: _Sampled):
 def _reference(call, checked):
     if isinstance(checked, _Sampled):
         return _sampled(call, checked)
+    params = checked.params if isinstance(checked, _Columns) else checked
     logp, entropy = reference.token_logprobs(call["logits"].float(), call["target"],
-                                             checked.temperature, checked.ignore_index)
-    return (logp, entropy) if checked.with_entropy else logp
+                                             params.temperature, params.ignore_index)
+    return (logp, entropy) if params.with_entropy else logp
 
 
 def _local(call, checked):
     if isinstance(checked, _Sampled):
         return _sampled(call, checked)
+    if isinstance(checked, _Columns):
+        return _local_columns(call["logits"], call["target"], checked.params)
     logits, target, params = call["logits"], call["target"], checked
     logits_rows, target_flat = rows_view(logits), flat_target(target)
     if torch.is_grad_enabled() and logits.requires_grad:
@@ -254,6 +273,8 @@ def _local(call, checked):
 def _vocab_parallel(call):
     """``token_logprobs`` of a vocabulary shard (``ops/vocab_parallel.py``)."""
     logits, target = call["logits"], call["target"]
+    if has_target_columns(logits, target):
+        refuse_with_target_columns("token_logprobs", process_group=True)
     if call["sampling"] is not None or check_bool(call["return_support"], "return_support"):
         checked_sampling(call["sampling"], call["temperature"], process_group=True)
     check_logits(logits, allow_empty_vocab=True)
@@ -370,12 +391,9 @@ def has_target_columns(rows, target):
             and rows.dim() >= 1 and target.dim() == rows.dim())
 
 
-def refuse_with_target_columns(op, *tensors, **unserved):
+def refuse_with_target_columns(op, **unserved):
     """ValueError naming the first argument in ``unserved`` (name -> whether it was set) that
-    ``op`` does not serve with ``[..., K]`` targets; DTensors among ``tensors`` are refused."""
-    if dtensor.has_dtensor(*tensors):
-        raise ValueError(f"{op} with target [..., K] does not take DTensor inputs; pass "
-                         f"full_tensor() of each, or one target per row")
+    ``op`` does not serve with ``[..., K]`` targets."""
     for name, is_set in unserved.items():
         if is_set:
             raise ValueError(f"{op}: {name} is not supported with target [..., K] (K targets "
@@ -498,22 +516,9 @@ class _TokenLogprobsColumns(torch.autograd.Function):
         return grad.view(logits.shape), None, None
 
 
-def _multi_target_token_logprobs(logits, target, *, temperature, ignore_index, return_entropy,
-                                 inplace_backward, backend, process_group, check_consistency,
-                                 sampling, return_support):
+def _local_columns(logits, target, params: LogprobsParams):
     """``token_logprobs`` of ``target [..., K]`` -> float32 ``[..., K]`` (and entropy ``[...]``,
     0 on rows whose K targets are all ignored)."""
-    refuse_with_target_columns(
-        "token_logprobs", logits, target, inplace_backward=inplace_backward is not False,
-        process_group=process_group is not None, sampling=sampling is not None,
-        return_support=return_support is not False)
-    check_logits(logits)
-    params = checked_target_columns(LogitsShape.of(logits), target, temperature, ignore_index,
-                                    return_entropy, backend)
-    if params.backend == "reference":
-        logp, entropy = reference.token_logprobs(logits.float(), target, params.temperature,
-                                                 params.ignore_index)
-        return (logp, entropy) if return_entropy else logp
     target_rows = target.reshape(-1, target.shape[-1]).contiguous()
     if torch.is_grad_enabled() and logits.requires_grad:
         logp, entropy = _TokenLogprobsColumns.apply(logits, target_rows, params)
@@ -523,4 +528,4 @@ def _multi_target_token_logprobs(logits, target, *, temperature, ignore_index, r
             lambda rows, row_target: library.logprobs_forward(rows, row_target, params,
                                                               params.backend))
     logp = logp.view(target.shape)
-    return (logp, entropy.view(target.shape[:-1])) if return_entropy else logp
+    return (logp, entropy.view(target.shape[:-1])) if params.with_entropy else logp
