@@ -393,6 +393,35 @@ def test_torch_compile_traces_the_sampling_path():
     assert torch.equal(compiled, eager) and torch.equal(x_compiled.grad, x_eager.grad)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_torch_compile_does_not_recompile_for_new_sampling_floats(backend, dynamic):
+    """``top_p`` and ``temperature`` as arguments of the compiled function: new values reuse
+    the graph (after Dynamo's one recompile that makes a float symbolic when ``dynamic`` is
+    left to it), with the eager result and gradient."""
+    base, _ = make_full((2, 3, 33), torch.float32, seed=3)
+    target = torch.randint(0, 33, (2, 3), generator=torch.Generator().manual_seed(0))
+
+    def step(x, top_p, temperature):
+        params = ak.SamplingParams(temperature=temperature, top_k=5, top_p=top_p)
+        logp, support = ak.token_logprobs(x, target, sampling=params, return_support=True,
+                                          backend=backend)
+        return torch.where(support["in_support"], logp, 0.0).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    floats = [(0.9, 0.7), (0.8, 1.1), (0.95, 0.5), (0.6, 1.4)]
+    allowed = 1 if dynamic else 2
+    for index, (top_p, temperature) in enumerate(floats):
+        x_eager, x_compiled = (base.clone().requires_grad_(True) for _ in range(2))
+        with torch._dynamo.config.patch(error_on_recompile=index >= allowed):
+            got = compiled(x_compiled, top_p, temperature)
+        got.backward()
+        expected = step(x_eager, top_p, temperature)
+        expected.backward()
+        assert torch.equal(got, expected) and torch.equal(x_compiled.grad, x_eager.grad)
+
+
 def test_sampling_params_validation():
     assert ak.SamplingParams() == ak.SamplingParams(1.0, 0, 1.0, 0.0)
     with pytest.raises(ValueError, match="temperature"):
