@@ -89,8 +89,10 @@ bench: $(STAMP)
 
 # The regression guard: the cases of bench/bounds.toml against their same-run floors; exits 1 on
 # any case over its bound. Run it before a kernel change lands (not in CI: it is a benchmark).
+# the single-process cases, then the vocabulary-parallel ones (2 ranks); fails if either does
 bench-check: $(STAMP)
-	$(PY) -m astrai_kernels.cli bench --check --bounds bench/bounds.toml
+	$(PY) -m astrai_kernels.cli bench --check --bounds bench/bounds.toml; cases=$$?; \
+	$(PY) bench/bench_vocab_parallel.py --bounds bench/bounds.toml && exit $$cases
 
 bench-pytest: $(STAMP)
 	$(PY) -m pytest bench -q --benchmark-only

@@ -2,6 +2,7 @@
 
     python bench/bench_vocab_parallel.py [--rows 512] [--vocab 32000] [--hidden 256] [--repeats 3]
     python bench/bench_vocab_parallel.py --rows 2048 --vocab 32768 --hidden 1024  # issue 23
+    python bench/bench_vocab_parallel.py --bounds bench/bounds.toml  # make bench-check
 
 Each op (``cross_entropy``, ``token_logprobs`` with entropy, the fused head
 ``linear_cross_entropy``) runs forward+backward on ``[rows, V]`` logits (``[rows, H]`` hidden
@@ -17,6 +18,10 @@ writing its gradient. A row costs a few floats on the wire, not a logits row. Th
 column is the same step with the shards as DTensors (logits ``Shard(-1)``, the weight
 ``Shard(0)`` as ColwiseParallel makes it) on a 1-D mesh and no ``process_group=``: what the
 front door (``ops/dtensor.py``) adds over the ``process_group=`` path.
+
+``--bounds`` measures the shape of each ``[[vocab_parallel]]`` entry of the bounds file and
+checks, per op, 2 ranks over one process against ``max_ratio`` and the DTensor step over the
+``process_group=`` step against ``max_dtensor_ratio``; it exits 1 when one is over.
 """
 
 import argparse
@@ -116,6 +121,51 @@ def _sharded_worker(rank, world_size, rows, vocab, hidden_size, repeats, backend
     return results
 
 
+def measure(rows, vocab, hidden, repeats, backend):
+    """``(single, sharded)``: per op the one-process seconds, and rank 0's results at 2 ranks."""
+    tensors = _inputs(rows, vocab, hidden)
+    single = {op: _time(op, tensors, None, backend, repeats) for op in OPS}
+    sharded = spawn_ranks(_sharded_worker, 2, (rows, vocab, hidden, repeats, backend),
+                          timeout=900.0)[0]
+    return single, sharded
+
+
+VOCAB_PARALLEL_KEYS = {"op", "backend", "rows", "vocab", "hidden", "max_ratio",
+                       "max_dtensor_ratio"}
+
+
+def vocab_parallel_bounds(path):
+    """The ``[[vocab_parallel]]`` entries of a bounds file, each checked for its keys."""
+    from astrai_kernels.bench.check import read_toml
+
+    entries = read_toml(path).get("vocab_parallel", [])
+    for index, entry in enumerate(entries, 1):
+        if set(entry) != VOCAB_PARALLEL_KEYS or entry["op"] not in OPS:
+            raise SystemExit(f"{path}: vocab_parallel {index} must have exactly the keys "
+                             f"{sorted(VOCAB_PARALLEL_KEYS)} and op one of {OPS}, got {entry}")
+    return entries
+
+
+def check(path, repeats):
+    """Measure every ``[[vocab_parallel]]`` shape once; True when every ratio is in bound."""
+    entries, measured, ok = vocab_parallel_bounds(path), {}, True
+    for entry in entries:
+        shape = (entry["rows"], entry["vocab"], entry["hidden"], entry["backend"])
+        if shape not in measured:
+            measured[shape] = measure(*shape[:3], repeats, shape[3])
+        single, sharded = measured[shape]
+        result = sharded[entry["op"]]
+        ratio = result["seconds"] / single[entry["op"]]
+        dtensor_ratio = result["dtensor_seconds"] / result["seconds"]
+        over = ratio > entry["max_ratio"] or dtensor_ratio > entry["max_dtensor_ratio"]
+        ok = ok and not over
+        print(f"{'OVER' if over else 'ok':<5}{entry['op']:<22} N={shape[0]} V={shape[1]} "
+              f"H={shape[2]} {shape[3]}: 2 ranks / 1 process {ratio:.2f}x "
+              f"(max {entry['max_ratio']}), DTensor / process_group {dtensor_ratio:.2f}x "
+              f"(max {entry['max_dtensor_ratio']})")
+    return ok
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=512)
@@ -123,12 +173,12 @@ def main():
     parser.add_argument("--hidden", type=int, default=HIDDEN)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backend", default="auto")
+    parser.add_argument("--bounds", help="check the [[vocab_parallel]] entries of this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    tensors = _inputs(args.rows, args.vocab, args.hidden)
-    single = {op: _time(op, tensors, None, args.backend, args.repeats) for op in OPS}
-    sharded = spawn_ranks(_sharded_worker, 2, (args.rows, args.vocab, args.hidden, args.repeats,
-                                               args.backend), timeout=900.0)[0]
+    if args.bounds:
+        sys.exit(0 if check(args.bounds, args.repeats) else 1)
+    single, sharded = measure(args.rows, args.vocab, args.hidden, args.repeats, args.backend)
     print(f"rows={args.rows} V={args.vocab} H={args.hidden} fp32, 1 thread per process, "
           f"backend={args.backend}")
     print(f"{'op':<22}{'1 process s':>13}{'2 ranks s':>11}{'DTensor s':>11}"

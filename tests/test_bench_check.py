@@ -2,6 +2,7 @@
 the bounds file kept in the repository, and the same-run copy floor's rule (at a tiny shape)."""
 
 import os
+import pathlib
 import statistics
 
 import pytest
@@ -426,3 +427,29 @@ def test_floor_buffer_is_like_the_gradient():
     assert floor.dst.data_ptr() != src.data_ptr()
     with pytest.raises(RuntimeError, match="never sampled"):
         floor.result()
+
+
+def _vocab_parallel_script():
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_vocab_parallel.py"
+    spec = importlib.util.spec_from_file_location("bench_vocab_parallel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_repository_vocab_parallel_bounds_parse(tmp_path):
+    """``make bench-check``'s second half: every op of the 2-rank bench has a bound in the
+    repository file, and an entry with a wrong key is refused by name."""
+    script = _vocab_parallel_script()
+    repository = pathlib.Path(__file__).resolve().parents[1] / "bench" / "bounds.toml"
+    entries = script.vocab_parallel_bounds(repository)
+    assert sorted(entry["op"] for entry in entries) == sorted(script.OPS)
+    assert all(entry["max_ratio"] <= 1.0 and entry["max_dtensor_ratio"] < 1.5
+               for entry in entries)
+    bad = tmp_path / "bounds.toml"
+    bad.write_text('[[vocab_parallel]]\nop = "cross_entropy"\nbackend = "cpp"\nrows = 8\n'
+                   'vocab = 16\nhidden = 4\nmax_ratio = 1.0\nmax_dtensor = 1.1\n')
+    with pytest.raises(SystemExit, match="must have exactly the keys"):
+        script.vocab_parallel_bounds(bad)

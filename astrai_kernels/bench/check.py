@@ -109,7 +109,7 @@ def best_of(rounds):
     return best
 
 
-def _read_toml(path):
+def read_toml(path):
     try:
         import tomllib
     except ImportError:  # Python < 3.11
@@ -199,7 +199,7 @@ def _positive_number(value, key, where):
 
 
 def load_bounds(path):
-    return parse_bounds(_read_toml(path), source=path)
+    return parse_bounds(read_toml(path), source=path)
 
 
 def planned_cases(bounds, **case_options):
