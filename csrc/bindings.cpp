@@ -211,6 +211,40 @@ struct SampledParams {  // SamplingArgs
   }
 };
 
+struct TopkDistillParams {  // TopkDistillArgs
+  static constexpr char py_name[] = "TopkDistillArgs";
+  double beta, temperature;
+  bool tail;
+  TopkObjective objective;
+  bool normalize_topk;
+  std::optional<double> log_prob_min_clamp, loss_max_clamp;  // None: off
+
+  static TopkDistillParams read(py::handle p) {
+    const double beta = field<double>(p, "beta");
+    TORCH_CHECK(beta >= 0 && beta <= 1, "beta must be in [0, 1], got ", beta);
+    py::object objective_value = p.attr("objective");
+    TORCH_CHECK_TYPE(py::isinstance<py::str>(objective_value),
+                     "TopkDistillArgs.objective must be a str, got ",
+                     std::string(py::repr(objective_value)));
+    const std::string name = objective_value.cast<std::string>();
+    TopkObjective objective;
+    if (name == "trl_jsd") objective = TopkObjective::TrlJsd;
+    else if (name == "verl_forward_kl") objective = TopkObjective::VerlForwardKl;
+    else if (name == "axolotl_kd") objective = TopkObjective::AxolotlKd;
+    else
+      throw py::value_error("objective must be 'trl_jsd', 'verl_forward_kl' or 'axolotl_kd', "
+                            "got '" + name + "'");
+    const auto clamp = [&](const char* field_name) -> std::optional<double> {
+      py::object value = p.attr(field_name);
+      if (value.is_none()) return std::nullopt;
+      return cast_field<double>(p, field_name, value);
+    };
+    return {beta, temperature_field(p), field<bool>(p, "tail"), objective,
+            field<bool>(p, "normalize_topk"), clamp("log_prob_min_clamp"),
+            clamp("loss_max_clamp")};
+  }
+};
+
 }  // namespace
 
 namespace pybind11::detail {
@@ -232,6 +266,7 @@ template <> struct type_caster<SurrogateParams> : params_caster<SurrogateParams>
 template <> struct type_caster<DistillParams> : params_caster<DistillParams> {};
 template <> struct type_caster<ShardGradParams> : params_caster<ShardGradParams> {};
 template <> struct type_caster<SampledParams> : params_caster<SampledParams> {};
+template <> struct type_caster<TopkDistillParams> : params_caster<TopkDistillParams> {};
 
 }  // namespace pybind11::detail
 
@@ -487,6 +522,80 @@ void sampled_logprobs_backward(const Tensor& logits, const Tensor& target, const
   run(sampled_logprobs_backward_kernel, a, "sampled_logprobs_backward");
 }
 
+// A contiguous [n, K] (or [n] when K < 0) tensor of `type` on the CPU.
+void check_support_tensor(const Tensor& t, at::ScalarType type, int64_t n, int64_t K,
+                          const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK_TYPE(t.scalar_type() == type, name, " must be ", type, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  if (K < 0) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == n, name, " must have shape [", n, "], got ",
+                t.sizes());
+  } else {
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == K, name, " must have shape [",
+                n, ", ", K, "], got ", t.sizes());
+  }
+}
+
+py::tuple topk_distill_forward(const Tensor& logits, const Tensor& support_ids,
+                               const Tensor& teacher, const Tensor& live, const Tensor& counted,
+                               const std::optional<Tensor>& grad_scale,
+                               const TopkDistillParams& p, const std::optional<Tensor>& grad) {
+  TopkDistillArgs a{};
+  a.x = rows_of(logits);
+  a.dtype = dtype_of(logits, "logits");
+  const int64_t n = a.x.rows();
+  TORCH_CHECK(support_ids.dim() == 2, "support_ids must have shape [N, K], got ",
+              support_ids.sizes());
+  const int64_t K = support_ids.size(1);
+  check_support_tensor(support_ids, at::kLong, n, K, "support_ids");
+  check_support_tensor(teacher, at::kFloat, n, K, "teacher");
+  check_support_tensor(live, at::kBool, n, K, "live");
+  check_support_tensor(counted, at::kBool, n, -1, "counted");
+  a.K = K;
+  a.ids = support_ids.data_ptr<int64_t>();
+  a.teacher = teacher.data_ptr<float>();
+  a.live = live.data_ptr<bool>();
+  a.counted = counted.data_ptr<bool>();
+  a.objective = p.objective;
+  a.tail = p.objective == TopkObjective::TrlJsd && p.tail;
+  a.normalize_topk = p.objective == TopkObjective::AxolotlKd && p.normalize_topk;
+  a.full_softmax = p.objective == TopkObjective::TrlJsd ? a.tail : !a.normalize_topk;
+  a.inv_t = inverse(p.temperature);
+  a.t_squared = static_cast<float>(p.temperature * p.temperature);
+  a.kind = p.beta == 0.0   ? DivergenceKind::ForwardKl
+           : p.beta == 1.0 ? DivergenceKind::ReverseKl
+                           : DivergenceKind::Mixture;
+  a.beta = static_cast<float>(p.beta);
+  a.one_minus_beta = static_cast<float>(1.0 - p.beta);
+  const bool verl = p.objective == TopkObjective::VerlForwardKl;
+  a.low_on = verl && p.log_prob_min_clamp.has_value();
+  a.high_on = verl && p.loss_max_clamp.has_value();
+  a.low = a.low_on ? static_cast<float>(*p.log_prob_min_clamp) : 0.0f;
+  a.high = a.high_on ? static_cast<float>(*p.loss_max_clamp) : 0.0f;
+  if (grad.has_value()) {
+    a.grad_loss = grad_scale_of(grad_scale, n, &a.grad_loss_numel);
+    a.grad = grad_of(*grad, logits);
+  }
+  Tensor loss = output_rows(&a.loss, n), row_max = output_rows(&a.row_max, n);
+  Tensor sums = output_rows(&a.sums, n);
+  Tensor coef = at::zeros({n, K}, at::TensorOptions().dtype(at::kFloat));
+  a.coef = coef.data_ptr<float>();
+  BadRow bad;
+  a.bad = &bad;
+  {
+    py::gil_scoped_release no_gil;
+    topk_distill_forward_kernel(a, kernel_threads());
+  }
+  const int64_t bad_row = bad.row.load();
+  if (bad_row >= 0) {
+    throw py::value_error("support_ids out of range in topk_distill_forward: row " +
+                          std::to_string(bad_row) + " has live id " + std::to_string(bad.target) +
+                          ", expected a value in [0, " + std::to_string(a.x.V) + ")");
+  }
+  return py::make_tuple(loss, row_max, sums, coef);
+}
+
 // Elementwise fast_exp / fast_tanh of a float32 tensor, for accuracy tests.
 template <float (*F)(float)>
 Tensor elementwise(const Tensor& x) {
@@ -524,7 +633,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vocab_shard_backward", &vocab_shard_backward);
   m.def("sampled_logprobs_forward", &sampled_logprobs_forward);
   m.def("sampled_logprobs_backward", &sampled_logprobs_backward);
+  m.def("topk_distill_forward", &topk_distill_forward);
   m.attr("LOG_RATIO_CLAMP") = kLogRatioClamp;  // held equal to kernels/primitives.py's by a test
+  m.attr("TOPK_TAIL_LOG_SUM_MAX") = kTopkTailLogSumMax;  // and this to reference.py's
   m.def("_log", &elementwise<log_fn>, "log_with_offset(x, 0) elementwise (for tests)");
   m.def("_fast_exp", &elementwise<exp_fn>, "fast_exp elementwise (for tests)");
   m.def("_fast_tanh", &elementwise<tanh_fn>, "fast_tanh elementwise (for tests)");

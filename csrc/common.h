@@ -672,6 +672,21 @@ ASTRAI_INLINE void write_shard_grad(const typename T::storage* x, int64_t sv,
   }
 }
 
+// g_j = p_j * scale with p_j = exp((x_j - ref) * inv_t - log_sum): the dense part of a gradient
+// whose sparse part (a few columns) the caller writes afterwards (topk_distill.cpp). Every scalar
+// is a by-value argument (issue 32, as write_shard_grad). Reads x_j before writing g_j, so `g`
+// may be `x` (in place).
+template <class T, bool C>
+ASTRAI_INLINE void write_softmax_grad(const typename T::storage* x, int64_t sv,
+                                      typename T::storage* g, int64_t sg, int64_t V, float ref,
+                                      float inv_t, float log_sum, float scale) {
+#pragma omp simd
+  for (int64_t j = 0; j < V; ++j) {
+    const float d = (T::load(x[C ? j : j * sv]) - ref) * inv_t - log_sum;
+    g[C ? j : j * sg] = T::store(log_prob_exp(d) * scale);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Dispatch helpers and the parallel row loop
 // ---------------------------------------------------------------------------------------------
@@ -718,7 +733,7 @@ inline void run_rows(RowsFn<Args> fn, const Args& args, int64_t n_rows, int64_t 
 
 // ---------------------------------------------------------------------------------------------
 // Kernel arguments and entry points (defined in logprobs.cpp, cross_entropy.cpp, grpo.cpp,
-// distill.cpp, vocab_shard.cpp)
+// distill.cpp, vocab_shard.cpp, sampling.cpp, topk_distill.cpp)
 // ---------------------------------------------------------------------------------------------
 
 struct LogprobsFwdArgs {
@@ -863,6 +878,43 @@ struct SampledArgs {
   BadRow* bad;
 };
 
+// topk_distill_forward (topk_distill.cpp): a loss over a teacher's top-K support per row.
+enum class TopkObjective : int { TrlJsd = 0, VerlForwardKl = 1, AxolotlKd = 2 };
+enum class DivergenceKind : int { ForwardKl = 0, ReverseKl = 1, Mixture = 2 };  // beta 0, 1, else
+
+// TRL's clamp of log(sum p) over the support before its tail bucket log(1 - sum p): the value of
+// reference.TOPK_TAIL_LOG_SUM_MAX (a test reads it through the binding and holds the two equal).
+constexpr float kTopkTailLogSumMax = -1e-7f;
+
+struct TopkDistillArgs {
+  RowsView x;               // the student's logits
+  DType dtype;
+  int64_t K;
+  const int64_t* ids;       // [N, K] contiguous; only live entries are read
+  const float* teacher;     // [N, K] the teacher's log-probs
+  const bool* live;         // [N, K] entries that count (false on every entry of a row not counted)
+  const bool* counted;      // [N]
+  TopkObjective objective;
+  bool tail;                // trl_jsd's tail bucket
+  bool normalize_topk;      // axolotl_kd's renormalisation over the support
+  bool full_softmax;        // the loss reads the row's log-sum-exp (else only the K logits)
+  float inv_t, t_squared;
+  DivergenceKind kind;
+  float beta, one_minus_beta;
+  bool low_on, high_on;     // verl's clamps (log_prob_min_clamp, loss_max_clamp)
+  float low, high;
+  // d loss / d row loss, 1 or N elements (row n reads element n or the single one); with
+  // `grad` the kernel writes the gradient as well
+  const float* grad_loss;
+  int64_t grad_loss_numel;
+  GradView grad;
+  float* loss;
+  float* row_max;           // the row's max and sum_j exp((x_j - max) / T) (0 without full_softmax)
+  float* sums;
+  float* coef;              // [N, K] d loss / d s_k
+  BadRow* bad;
+};
+
 void logprobs_forward_kernel(const LogprobsFwdArgs& args, int nthreads);
 void logprobs_backward_kernel(const LogprobsBwdArgs& args, int nthreads);
 void cross_entropy_forward_kernel(const CrossEntropyArgs& args, int nthreads);
@@ -872,5 +924,6 @@ void distill_backward_kernel(const DistillArgs& args, int nthreads);
 void vocab_shard_backward_kernel(const VocabShardArgs& args, int nthreads);
 void sampled_logprobs_forward_kernel(const SampledArgs& args, int nthreads);
 void sampled_logprobs_backward_kernel(const SampledArgs& args, int nthreads);
+void topk_distill_forward_kernel(const TopkDistillArgs& args, int nthreads);
 
 }  // namespace astrai

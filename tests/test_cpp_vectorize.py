@@ -25,6 +25,8 @@ MAIN_LOOPS = {
     "write_logprob_grad": ("float lane_sum(", "lanes[l] += term(j + l);"),
     "write_shard_grad": ("void write_shard_grad(", "const float xj = T::load(x[C ? j : j * sv]);"),
     "write_kept_grad": ("float lane_sum(", "lanes[l] += term(j + l);"),
+    "write_softmax_grad": ("void write_softmax_grad(",
+                           "const float d = (T::load(x[C ? j : j * sv]) - ref) * inv_t - log_sum;"),
 }
 
 # (name, body): the loop under test is the only vectorizable loop of the body's function, or the
@@ -38,6 +40,8 @@ LOOPS = {
                         "c);",
     # sampled_logprobs_backward's loop: the support mask x_j >= threshold is a select
     "write_kept_grad": "write_kept_grad<{T}, {C}>(x, 3, g, 2, V, 7, a, b, c, d, a);",
+    # topk_distill_forward's dense gradient pass (its support's columns are written after)
+    "write_softmax_grad": "write_softmax_grad<{T}, {C}>(x, 3, g, 2, V, a, b, c, d);",
     "store": "for (int64_t j = 0; j < V; ++j) g[j] = {T}::store(f[j] * a);",
     "load": "for (int64_t j = 0; j < V; ++j) f[j] = {T}::load(x[j]) * a;",
 }
@@ -47,6 +51,7 @@ VARIANTS = {
     "write_logprob_grad": {"ENT": ("false", "true")},
     "write_shard_grad": {"C": ("true", "false"), "SOFTCAP": ("false", "true")},
     "write_kept_grad": {"C": ("true", "false")},
+    "write_softmax_grad": {"C": ("true", "false")},
 }
 
 

@@ -884,3 +884,168 @@ def test_bad_objective_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         ak.linear_topk_distill_loss(torch.zeros(2, 3, 5), torch.zeros(11, 5), IDS, TEACHER,
                                     **kwargs)
+
+
+# The cpp backend's kernel (csrc/topk_distill.cpp), asked for by name, per element against the
+# float64 spec for every objective and setting.
+CPP_OPTIONS = [
+    dict(beta=0.0, tail=True), dict(beta=0.0, tail=False), dict(beta=0.4, tail=True),
+    dict(beta=0.4, tail=False), dict(beta=1.0, tail=True, temperature=0.8),
+    dict(beta=1.0, tail=False, temperature=1.3), *OBJECTIVE_OPTIONS,
+]
+CPP_IDS = ["fkl-tail", "fkl", "jsd-tail", "jsd", "rkl-tail", "rkl", *OBJECTIVE_IDS]
+# (lead shape, V, K, vocabulary stride 1): V not a power of 2; V < K (ids repeat); one row;
+# V over the online pass's 2048-element blocks with a row far from the others; a transposed
+# (strided) vocabulary
+CPP_SHAPES = {"v37": ((2, 5), 37, 5, True), "v_below_k": ((3, 2), 3, 6, True),
+              "one_row": ((1,), 37, 4, True), "v5000": ((4,), 5000, 9, True),
+              "strided": ((6,), 41, 5, False)}
+
+
+def cpp_batch(dtype, shape, seed):
+    """Logits (one row scaled by 8), random ids with a duplicate per row (all repeat when V <
+    K), the teacher's log-probs of another distribution there with a -inf entry, a support
+    mask, labels with -100 on a row (none with one row)."""
+    lead, vocab, k, unit_stride = CPP_SHAPES[shape]
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(*lead, vocab, generator=g) * 2
+    logits.view(-1, vocab)[-1] *= 8
+    if not unit_stride:
+        logits = logits.reshape(-1, vocab).t().contiguous().t().reshape(*lead, vocab)
+    ids = torch.randint(0, vocab, (*lead, k), generator=g)
+    ids[..., -1] = ids[..., 0]
+    teacher_all = torch.log_softmax(torch.randn(*lead, vocab, generator=g) * 2, -1)
+    teacher = teacher_all.gather(-1, ids)
+    teacher.view(-1, k)[0, 1] = -math.inf
+    mask = torch.rand(ids.shape, generator=g) > 0.15
+    labels = torch.randint(0, vocab, tuple(lead), generator=g)
+    if labels.numel() > 1:
+        labels.view(-1)[1] = -100
+    logits = logits.to(dtype)
+    assert logits.stride(-1) == 1 or not unit_stride
+    return logits, ids, teacher, mask, labels
+
+
+def cpp_terms(logits, ids, teacher, mask, labels, options, reduction):
+    if options.get("objective", "trl_jsd") == "trl_jsd":
+        return terms_of(logits, ids, teacher, mask & (teacher > -math.inf), labels,
+                        options["beta"], options["tail"], options.get("temperature", 1.0),
+                        reduction)
+    return functools.partial(objective_grad_terms, logits, ids, teacher,
+                             objective_live(teacher, mask, options), labels, options, reduction)
+
+
+def cpp_spec(ids, teacher, labels, mask, options, reduction):
+    return lambda z: reference.topk_distill_loss(z, ids, teacher.to(z.dtype), labels,
+                                                 support_mask=mask, reduction=reduction,
+                                                 **options)
+
+
+@pytest.fixture
+def cpp_kernel_calls(monkeypatch):
+    """The cpp backend's topk_distill_forward, counted (the test then knows it served)."""
+    from astrai_kernels.kernels.cpp import backend as cpp_backend
+
+    reason = cpp_backend.unavailable_reason("cpu")
+    if reason is not None:
+        pytest.skip(f"the cpp backend is unavailable: {reason}")
+    calls = []
+    kernel = cpp_backend.topk_distill_forward
+
+    def counted(*args):
+        calls.append(args[-1] is not None)
+        return kernel(*args)
+
+    monkeypatch.setattr(cpp_backend, "topk_distill_forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("reduction", ["batchmean", "sum", "none"])
+@pytest.mark.parametrize("shape", sorted(CPP_SHAPES))
+@pytest.mark.parametrize("options", CPP_OPTIONS, ids=CPP_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_cpp_kernel_matches_reference(dtype, options, shape, reduction, cpp_kernel_calls):
+    logits, ids, teacher, mask, labels = cpp_batch(dtype, shape, seed=31)
+    spec_run = cpp_spec(ids, teacher, labels, mask, options, reduction)
+    check(lambda x: ak.topk_distill_loss(x, ids, teacher, labels, support_mask=mask,
+                                         reduction=reduction, backend="cpp", **options),
+          spec_run, logits, f"cpp {shape}",
+          cpp_terms(logits, ids, teacher, mask, labels, options, reduction))
+    # a scalar reduction's gradient is the kernel's; "none" keeps the torch backward
+    assert cpp_kernel_calls == [reduction != "none"]
+    with torch.no_grad():
+        forward_only = ak.topk_distill_loss(logits, ids, teacher, labels, support_mask=mask,
+                                            reduction=reduction, backend="cpp", **options)
+    assert cpp_kernel_calls[1:] == [False]
+    assert_close(forward_only, spec_run(logits.double()), "value", dtype, "cpp no-grad loss",
+                 naive=spec_run(logits.float()))
+
+
+@pytest.mark.parametrize("options", CPP_OPTIONS, ids=CPP_IDS)
+def test_cpp_kernel_rows_not_counted_are_not_read(options, cpp_kernel_calls):
+    """Rows whose label is -100 may hold inf / NaN: loss and gradient 0 there, the other rows
+    as without them; the kernel's row stats feed the torch backward of ``reduction="none"``."""
+    logits, ids, teacher, mask, labels = cpp_batch(torch.float32, "v37", seed=5)
+    labels[0, 2] = -100
+    poisoned = logits.clone()
+    poisoned[0, 2, 3], poisoned[0, 2, 4] = math.inf, math.nan
+    for reduction in ("sum", "none"):
+        grads = []
+        for x in (logits, poisoned):
+            x = x.clone().requires_grad_(True)
+            loss = ak.topk_distill_loss(x, ids, teacher, labels, support_mask=mask,
+                                        reduction=reduction, backend="cpp", **options)
+            loss.sum().backward()
+            assert torch.isfinite(loss).all()
+            grads.append(x.grad)
+        assert torch.equal(grads[0], grads[1])
+        assert torch.equal(grads[1][0, 2], torch.zeros_like(grads[1][0, 2]))
+
+
+def test_cpp_kernel_is_the_auto_route_on_cpu(cpp_kernel_calls, monkeypatch):
+    logits, ids, teacher, mask, labels = cpp_batch(torch.float32, "v37", seed=3)
+    ak.topk_distill_loss(logits, ids, teacher, labels)
+    assert cpp_kernel_calls == [False]
+    ak.topk_distill_loss(logits, ids, teacher, labels, backend="torch")
+    monkeypatch.setenv("ASTRAI_KERNELS_BACKEND", "torch")
+    ak.topk_distill_loss(logits, ids, teacher, labels)
+    assert cpp_kernel_calls == [False]
+
+
+def test_cpp_kernel_is_an_optional_primitive():
+    """cpp implements ``topk_distill_forward`` with the protocol's signature; the torch and
+    triton backends lack it (the op's chunked torch passes serve them); the tail clamp of the
+    kernel is the spec's."""
+    import inspect
+
+    from astrai_kernels.kernels import portable
+    from astrai_kernels.kernels.cpp import backend as cpp_backend
+    from astrai_kernels.kernels.primitives import TOPK_DISTILL_PRIMITIVES, TopkDistillBackend
+    from astrai_kernels.kernels.triton import backend as triton_backend
+
+    declared = TOPK_DISTILL_PRIMITIVES["topk_distill_forward"]
+    protocol = list(inspect.signature(TopkDistillBackend.topk_distill_forward).parameters)[1:]
+    assert [name for name, _ in declared.tensors] + ["params", "grad"] == protocol
+    assert list(inspect.signature(cpp_backend.topk_distill_forward).parameters) == protocol
+    assert isinstance(cpp_backend, TopkDistillBackend)
+    for module in (portable, triton_backend):
+        assert not isinstance(module, TopkDistillBackend)
+    if cpp_backend.unavailable_reason("cpu") is None:
+        assert (cpp_backend.load_extension().TOPK_TAIL_LOG_SUM_MAX
+                == torch.tensor(reference.TOPK_TAIL_LOG_SUM_MAX, dtype=torch.float32).item())
+
+
+def test_cpp_kernel_refuses_a_live_id_out_of_range():
+    """The primitive itself never reads outside the row (the op checks the ids before)."""
+    from astrai_kernels.kernels.cpp import backend as cpp_backend
+    from astrai_kernels.kernels.primitives import TopkDistillArgs
+
+    if cpp_backend.unavailable_reason("cpu") is not None:
+        pytest.skip("the cpp backend is unavailable")
+    logits = torch.randn(1, 2, 7)
+    ids = torch.tensor([[1, 7], [0, 2]])
+    live = torch.tensor([[True, True], [True, False]])
+    args = TopkDistillArgs(0.0, 1.0, True, "trl_jsd", False, None, None)
+    with pytest.raises(ValueError, match="row 0 has live id 7"):
+        cpp_backend.topk_distill_forward(logits, ids, torch.zeros(2, 2), live,
+                                         torch.ones(2, dtype=torch.bool), None, args, None)

@@ -5,11 +5,12 @@ is a module with the functions that :class:`Backend` lists; ``kernels/library.py
 primitive's ``torch.library`` custom op, its fake implementation, its Triton twin and its eager
 wrapper from :data:`PRIMITIVES`. A primitive's non-tensor arguments travel as one frozen params
 object (:class:`LogprobsArgs`, :class:`CrossEntropyArgs`, :class:`SurrogateArgs`,
-:class:`DistillArgs`, :class:`ShardGradArgs`, :class:`SamplingArgs`); the ops' own params
-classes extend these, so an op hands its checked params straight down, and the cpp backend
-hands the object itself to its extension (``csrc/bindings.cpp`` reads the fields by name, one
-struct per class). Adding a kernel option is a field here, its reading in the kernels (and in
-that struct), and its math in ``reference.py``.
+:class:`DistillArgs`, :class:`ShardGradArgs`, :class:`SamplingArgs`,
+:class:`TopkDistillArgs`); the ops' own params classes extend these, so an op hands its checked
+params straight down, and the cpp backend hands the object itself to its extension
+(``csrc/bindings.cpp`` reads the fields by name, one struct per class). Adding a kernel option
+is a field here, its reading in the kernels (and in that struct), and its math in
+``reference.py``.
 
 Conventions shared by every primitive:
 
@@ -128,6 +129,24 @@ threshold, log_kept_mass, support_size, in_support)``
     support or ignored); a row with ``coef == 0`` gets zeros without its logits being read.
     ``grad`` may be ``logits`` itself (the fused head writes over its logits chunk).
 
+Optional primitive (a loss over a teacher's top-K support, ``ops/topk_distill.py``; the
+``cpp`` backend implements it; for a backend without it the op runs its own chunked-torch
+passes on that backend's device):
+
+``topk_distill_forward(logits, support_ids, teacher, live, counted, grad_scale,
+params: TopkDistillArgs, grad)`` -> ``(loss, row_max, sums, coef)``
+    ``support_ids`` int64, ``teacher`` float32 and ``live`` bool ``[N, K]`` (contiguous; the
+    ids of entries not live are never read), ``counted`` bool ``[N]``. Per counted row, with
+    ``s_k`` the student's ``log_softmax(z / T)`` at ``id_k`` (``z_{id_k} / T`` where the
+    objective reads no full softmax: ``trl_jsd`` without ``tail``, ``axolotl_kd`` with
+    ``normalize_topk``), ``loss`` is ``ops/topk_distill.py``'s ``support_loss`` of the live
+    entries and ``coef [N, K]`` its ``c_k = d loss / d s_k`` (0 where not live);
+    ``row_max`` and ``sums = sum_j exp((z_j - row_max) / T)`` (0 without the full softmax).
+    Rows not counted are not read: 0 everywhere, ``sums = V`` with the full softmax. When
+    ``grad`` is not None, ``grad_scale`` (1 or N float32 elements, ``g``) and the gradient
+    ``grad_j = g / T * (sum_{k: id_k = j} c_k - p_j sum_k c_k)`` (no ``p_j`` term without
+    the full softmax) is written too. ``grad`` may be ``logits`` itself.
+
 ``reference.py`` states the same math naively in float64; ``kernels/portable.py`` is the
 readable chunked implementation of these primitives.
 """
@@ -238,6 +257,19 @@ class SamplingArgs:
     ignore_index: int
 
 
+@dataclass(frozen=True)
+class TopkDistillArgs:
+    """A top-k distillation objective (``ops/topk_distill.py``'s ``TopkDistillParams``): the
+    clamps are None when off, and read only by ``verl_forward_kl``."""
+    beta: float
+    temperature: float
+    tail: bool
+    objective: str
+    normalize_topk: bool
+    log_prob_min_clamp: Optional[float]
+    loss_max_clamp: Optional[float]
+
+
 def args_of(params, kind: type):
     """The ``kind`` fields of ``params`` (an op's params object extends one of the classes
     above) as a ``kind`` instance."""
@@ -310,6 +342,15 @@ SAMPLING_PRIMITIVES = {p.name: p for p in (
 )}
 
 
+#: the optional primitive of the top-k distillation loss, eager only (no custom op)
+TOPK_DISTILL_PRIMITIVES = {p.name: p for p in (
+    Primitive("topk_distill_forward",
+              (("logits", _T), ("support_ids", _T), ("teacher", _T), ("live", _T),
+               ("counted", _T), ("grad_scale", _OT)), TopkDistillArgs,
+              _rows(3), OPTIONAL),  # and coef [N, K]
+)}
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What a kernel backend module provides (the contract in this module's docstring)."""
@@ -361,3 +402,13 @@ class SampledLogprobsBackend(Backend, Protocol):
     def sampled_logprobs_backward(self, logits: Tensor, target: Tensor, lse_kept: Tensor,
                                   threshold: Tensor, coef: Tensor, params: SamplingArgs,
                                   grad: Tensor) -> None: ...
+
+
+@runtime_checkable
+class TopkDistillBackend(Backend, Protocol):
+    """A backend that also computes the top-k distillation loss in its kernels."""
+
+    def topk_distill_forward(self, logits: Tensor, support_ids: Tensor, teacher: Tensor,
+                             live: Tensor, counted: Tensor, grad_scale: Optional[Tensor],
+                             params: TopkDistillArgs, grad: Optional[Tensor]
+                             ) -> Tuple[Tensor, Tensor, Tensor, Tensor]: ...

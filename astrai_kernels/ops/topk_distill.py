@@ -40,7 +40,9 @@ from torch import Tensor
 
 from .. import reference
 from ..kernels.memory import cached_empty
-from ..kernels.registry import BACKENDS, ENV_VAR
+from ..kernels.primitives import TopkDistillArgs, args_of
+from ..kernels.registry import (BACKENDS, ENV_VAR, backend_module, resolve_backend,
+                                unavailable_reason)
 from . import dtensor
 from ._common import (
     FLOAT_DTYPES,
@@ -451,10 +453,29 @@ def _work_buffer(logits_rows, grad, tail):
     return torch.empty(step, vocab, dtype=torch.float32, device=logits_rows.device)
 
 
-def logits_walk(logits, rows, params, grad_rows=None):
+def _topk_kernels(backend, device):
+    """The kernel module of ``backend`` on ``device`` when it has the optional primitive
+    ``topk_distill_forward`` (``kernels/primitives.py``), else None: this module's torch ops
+    serve (the torch and triton backends, or a backend that cannot serve ``device``)."""
+    name = resolve_backend(backend, device) if backend == "auto" else backend
+    if name not in ("cpp", "triton") or unavailable_reason(name, device) is not None:
+        return None
+    module = backend_module(name)
+    return module if hasattr(module, "topk_distill_forward") else None
+
+
+def logits_walk(logits, rows, params, grad_rows=None, kernels=None):
     """``(losses, row_max, sums, coef, grad)`` over the rows of ``logits``; the gradient only
-    with ``grad_rows``."""
+    with ``grad_rows``. ``kernels``: a module from :func:`_topk_kernels` (its primitive then
+    serves every row in one call), or None."""
     logits_rows = rows_view(logits)
+    if kernels is not None:
+        grad = (None if grad_rows is None
+                else cached_empty(logits_rows.shape, logits.dtype, logits.device))
+        loss, row_max, sums, coef = kernels.topk_distill_forward(
+            logits_rows, rows.ids, rows.teacher, rows.live, rows.counted, grad_rows,
+            args_of(params, TopkDistillArgs), grad)
+        return loss, row_max, sums, coef, grad
     n_rows, k = rows.ids.shape
     loss = torch.zeros(n_rows, dtype=torch.float32, device=logits.device)
     row_max, sums = (torch.zeros_like(loss) for _ in range(2))
@@ -513,8 +534,8 @@ class _TopkDistillRows(torch.autograd.Function):
     stats and coefficients the forward kept."""
 
     @staticmethod
-    def forward(ctx, logits, rows, params):
-        loss, row_max, sums, coef, _ = logits_walk(logits, rows, params)
+    def forward(ctx, logits, rows, params, kernels):
+        loss, row_max, sums, coef, _ = logits_walk(logits, rows, params, kernels=kernels)
         ctx.save_for_backward(logits, row_max, sums, coef)
         ctx.rows, ctx.params = rows, params
         return loss
@@ -525,7 +546,7 @@ class _TopkDistillRows(torch.autograd.Function):
         logits, row_max, sums, coef = ctx.saved_tensors
         grad = logits_backward_walk(logits, ctx.rows, ctx.params, row_max, sums, coef,
                                     grad_rows.reshape(-1).float().contiguous())
-        return grad.view(logits.shape), None, None
+        return grad.view(logits.shape), None, None, None
 
 
 def topk_distill_loss(
@@ -623,14 +644,15 @@ def _local(call, checked: _Checked):
     reduction = params.reduction
     lead_shape = student_logits.shape[:-1]
     needs_grad = torch.is_grad_enabled() and student_logits.requires_grad
+    kernels = _topk_kernels(call["backend"], student_logits.device)
     if needs_grad and reduction == "none":
-        return _TopkDistillRows.apply(student_logits, rows, params).view(lead_shape)
+        return _TopkDistillRows.apply(student_logits, rows, params, kernels).view(lead_shape)
     if not needs_grad:
-        return reduce_rows(logits_walk(student_logits, rows, params)[0], rows, params,
-                           lead_shape)
+        return reduce_rows(logits_walk(student_logits, rows, params, kernels=kernels)[0], rows,
+                           params, lead_shape)
     scale = row_grad_scale(rows, params, lead_shape, student_logits.device)
     with torch.no_grad():
-        loss, *_, grad = logits_walk(student_logits, rows, params, scale)
+        loss, *_, grad = logits_walk(student_logits, rows, params, scale, kernels)
         value = reduce_rows(loss, rows, params, lead_shape)
     return AttachGrad.apply(student_logits, value, grad.view(student_logits.shape),
                             "topk_distill_loss", None)

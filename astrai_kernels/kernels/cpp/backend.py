@@ -49,7 +49,7 @@ LDFLAGS = ("-fopenmp",)
 # Longest compile first (ninja starts them in this order): distill.cpp last made it the tail of
 # the build, alone on the machine for its last two minutes.
 SOURCES = ("common.h", "distill.cpp", "cross_entropy.cpp", "grpo.cpp", "logprobs.cpp",
-           "bindings.cpp", "sampling.cpp", "vocab_shard.cpp")
+           "bindings.cpp", "sampling.cpp", "topk_distill.cpp", "vocab_shard.cpp")
 
 _LOCK = threading.Lock()
 _EXTENSION = None
@@ -521,3 +521,10 @@ def sampled_logprobs_backward(logits, target, lse_kept, threshold, coef, params,
     load_extension().sampled_logprobs_backward(
         logits, _target(target), _rows_f32(lse_kept), _rows_f32(threshold), _rows_f32(coef),
         params, grad)
+
+
+def topk_distill_forward(logits, support_ids, teacher, live, counted, grad_scale, params, grad):
+    return load_extension().topk_distill_forward(
+        logits, support_ids.long().contiguous(), teacher.float().contiguous(),
+        live.contiguous(), counted.contiguous(),
+        _rows_f32(grad_scale) if grad is not None else None, params, grad)
