@@ -14,7 +14,8 @@ clamped to ``[0, loss_max_clamp]``); ``"axolotl_kd"`` (Axolotl
 full-softmax log-probs at the support, renormalised over it with ``normalize_topk``, the
 teacher's as given, times ``T**2``). docs/objectives.md cites the lines.
 
-Per chunk of rows (torch ops, any device; the cpp and triton backends have no kernel for it):
+Per chunk of rows (torch ops, any device; the cpp backend runs the same math in one kernel,
+``csrc/topk_distill.cpp``, the optional primitive ``topk_distill_forward``):
 with ``tail`` one pass over the row gives its tempered log-sum-exp (shifted by the row max, in
 float32) and the K support logits; without it the row's log-sum-exp cancels in the
 renormalisation, so only the K logits are read (likewise ``axolotl_kd`` with
@@ -115,7 +116,8 @@ class SupportRows(NamedTuple):
 
 
 def topk_backend(backend):
-    """``"reference"`` or ``"torch"``: every kernel backend runs this op's torch ops."""
+    """``"reference"``, or ``"torch"`` for every kernel backend: the op's own routes (a backend
+    with the optional kernel, ``_topk_kernels``, serves the rows inside them)."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     if backend == "auto":
@@ -583,8 +585,8 @@ def topk_distill_loss(
     divides the student's logits only (the teacher's log-probs are taken as sampled). float32
     result. Where the student puts under ~1e-7 on the support, the tail's share of the
     gradient is exact (TRL's autograd forms ``exp(log sum p)`` as ``expm1 + 1``: 0 in
-    float32). ``backend``: ``reference`` runs ``reference.topk_distill_loss``; every other
-    backend runs this op's chunked torch ops.
+    float32). ``backend``: ``reference`` runs ``reference.topk_distill_loss``; ``cpp`` (the
+    default on CPU) its kernel; ``torch`` and ``triton`` this op's chunked torch ops.
 
     ``objective`` picks the loss of another framework on the same inputs (docs/objectives.md):
 
