@@ -4,6 +4,7 @@ from . import distributed, nn
 from .kernels.registry import available_backends
 from .ops.cross_entropy import cross_entropy
 from .ops.distill import distill_loss, linear_distill_loss
+from .ops.distill_options import DistillOptions
 from .ops.grpo import grpo_loss
 from .ops.grpo_options import GRPOOptions
 from .ops.linear import (
@@ -13,13 +14,23 @@ from .ops.linear import (
     linear_token_logprobs,
 )
 from .ops.logprobs import sequence_logprobs, token_logprobs
-from .ops.preference import cpo_loss, dpo_loss, group_advantages, kto_loss, orpo_loss, simpo_loss
+from .ops.preference import (
+    DPOOptions,
+    cpo_loss,
+    dpo_loss,
+    group_advantages,
+    kto_loss,
+    orpo_loss,
+    simpo_loss,
+)
 from .ops.sampling import SamplingParams
 from .ops.topk_distill import linear_topk_distill_loss, topk_distill_loss
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DPOOptions",
+    "DistillOptions",
     "GRPOOptions",
     "SamplingParams",
     "available_backends",

@@ -15,6 +15,7 @@ autocast); a wrong beta and a dropped teacher logit scale are seen failing; each
 raised with its reason.
 """
 
+import dataclasses
 import functools
 import os
 
@@ -140,8 +141,9 @@ def test_broken_distillation_fails_the_comparison(case, broken, monkeypatch, tmp
     original = ak.linear_distill_loss
 
     def broken_op(*args, **kwargs):
-        if broken == "wrong beta":
-            kwargs["beta"] = kwargs["beta"] + 0.2
+        if broken == "wrong beta":  # the adapter passes its settings as options=
+            options = kwargs["options"]
+            kwargs["options"] = dataclasses.replace(options, beta=options.beta + 0.2)
         else:
             assert kwargs["teacher_logit_scale"] != 1.0  # the case's teacher scales
             kwargs["teacher_logit_scale"] = 1.0

@@ -28,16 +28,13 @@ from . import dtensor
 from ._common import (
     AttachGrad,
     LogitsShape,
-    check_choice,
-    check_in_range,
-    check_index,
     check_logits,
-    check_positive,
     check_target,
     flat_target,
     refuse_double_backward,
     rows_view,
 )
+from .distill_options import DistillOptions, distill_options_or_keywords, keyword_call
 from .door import Checked, Door
 from .head import (
     AttachHeadGrads,
@@ -52,8 +49,6 @@ from .head import (
 )
 from .reduction import check_zero_normalizer, checked_normalizer, inverse_or_zero
 
-REDUCTIONS = ("batchmean", "sum", "mean", "none")
-
 
 @dataclass(frozen=True)
 class DistillParams(DistillArgs):
@@ -63,10 +58,11 @@ class DistillParams(DistillArgs):
     backend: str
 
 
-def checked_params(student: LogitsShape, teacher: LogitsShape, target, beta, temperature,
-                   ignore_index, reduction, normalizer, hard_weight, backend):
-    """Validate every argument but the logits tensors themselves (the fused head has none);
-    ``(params, normalizer as a device tensor or None)``."""
+def checked_params(student: LogitsShape, teacher: LogitsShape, target,
+                   options: DistillOptions, normalizer, backend):
+    """Validate every argument but the logits tensors themselves (the fused head has none):
+    ``options.checked()``, then what needs the tensors; ``(params, normalizer as a device
+    tensor or None)``."""
     if teacher.lead + (teacher.vocab,) != student.lead + (student.vocab,):
         raise ValueError(f"teacher_logits must have student_logits' shape "
                          f"{student.lead + (student.vocab,)}, got "
@@ -74,14 +70,11 @@ def checked_params(student: LogitsShape, teacher: LogitsShape, target, beta, tem
     if teacher.device != student.device:
         raise ValueError(f"teacher_logits are on {teacher.device} but student_logits are on "
                          f"{student.device}")
-    ignore_index = check_index(ignore_index, "ignore_index")
+    options = options.checked()
+    ignore_index, reduction = options.ignore_index, options.reduction
     if target is not None:
         check_target(target, student, ignore_index)
-    beta = check_in_range(beta, "beta", 0.0, 1.0)
-    temperature = check_positive(temperature, "temperature")
-    check_choice(reduction, "reduction", REDUCTIONS)
-    hard_weight = check_in_range(hard_weight, "hard_weight", 0.0, float("inf"))
-    if hard_weight and target is None:
+    if options.hard_weight and target is None:
         raise ValueError("hard_weight > 0 needs target (the hard labels)")
     if normalizer is not None and reduction not in ("batchmean", "mean"):
         raise ValueError(f"normalizer applies to reduction='batchmean' or 'mean' only, got "
@@ -93,8 +86,9 @@ def checked_params(student: LogitsShape, teacher: LogitsShape, target, beta, tem
         check_zero_normalizer(normalizer_t, counted)
     if target is None:
         ignore_index = -1  # the primitives then read zeros as targets: every row counts
-    params = DistillParams(beta=beta, temperature=temperature, ignore_index=ignore_index,
-                           hard_weight=hard_weight, reduction=reduction,
+    params = DistillParams(beta=options.beta, temperature=options.temperature,
+                           ignore_index=ignore_index, hard_weight=options.hard_weight,
+                           reduction=reduction,
                            has_target=target is not None,
                            backend=resolve_backend(backend, student.device))
     return params, normalizer_t
@@ -177,6 +171,7 @@ def reduce_rows(rows_loss, target_flat, params, normalizer, vocab, lead_shape):
                                   lead_shape).reshape(())
 
 
+@distill_options_or_keywords
 def distill_loss(
     student_logits: Tensor,
     teacher_logits: Tensor,
@@ -188,6 +183,7 @@ def distill_loss(
     reduction: str = "batchmean",
     normalizer: Union[None, float, Tensor] = None,
     hard_weight: float = 0.0,
+    options: Optional[DistillOptions] = None,
     backend: str = "auto",
 ) -> Tensor:
     """TRL's generalized JSD between ``softmax(student / T)`` and ``softmax(teacher / T)``.
@@ -211,8 +207,12 @@ def distill_loss(
     excludes an id the student gives mass, finite where only the student does. The gradient of
     a row whose loss is +inf is not defined (backends may give NaN or inf there); a row whose
     logits are all -inf on either side has no softmax and gives NaN.
+
+    ``options``: a :class:`DistillOptions` holding ``beta``, ``temperature``,
+    ``ignore_index``, ``reduction`` and ``hard_weight`` at once; passing any of those keywords
+    beside it raises ``ValueError``, whatever its value.
     """
-    return DISTILL_LOSS.enter(locals())
+    return DISTILL_LOSS.enter(keyword_call(locals()))
 
 
 def _check(call) -> Checked:
@@ -220,9 +220,8 @@ def _check(call) -> Checked:
     check_logits(student, "student_logits")
     check_logits(teacher, "teacher_logits")
     return Checked(*checked_params(
-        LogitsShape.of(student), LogitsShape.of(teacher), call["target"], call["beta"],
-        call["temperature"], call["ignore_index"], call["reduction"], call["normalizer"],
-        call["hard_weight"], call["backend"]))
+        LogitsShape.of(student), LogitsShape.of(teacher), call["target"],
+        DistillOptions.of(call), call["normalizer"], call["backend"]))
 
 
 def _reference(call, checked: Checked):
@@ -338,6 +337,7 @@ class _LinearDistillRows(torch.autograd.Function):
                 grad_or_none(grad_bias), None, None, None, None, None, None, None)
 
 
+@distill_options_or_keywords
 def linear_distill_loss(
     student_hidden: Tensor,
     student_weight: Tensor,
@@ -357,6 +357,7 @@ def linear_distill_loss(
     logit_scale: float = 1.0,
     teacher_softcap: Optional[float] = None,
     teacher_logit_scale: float = 1.0,
+    options: Optional[DistillOptions] = None,
     chunk_size: Optional[int] = None,
     backend: str = "auto",
 ) -> Tensor:
@@ -368,9 +369,11 @@ def linear_distill_loss(
     scalar reduction they are produced in the forward's single walk. ``softcap`` and
     ``logit_scale`` (``teacher_softcap``, ``teacher_logit_scale`` for the teacher's head)
     transform each head's logits before the temperature, as in ``linear_token_logprobs``
-    (``hard_weight``'s cross-entropy reads the student's transformed logits).
+    (``hard_weight``'s cross-entropy reads the student's transformed logits). ``options``: a
+    :class:`DistillOptions`, as ``distill_loss`` takes it (the heads' transforms are not
+    options).
     """
-    return LINEAR_DISTILL_LOSS.enter(locals())
+    return LINEAR_DISTILL_LOSS.enter(keyword_call(locals()))
 
 
 class _HeadDistill(NamedTuple):
@@ -403,9 +406,8 @@ def _check_linear(call) -> _HeadDistill:
                          f"{tuple(teacher_hidden.shape[:-1])}")
     checked = Checked(*checked_params(
         LogitsShape.of_head(student_hidden, student_weight),
-        LogitsShape.of_head(teacher_hidden, teacher_weight), call["target"], call["beta"],
-        call["temperature"], call["ignore_index"], call["reduction"], call["normalizer"],
-        call["hard_weight"], call["backend"]))
+        LogitsShape.of_head(teacher_hidden, teacher_weight), call["target"],
+        DistillOptions.of(call), call["normalizer"], call["backend"]))
     return _HeadDistill(checked, transforms)
 
 
@@ -415,9 +417,8 @@ def _reference_linear(call, checked: _HeadDistill):
                          call["logit_scale"], call["softcap"]),
         reference_logits(call["teacher_hidden"], call["teacher_weight"], call["teacher_bias"],
                          call["teacher_logit_scale"], call["teacher_softcap"]),
-        call["target"], beta=call["beta"], temperature=call["temperature"],
-        ignore_index=call["ignore_index"], reduction=call["reduction"],
-        normalizer=call["normalizer"], hard_weight=call["hard_weight"], backend="reference")
+        call["target"], normalizer=call["normalizer"], options=DistillOptions.of(call),
+        backend="reference")
 
 
 def _local_linear(call, head: _HeadDistill):

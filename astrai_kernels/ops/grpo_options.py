@@ -13,12 +13,11 @@ log-probs, importance weights, sampling log-probs) and the ``normalizer`` are in
 """
 
 import dataclasses
-import functools
-import inspect
 from dataclasses import dataclass, fields
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from ..kernels.primitives import SurrogateArgs
+from . import options
 from ._common import check_bool, check_choice, check_in_range, check_index, check_positive
 
 
@@ -275,30 +274,8 @@ OPTION_NAMES = tuple(f.name for f in fields(GRPOOptions))
 def options_from(given: Optional[GRPOOptions], keywords: dict) -> GRPOOptions:
     """``given`` (the ``options=`` keyword) or the object of the individual ``keywords``. The
     caller is wrapped in :func:`options_or_keywords`, which refuses a call giving both."""
-    if given is None:
-        return GRPOOptions(**keywords)
-    if not isinstance(given, GRPOOptions):
-        raise TypeError(f"options must be a GRPOOptions or None, got {type(given).__name__}")
-    return given
+    return options.options_from(given, keywords, GRPOOptions)
 
 
-def options_or_keywords(function: Callable) -> Callable:
-    """``function`` (which takes ``options`` and ``GRPOOptions``' fields as parameters) refusing
-    a call that passes ``options`` and any field, by name or by position, whatever the field's
-    value: one equal to its default would otherwise be dropped without a word. The signature,
-    defaults included, stays ``function``'s."""
-    positional = [parameter.name for parameter in inspect.signature(function).parameters.values()
-                  if parameter.kind in (parameter.POSITIONAL_ONLY,
-                                        parameter.POSITIONAL_OR_KEYWORD)]
-
-    @functools.wraps(function)
-    def refusing_both(*args, **kwargs):
-        passed = dict(zip(positional, args), **kwargs)
-        if passed.get("options") is not None:
-            both = sorted(name for name in OPTION_NAMES if name in passed)
-            if both:
-                raise ValueError(f"pass the GRPO options either as options= or as keywords, "
-                                 f"not both: {both} given beside options")
-        return function(*args, **kwargs)
-
-    return refusing_both
+#: ``function`` (taking ``options`` and ``GRPOOptions``' fields) refusing a call that passes both
+options_or_keywords = options.options_or_keywords(GRPOOptions, "GRPO")

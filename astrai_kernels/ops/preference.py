@@ -9,9 +9,14 @@ What the inputs are: each op takes the sequence log-probs ``[B]`` that TRL feeds
 completion tokens (``average=False``); ``orpo_loss``, ``simpo_loss`` and ``cpo_loss`` with
 ``"ipo"``/``"simpo"`` take means over them (``average=True``). ``dpo_loss``'s ``sigmoid_norm``
 divides sums by the token counts given as ``chosen_lengths``/``rejected_lengths``.
+
+``dpo_loss``'s scalar options also travel as one object, :class:`DPOOptions`; the smaller ops
+(``orpo_loss``, ``simpo_loss``, ``cpo_loss``, ``kto_loss``) take their few keywords only.
 """
 
+import dataclasses
 import math
+from dataclasses import dataclass, fields
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._common import check_choice, check_in_range, check_positive
+from .options import options_from, options_or_keywords
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair",
                   "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop",
@@ -97,6 +103,59 @@ def _check_loss_types(loss_type, loss_weights) -> Tuple[Tuple[str, ...], Tuple[f
     return types, weights
 
 
+@dataclass(frozen=True)
+class DPOOptions:
+    """Every scalar keyword of ``ak.dpo_loss`` (its docstring has their meaning). The
+    log-probs, ``bco_delta`` (BCO's running mean, a per-step value that may be a tensor) and
+    the token counts of ``sigmoid_norm`` are inputs. ``loss_type`` is one type or a list of
+    them (with ``loss_weights``: MPO); ``discopop_tau=None`` is DiscoPOP's 0.05."""
+    beta: float = 0.1
+    loss_type: Union[str, Sequence[str]] = "sigmoid"
+    label_smoothing: float = 0.0
+    loss_weights: Optional[Sequence[float]] = None
+    discopop_tau: Optional[float] = None
+
+    def checked(self) -> "DPOOptions":
+        """These options, each checked (``ValueError``/``TypeError`` naming it), every rule
+        between them included (``label_smoothing`` and ``discopop_tau`` only where a listed
+        type reads them); lists become tuples, numbers Python floats. A checked object checks
+        again to itself."""
+        types, weights = _check_loss_types(self.loss_type, self.loss_weights)
+        beta = check_positive(self.beta, "beta")
+        high = 0.5 if "robust" in types else 1.0
+        label_smoothing = check_in_range(self.label_smoothing, "label_smoothing", 0.0, high)
+        if "robust" in types and label_smoothing == 0.5:
+            raise ValueError("label_smoothing must be < 0.5 for loss_type 'robust'")
+        if "exo_pair" in types and not 0.0 < label_smoothing < 1.0:
+            raise ValueError(f"loss_type 'exo_pair' needs label_smoothing (its epsilon) in "
+                             f"(0, 1); the EXO paper uses 1e-3, got {label_smoothing}")
+        if label_smoothing > 0 and not set(types) & set(DPO_SMOOTHED_TYPES):
+            raise ValueError(f"label_smoothing={label_smoothing} is not used by loss_type "
+                             f"{list(types)}; only {DPO_SMOOTHED_TYPES} have it")
+        discopop_tau = self.discopop_tau
+        if discopop_tau is not None:
+            if "discopop" not in types:
+                raise ValueError("discopop_tau is only used by loss_type 'discopop'")
+            discopop_tau = check_positive(discopop_tau, "discopop_tau")
+        return dataclasses.replace(
+            self, beta=beta, label_smoothing=label_smoothing, discopop_tau=discopop_tau,
+            loss_type=self.loss_type if isinstance(self.loss_type, str) else types,
+            loss_weights=None if self.loss_weights is None else weights)
+
+    @property
+    def loss_types(self) -> Tuple[str, ...]:
+        """The listed loss types (``loss_type`` as a tuple)."""
+        return (self.loss_type,) if isinstance(self.loss_type, str) else tuple(self.loss_type)
+
+    def keywords(self) -> dict:
+        """The options as ``ak.dpo_loss`` keywords."""
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
+
+#: ``dpo_loss`` refuses ``options=`` beside an option keyword
+dpo_options_or_keywords = options_or_keywords(DPOOptions, "DPO")
+
+
 def _sigmoid(x: Tensor) -> Tensor:
     """``sigmoid(x)`` as ``exp(logsigmoid(x))``: its gradient keeps its relative precision on
     both tails (autograd's ``sigmoid`` forms ``y * (1 - y)``, which cancels where ``y -> 1``)."""
@@ -158,13 +217,14 @@ def _dpo_losses(loss_type: str, chosen: Tensor, rejected: Tensor, ref_logratio: 
     return -F.logsigmoid(beta * (chosen / chosen_lengths - rejected / rejected_lengths))
 
 
+@dpo_options_or_keywords
 def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Optional[Tensor] = None,
              ref_rejected: Optional[Tensor] = None, *, beta: float = 0.1,
              loss_type: Union[str, Sequence[str]] = "sigmoid",
              label_smoothing: float = 0.0, loss_weights: Optional[Sequence[float]] = None,
              discopop_tau: Optional[float] = None, bco_delta: Optional[Scalar] = None,
-             chosen_lengths: Optional[Tensor] = None, rejected_lengths: Optional[Tensor] = None
-             ) -> Tuple[Tensor, Dict[str, Tensor]]:
+             chosen_lengths: Optional[Tensor] = None, rejected_lengths: Optional[Tensor] = None,
+             options: Optional[DPOOptions] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
     """``(loss, metrics)`` of TRL's DPO loss types on summed sequence log-probs ``[B]``.
 
     ``loss_type`` is one of ``DPO_LOSS_TYPES`` or a list of them, summed with ``loss_weights``
@@ -178,6 +238,10 @@ def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Optiona
     detached) for the paper's and TRL 0.x's form. ``sigmoid_norm`` needs ``chosen_lengths`` and
     ``rejected_lengths`` (completion token counts ``[B]``, clamped at 1). ``ipo`` is the paper's
     form on the inputs given; TRL 1.x's length-normalized IPO is ``ipo`` on averaged log-probs.
+    ``options``: a :class:`DPOOptions` holding ``beta``, ``loss_type``, ``label_smoothing``,
+    ``loss_weights`` and ``discopop_tau`` at once; passing any of those keywords beside it
+    raises ``ValueError``, whatever its value (``bco_delta`` and the lengths are inputs, given
+    either way).
 
     Metrics (detached, float32 batch means): ``rewards/chosen`` and ``rewards/rejected``
     (``beta * (log pi - log ref)``), ``rewards/accuracy``, ``rewards/margin``, and with more
@@ -195,22 +259,13 @@ def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Optiona
         ref_c, ref_r = ref_chosen.detach().float(), ref_rejected.detach().float()
         chosen_reward, rejected_reward = chosen_reward - ref_c, rejected_reward - ref_r
         ref_logratio = ref_c - ref_r
-    types, weights = _check_loss_types(loss_type, loss_weights)
-    beta = check_positive(beta, "beta")
-    high = 0.5 if "robust" in types else 1.0
-    label_smoothing = check_in_range(label_smoothing, "label_smoothing", 0.0, high)
-    if "robust" in types and label_smoothing == 0.5:
-        raise ValueError("label_smoothing must be < 0.5 for loss_type 'robust'")
-    if "exo_pair" in types and not 0.0 < label_smoothing < 1.0:
-        raise ValueError(f"loss_type 'exo_pair' needs label_smoothing (its epsilon) in (0, 1); "
-                         f"the EXO paper uses 1e-3, got {label_smoothing}")
-    if label_smoothing > 0 and not set(types) & set(DPO_SMOOTHED_TYPES):
-        raise ValueError(f"label_smoothing={label_smoothing} is not used by loss_type "
-                         f"{list(types)}; only {DPO_SMOOTHED_TYPES} have it")
-    if discopop_tau is not None and "discopop" not in types:
-        raise ValueError("discopop_tau is only used by loss_type 'discopop'")
-    discopop_tau = DISCOPOP_TAU if discopop_tau is None else check_positive(discopop_tau,
-                                                                            "discopop_tau")
+    options = options_from(options, dict(
+        beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
+        loss_weights=loss_weights, discopop_tau=discopop_tau), DPOOptions).checked()
+    types = options.loss_types
+    weights = (1.0,) * len(types) if options.loss_weights is None else options.loss_weights
+    beta, label_smoothing = options.beta, options.label_smoothing
+    discopop_tau = DISCOPOP_TAU if options.discopop_tau is None else options.discopop_tau
     if bco_delta is not None and "bco_pair" not in types:
         raise ValueError("bco_delta is only used by loss_type 'bco_pair'")
     bco_delta = 0.0 if bco_delta is None else _check_scalar(bco_delta, "bco_delta",

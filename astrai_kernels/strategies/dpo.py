@@ -81,22 +81,24 @@ class DPOStrategy(BaseStrategy):
         self.reduction = reduction
         self.loss_type = loss_type
         self.label_smoothing = label_smoothing
-        self.dpo_options = dict(loss_type=loss_type, label_smoothing=label_smoothing,
-                                loss_weights=loss_weights, discopop_tau=discopop_tau,
-                                bco_delta=bco_delta)
         self._reference_only(loss_type=(loss_type, "sigmoid"),
                              label_smoothing=(label_smoothing, 0.0),
                              loss_weights=(loss_weights, None),
                              discopop_tau=(discopop_tau, None), bco_delta=(bco_delta, None))
-        types = [loss_type] if isinstance(loss_type, str) else loss_type
-        self.needs_lengths = isinstance(types, (list, tuple)) and "sigmoid_norm" in types
+        # every scalar option of ak.dpo_loss, as one object checked now: the signature's
+        # DPOOptions fields by name (tests/test_dpo_options.py checks the two lists agree)
+        self.options = ak.DPOOptions(beta=beta, loss_type=loss_type,
+                                     label_smoothing=label_smoothing, loss_weights=loss_weights,
+                                     discopop_tau=discopop_tau).checked()
+        self.bco_delta = bco_delta  # an input of the op, not an option
+        self.needs_lengths = "sigmoid_norm" in self.options.loss_types
         if self.needs_lengths and reduction != "sum":
             raise ValueError("DPOStrategy: loss_type 'sigmoid_norm' divides summed log-ratios by "
                              "the token counts; it needs reduction='sum'")
-        if not self.uses_reference:  # every option checked now, on a one-pair stand-in batch
+        if bco_delta is not None:  # its rules are the op's: checked on a one-pair stand-in
             one = torch.zeros(1)
             lengths = dict(chosen_lengths=torch.ones(1), rejected_lengths=torch.ones(1))
-            ak.dpo_loss(one, one, one, one, beta=beta, **self.dpo_options,
+            ak.dpo_loss(one, one, one, one, options=self.options, bco_delta=bco_delta,
                         **(lengths if self.needs_lengths else {}))
 
     def compute_loss(self, batch: Dict[str, Tensor]) -> Tensor:
@@ -186,7 +188,8 @@ class DPOStrategy(BaseStrategy):
                 counts = loss_mask[:, 1:].sum(-1)
                 lengths = dict(chosen_lengths=counts[:n_pairs], rejected_lengths=counts[n_pairs:])
             dpo_loss, metrics = ak.dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected,
-                                            beta=self.beta, **self.dpo_options, **lengths)
+                                            options=self.options, bco_delta=self.bco_delta,
+                                            **lengths)
         metrics = {"dpo_loss": dpo_loss, **metrics}  # a new dict: the ops' own is not changed
         return self._loss_output(dpo_loss, metrics, aux_loss)
 

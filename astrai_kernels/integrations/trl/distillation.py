@@ -111,18 +111,21 @@ def divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_hea
                                               student_lm_head_bias, valid)
         t_rows, t_weight, t_bias = _head_args(teacher_hidden_states, teacher_lm_head_weight,
                                               teacher_lm_head_bias, valid)
-        student = dict(temperature=float(temperature), softcap=student_final_logit_softcapping,
+        # batchmean with the normalizer: TRL's sum over the positions / num_items_in_batch
+        options = ak.DistillOptions(beta=float(beta), temperature=float(temperature),
+                                    reduction="batchmean")
+        student = dict(softcap=student_final_logit_softcapping,
                        logit_scale=float(student_logit_scale), chunk_size=chunk_size,
                        backend=backend)
         loss = ak.linear_distill_loss(
             s_rows, s_weight, t_rows, t_weight, student_bias=s_bias, teacher_bias=t_bias,
-            beta=float(beta), reduction="batchmean", normalizer=normalizer,
+            normalizer=normalizer, options=options,
             teacher_softcap=teacher_final_logit_softcapping,
             teacher_logit_scale=float(teacher_logit_scale), **student)
         with torch.no_grad():  # the logged entropy; any in-range target serves
             _, entropy = ak.linear_token_logprobs(
                 s_rows, s_weight, s_rows.new_zeros(s_rows.shape[0], dtype=torch.long),
-                bias=s_bias, return_entropy=True, **student)
+                bias=s_bias, temperature=options.temperature, return_entropy=True, **student)
     return loss, entropy.sum(), n_valid
 
 

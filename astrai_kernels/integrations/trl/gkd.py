@@ -99,6 +99,10 @@ def _compute_loss(trainer, original, request: contract.Request):
             return original(model, inputs, return_outputs=True,
                             num_items_in_batch=num_items_in_batch)
         contract.check_called_model(trainer, model, student_model)
+        # TRL's generalized_jsd_loss as compute_loss calls it (temperature 1, batchmean), with
+        # the trainer's beta of this step
+        options = ak.DistillOptions(beta=float(trainer.beta), temperature=1.0,
+                                    reduction="batchmean")
         student, teacher = _hidden_states(trainer, model, inputs)
         student_head = hf.fused_head(student_model)
         teacher_head = hf.fused_head(trainer.teacher_model)
@@ -110,8 +114,8 @@ def _compute_loss(trainer, original, request: contract.Request):
             t_hidden, t_weight, t_bias = _head_args(teacher_head, teacher, mask, teacher_dtype)
             return ak.linear_distill_loss(
                 s_hidden, s_weight, t_hidden, t_weight, student_bias=s_bias,
-                teacher_bias=t_bias, beta=float(trainer.beta), temperature=1.0,
-                reduction="batchmean", normalizer=_on(num_items_in_batch, s_hidden.device),
+                teacher_bias=t_bias, options=options,
+                normalizer=_on(num_items_in_batch, s_hidden.device),
                 softcap=student_head.softcap, logit_scale=student_head.logit_scale,
                 teacher_softcap=teacher_head.softcap,
                 teacher_logit_scale=teacher_head.logit_scale, chunk_size=request.chunk_size,
