@@ -307,21 +307,23 @@ CASES["refused_placements"] = _refused
 
 
 def _no_dtensor_route(dtype):
-    """The ops whose door has no DTensor route refuse a DTensor argument by name, before any
-    of torch's mixed Tensor/DTensor errors."""
+    """A door without a DTensor route refuses a DTensor argument by name, before any of
+    torch's mixed Tensor/DTensor errors (every public op has one today: a door built here)."""
     from torch.distributed.tensor import distribute_tensor
 
-    mesh = _mesh((2,))
-    target = _target()
-    hidden, weight, _ = _head(dtype)
-    colwise = distribute_tensor(weight, mesh, _placements(0))
-    with pytest.raises(TypeError, match=r"linear_distill_loss does not take DTensor arguments "
-                       r"\(got student_weight\)"):
-        ak.linear_distill_loss(hidden, colwise, hidden, weight, target)
-    ids = torch.zeros(*target.shape, 3, dtype=torch.int64)
-    with pytest.raises(TypeError, match=r"linear_topk_distill_loss does not take DTensor "
-                       r"arguments \(got weight\)"):
-        ak.linear_topk_distill_loss(hidden, colwise, ids, torch.full(ids.shape, -1.5))
+    from astrai_kernels.ops.door import Door
+
+    def sum_of(logits, target):
+        return door.enter(locals())
+
+    def unreachable(*args):
+        raise AssertionError("a DTensor reached a route")
+
+    door = Door(sum_of, ("logits", "target"), unreachable, unreachable, unreachable)
+    sharded = distribute_tensor(_logits(dtype), _mesh((2,)), _placements(-1))
+    with pytest.raises(TypeError, match=r"sum_of does not take DTensor arguments \(got "
+                       r"logits\)"):
+        sum_of(sharded, _target())
 
 
 _no_dtensor_route.fp32_only = True

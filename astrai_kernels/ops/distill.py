@@ -462,4 +462,4 @@ DISTILL_LOSS = Door(distill_loss, ("student_logits", "teacher_logits", "target",
 LINEAR_DISTILL_LOSS = Door(linear_distill_loss, (
     "student_hidden", "student_weight", "teacher_hidden", "teacher_weight", "target",
     "student_bias", "teacher_bias", "normalizer"), _check_linear, _local_linear,
-    _reference_linear)
+    _reference_linear, dtensor=dtensor.linear_distill_loss)

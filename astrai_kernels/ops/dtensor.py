@@ -2,7 +2,8 @@
 
 Each public op served here (``cross_entropy``, ``token_logprobs``, ``linear_cross_entropy``,
 ``linear_token_logprobs``, ``grpo_loss``, ``linear_grpo_loss``, ``sequence_logprobs``,
-``linear_sequence_logprobs``, ``distill_loss``, ``topk_distill_loss``) is routed by its front
+``linear_sequence_logprobs``, ``distill_loss``, ``topk_distill_loss`` and their ``linear_``
+forms) is routed by its front
 door (``ops/door.py``): on a DTensor it hands itself and every argument to its namesake below,
 which calls it back on this rank's local tensors (so this module imports no op module at import
 time; ``sequence_logprobs``' vocabulary path imports ``token_logprobs`` when called;
@@ -23,7 +24,9 @@ placements on each mesh dimension choose the path:
 * ``Replicate``, and a plain tensor (read as replicated over the mesh): the op as it is.
 * ``distill_loss`` and ``topk_distill_loss``: rows or ``Replicate`` only (no vocabulary path);
   the other logits and the ``[..., K]`` inputs follow the student's rows; the means divide the
-  rows' sum, summed over the shards, by the count summed over them.
+  rows' sum, summed over the shards, by the count summed over them. Their ``linear_`` forms
+  take hidden states so, beside replicated weights and biases (gradients summed over the row
+  shards).
 * ``grpo_loss`` and ``sequence_logprobs`` (and their ``linear_`` forms) serve rows as whole
   sequences only (``Shard(0)`` of ``[B, T, V]`` or ``[B, T, H]``; ``Shard(1)`` is refused):
   per-row inputs come as plain full-batch tensors (sliced) or DTensors (redistributed to the
@@ -49,6 +52,7 @@ light.
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -154,11 +158,128 @@ def topk_distill_loss(op, student_logits, support_ids, teacher_logprobs, labels=
         call.target, support_mask=support["support_mask"], reduction=reduction, **options))
 
 
+def linear_distill_loss(op, student_hidden, student_weight, teacher_hidden, teacher_weight,
+                        target=None, *, student_bias=None, teacher_bias=None,
+                        reduction="batchmean", normalizer=None, ignore_index=-100, **options):
+    """``op`` (``ak.linear_distill_loss``) of DTensor heads: both heads' hidden states sharded
+    on rows alike (or replicated), the weights and biases replicated (their gradients summed
+    over the row shards); the reduction as :func:`distill_loss`'s."""
+    head = dict(student_weight=student_weight, student_bias=student_bias,
+                teacher_weight=teacher_weight, teacher_bias=teacher_bias)
+    call, local = _rows_call("linear_distill_loss", {"student_hidden": student_hidden,
+                                                     "teacher_hidden": teacher_hidden},
+                             target, "target", normalizer, head)
+    replicated = _replicated_head(call, head)
+    vocab = student_weight.shape[0]
+
+    def denominator():
+        if reduction == "mean":
+            return _row_count(call, ignore_index, every_row=True) * vocab
+        return _row_count(call, ignore_index)
+
+    return _row_reduced(call, reduction, normalizer, denominator, lambda reduction: call.run(
+        op, local["student_hidden"], replicated["student_weight"], local["teacher_hidden"],
+        replicated["teacher_weight"], call.target, student_bias=replicated["student_bias"],
+        teacher_bias=replicated["teacher_bias"], reduction=reduction,
+        normalizer=None if normalizer is None else call.normalizer("sum", normalizer, None),
+        ignore_index=ignore_index, **options))
+
+
+def linear_topk_distill_loss(op, hidden, weight, support_ids, teacher_logprobs, labels=None, *,
+                             bias=None, support_mask=None, reduction="batchmean", **options):
+    """``op`` (``ak.linear_topk_distill_loss``) of a DTensor head: hidden states sharded on rows
+    (or replicated), the weight and bias replicated (gradients summed over the row shards),
+    the ``[..., K]`` inputs following the rows; the reduction as :func:`topk_distill_loss`'s."""
+    call, local = _rows_call("linear_topk_distill_loss", {"hidden": hidden}, labels, "labels",
+                             None, dict(support_ids=support_ids,
+                                        teacher_logprobs=teacher_logprobs,
+                                        support_mask=support_mask, weight=weight, bias=bias))
+    replicated = _replicated_head(call, dict(weight=weight, bias=bias))
+    support = {name: _per_row_columns(call, name, value) for name, value in (
+        ("support_ids", support_ids), ("teacher_logprobs", teacher_logprobs),
+        ("support_mask", support_mask))}
+    return _row_reduced(call, reduction, None, lambda: _row_count(call, -100),
+                        lambda reduction: call.run(
+                            op, local["hidden"], replicated["weight"], support["support_ids"],
+                            support["teacher_logprobs"], call.target, bias=replicated["bias"],
+                            support_mask=support["support_mask"], reduction=reduction,
+                            **options))
+
+
+def _replicated_head(call, named):
+    """Head parameters beside row-sharded hidden states: each replicated (a plain tensor read
+    so), as its local tensor whose gradient is summed over the row shards. A vocabulary shard
+    (``ColwiseParallel``'s ``Shard(0)``) is refused: these ops have no vocabulary path."""
+    from torch.distributed.tensor import Replicate
+
+    local = {}
+    for name, value in named.items():
+        value = _as_dtensor(value, call.mesh)
+        if not isinstance(value, torch.Tensor):
+            local[name] = value  # None, or the op's own checks name what it is
+            continue
+        for mesh_dim, placement in enumerate(value.placements):
+            if not placement.is_replicate():
+                raise _unserved(call.op_name, name, value, mesh_dim, Replicate(),
+                                f"served: Replicate; {call.op_name} has no "
+                                f"vocabulary-parallel path")
+        tensor = value.to_local()
+        for group in call.row_groups:
+            tensor = _sum_grad_over_group(tensor, group)
+        local[name] = tensor
+    return local
+
+
+def _sum_grad_over_group(tensor, group):
+    from .vocab_parallel import SumGradOverGroup
+
+    return SumGradOverGroup.apply(tensor, group)
+
+
+def on_full_tensors(op):
+    """``op`` (a loss over per-sequence tensors ``[B]``: the preference losses) served on
+    DTensor arguments: each is gathered whole (``full_tensor()``: B numbers, differentiable),
+    every rank runs ``op`` as one process would, and its tensor results come back
+    ``Replicate`` on the arguments' mesh; each gradient has its input's placements. (DTensor's
+    own operators run these forwards but not all their backwards: ``log_sigmoid_backward`` has
+    no sharding rule.)"""
+    @functools.wraps(op)
+    def served(*args, **kwargs):
+        if not has_dtensor(*args, *kwargs.values()):
+            return op(*args, **kwargs)
+        from torch.distributed.tensor import DTensor
+
+        named = {f"argument {index}": value for index, value in enumerate(args)}
+        mesh = _common_mesh(op.__name__, {**named, **kwargs}, None)
+
+        def whole(value):
+            return value.full_tensor() if isinstance(value, DTensor) else value
+
+        out = op(*(whole(value) for value in args),
+                 **{name: whole(value) for name, value in kwargs.items()})
+        return _replicated_results(out, mesh)
+
+    return served
+
+
+def _replicated_results(out, mesh):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(out, tuple):
+        return tuple(_replicated_results(part, mesh) for part in out)
+    if isinstance(out, dict):
+        return {name: _replicated_results(part, mesh) for name, part in out.items()}
+    if isinstance(out, torch.Tensor):
+        return DTensor.from_local(out, mesh, _replicated(mesh), run_check=False)
+    return out
+
+
 def _rows_call(op_name, logits_named, target, target_name, normalizer, others=None):
     """``_LocalCall`` of an op served on rows only (no vocabulary path): the first of
     ``logits_named`` sets the layout (Replicate or a row ``Shard`` per mesh dimension); the
     others must have it, or be replicated (a local slice); ``target`` (may be None) follows the
-    rows. Returns the call and the local logits by name."""
+    rows; ``others``: the op's other arguments that may be DTensors (they share the mesh).
+    Returns the call and the local logits by name."""
     from torch.distributed.tensor import Replicate, Shard
 
     named = {**logits_named, target_name: target, **(others or {})}
@@ -179,10 +300,12 @@ def _rows_call(op_name, logits_named, target, target_name, normalizer, others=No
                             f"{lead.ndim - 1}; {op_name} has no vocabulary-parallel path")
         row_mesh_dims.append(mesh_dim)
     local = {lead_name: lead.to_local()}
-    for name, value in rest:
-        if tuple(value.shape) != tuple(lead.shape):
-            raise ValueError(f"{op_name}: {name} must have {lead_name}'s shape "
-                             f"{tuple(lead.shape)}, got {tuple(value.shape)}")
+    for name, value in rest:  # the last dimension is the op's to check (V, or a hidden size)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape[:-1]) != tuple(
+                lead.shape[:-1]):
+            raise ValueError(f"{op_name}: {name} must have {lead_name}'s leading shape "
+                             f"{tuple(lead.shape[:-1])}, got "
+                             f"{tuple(getattr(value, 'shape', ()))}")
         if tuple(value.placements) != tuple(lead.placements):
             if not all(placement.is_replicate() for placement in value.placements):
                 raise ValueError(f"{op_name}: {name} has placements {tuple(value.placements)} "

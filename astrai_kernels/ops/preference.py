@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._common import check_choice, check_in_range, check_positive
+from .dtensor import on_full_tensors
 from .options import options_from, options_or_keywords
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair",
@@ -217,6 +218,7 @@ def _dpo_losses(loss_type: str, chosen: Tensor, rejected: Tensor, ref_logratio: 
     return -F.logsigmoid(beta * (chosen / chosen_lengths - rejected / rejected_lengths))
 
 
+@on_full_tensors
 @dpo_options_or_keywords
 def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Optional[Tensor] = None,
              ref_rejected: Optional[Tensor] = None, *, beta: float = 0.1,
@@ -320,6 +322,7 @@ def _log1mexp(x: Tensor) -> Tensor:
     return torch.where(x < -math.log(2.0), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
+@on_full_tensors
 def orpo_loss(chosen: Tensor, rejected: Tensor, *,
               beta: float = 0.1) -> Tuple[Tensor, Dict[str, Tensor]]:
     """``(loss, metrics)``: ORPO's odds-ratio term ``-beta * mean(logsigmoid(log_odds))``.
@@ -344,6 +347,7 @@ def orpo_loss(chosen: Tensor, rejected: Tensor, *,
     return loss, metrics
 
 
+@on_full_tensors
 def simpo_loss(chosen: Tensor, rejected: Tensor, *, beta: float = 2.0, gamma: float = 0.5,
                label_smoothing: float = 0.0) -> Tuple[Tensor, Dict[str, Tensor]]:
     """``(loss, metrics)``: SimPO, ``-logsigmoid(beta * (c - r) - gamma)`` (cDPO-smoothed).
@@ -361,6 +365,7 @@ def simpo_loss(chosen: Tensor, rejected: Tensor, *, beta: float = 2.0, gamma: fl
     return loss, _pair_metrics(beta * c, beta * r)
 
 
+@on_full_tensors
 def cpo_loss(chosen: Tensor, rejected: Tensor, *, beta: float = 0.1,
              label_smoothing: float = 0.0, loss_type: str = "sigmoid",
              simpo_gamma: Optional[float] = None,
@@ -401,6 +406,7 @@ def cpo_loss(chosen: Tensor, rejected: Tensor, *, beta: float = 0.1,
     return losses.mean(), _pair_metrics(beta * c, beta * r)
 
 
+@on_full_tensors
 def kto_loss(policy_logps: Tensor, ref_logps: Optional[Tensor], labels: Tensor, *,
              kl: Optional[Scalar] = None, beta: float = 0.1, desirable_weight: float = 1.0,
              undesirable_weight: float = 1.0,

@@ -42,8 +42,13 @@ from torch import Tensor
 from .. import reference
 from ..kernels.memory import cached_empty
 from ..kernels.primitives import TopkDistillArgs, args_of
-from ..kernels.registry import (BACKENDS, ENV_VAR, backend_module, resolve_backend,
-                                unavailable_reason)
+from ..kernels.registry import (
+    BACKENDS,
+    ENV_VAR,
+    backend_module,
+    resolve_backend,
+    unavailable_reason,
+)
 from . import dtensor
 from ._common import (
     FLOAT_DTYPES,
@@ -789,4 +794,4 @@ TOPK_DISTILL_LOSS = Door(topk_distill_loss, ("student_logits", "support_ids", "t
                          _reference, dtensor=dtensor.topk_distill_loss)
 LINEAR_TOPK_DISTILL_LOSS = Door(linear_topk_distill_loss, (
     "hidden", "weight", "support_ids", "teacher_logprobs", "labels", "support_mask", "bias"),
-    _check_linear, _local_linear, _reference_linear)
+    _check_linear, _local_linear, _reference_linear, dtensor=dtensor.linear_topk_distill_loss)
