@@ -88,17 +88,22 @@ def _distill_case(placement, reduction, with_target=True, plain_teacher=False,
     return case
 
 
+def _support():
+    """K distinct teacher ids a row and their log-probs under a random teacher."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(VOCAB, generator=g)[:K]
+                       for _ in range(BATCH * LENGTH)]).reshape(BATCH, LENGTH, K)
+    teacher = torch.log_softmax(torch.randn(BATCH, LENGTH, VOCAB, generator=g) * 2, -1)
+    return ids, teacher.gather(-1, ids)
+
+
 def _topk_case(placement, reduction, with_labels=True, beta=0.0):
     def case(dtype):
         from torch.distributed.tensor import distribute_tensor
 
         mesh = _mesh()
         student = _logits(dtype, 0)
-        g = torch.Generator().manual_seed(5)
-        ids = torch.stack([torch.randperm(VOCAB, generator=g)[:K]
-                           for _ in range(BATCH * LENGTH)]).reshape(BATCH, LENGTH, K)
-        teacher = torch.log_softmax(torch.randn(BATCH, LENGTH, VOCAB, generator=g) * 2, -1)
-        teacher = teacher.gather(-1, ids)
+        ids, teacher = _support()
         labels = _target() if with_labels else None
         options = dict(beta=beta, temperature=0.8, reduction=reduction)
         leaf = distribute_tensor(student, mesh, _placements(placement)).requires_grad_(True)
@@ -185,11 +190,7 @@ def _linear_topk_case(placement, reduction):
 
         mesh = _mesh()
         head = _head(dtype, 0)
-        g = torch.Generator().manual_seed(5)
-        ids = torch.stack([torch.randperm(VOCAB, generator=g)[:K]
-                           for _ in range(BATCH * LENGTH)]).reshape(BATCH, LENGTH, K)
-        teacher = torch.log_softmax(torch.randn(BATCH, LENGTH, VOCAB, generator=g) * 2, -1)
-        teacher = teacher.gather(-1, ids)
+        ids, teacher = _support()
         labels = _target()
         options = dict(temperature=0.8, reduction=reduction)
         leaves = [distribute_tensor(head[0], mesh, _placements(placement)).requires_grad_(True),
