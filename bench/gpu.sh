@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: the test suite natively (no TRITON_INTERPRET), `verify`, and
-# `bench` at GPU sizes (N = 8192, V = 32k/128k/256k, bf16), all in under 8 minutes, everything
+# `bench` at GPU sizes (N = 8192, V = 32k/128k/256k, bf16), and the sampler
+# (`--ops token_logprobs_sampling`, V = 128k), all in under 9 minutes, everything
 # written under one folder: $OUT if set, else bench/results/gpu.
 #
 #   bash bench/gpu.sh                 # from the repository root, with the venv's python on PATH
@@ -24,6 +25,7 @@ BACKENDS=${BACKENDS:-triton,triton:inplace,torch}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-150}
 VERIFY_TIMEOUT=${VERIFY_TIMEOUT:-90}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-220}
+SAMPLING_TIMEOUT=${SAMPLING_TIMEOUT:-60}
 BENCH_DEADLINE=${BENCH_DEADLINE:-$((BENCH_TIMEOUT - 50))}  # bench starts no case after this (cases: <= 40 s)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET ASTRAI_KERNELS_BACKEND
@@ -62,6 +64,13 @@ step bench "$BENCH_TIMEOUT" "$PYTHON" -m astrai_kernels.cli bench --rows "$ROWS"
   --repeats 10 --min-repeats 5 --case-budget 2 --case-timeout 40 --deadline "$BENCH_DEADLINE" \
   --no-progress \
   --json "$OUT_DIR/bench.json" --plot "$OUT_DIR/bench.png"
+
+# issue 33's sampler on the GPU: the triton kernel (kernels/triton/sampling.py, a bisection of
+# 32 passes per filter) against the torch radix path and the naive sort, one vocabulary
+step bench_sampling "$SAMPLING_TIMEOUT" "$PYTHON" -m astrai_kernels.cli bench --rows "$ROWS" \
+  --vocab 131072 --dtype "$DTYPES" --backends triton,torch --ops token_logprobs_sampling \
+  --repeats 5 --min-repeats 3 --case-budget 2 --case-timeout 40 --no-progress \
+  --json "$OUT_DIR/bench_sampling.json"
 
 echo "total $((SECONDS - start)) s; results in $OUT_DIR" | tee -a "$STATUS"
 exit "$failed"

@@ -53,7 +53,8 @@ def test_every_kernel_compiles_without_spills():
     kernels = {row["kernel"] for row in rows}
     assert {"logprobs_fwd_kernel", "logprobs_bwd_kernel", "cross_entropy_fwd_kernel",
             "grpo_fwd_kernel", "scale_kernel", "distill_fwd_kernel",
-            "distill_bwd_kernel"} <= kernels
+            "distill_bwd_kernel", "sampled_logprobs_fwd_kernel",
+            "sampled_logprobs_bwd_kernel"} <= kernels
     assert all(isinstance(row["registers"], int) and 0 < row["registers"] <= 255 for row in rows)
     for flag in ("ONE_TILE", "WITH_ENTROPY", "HAS_SMOOTHING", "HAS_SOFTCAP", "HAS_LOGIT_SCALE",
                  "HAS_GRAD", "HAS_OLD", "HAS_REF", "KL_RATIO_CORRECTION", "FORWARD_KL", "HARD",

@@ -53,14 +53,14 @@ def test_every_backend_serves_the_shard_gradient():
 
 
 def test_the_sampling_primitives_are_optional():
-    """The cpp backend scores sampled targets in its kernels; the torch and triton backends
-    lack the primitives, and ``ops/sampling.py`` runs its chunked-torch path for them."""
-    for name in SAMPLING_PRIMITIVES:
-        assert (list(inspect.signature(getattr(cpp_backend, name)).parameters)
-                == _protocol_parameters(SampledLogprobsBackend, name))
-    assert isinstance(cpp_backend, SampledLogprobsBackend)
-    for module in (torch_backend, triton_backend):
-        assert not isinstance(module, SampledLogprobsBackend)
+    """The cpp and triton backends score sampled targets in their kernels; the torch backend
+    lacks the primitives, and ``ops/sampling.py`` runs its chunked-torch path for it."""
+    for module in (cpp_backend, triton_backend):
+        for name in SAMPLING_PRIMITIVES:
+            assert (list(inspect.signature(getattr(module, name)).parameters)
+                    == _protocol_parameters(SampledLogprobsBackend, name)), (module, name)
+        assert isinstance(module, SampledLogprobsBackend)
+    assert not isinstance(torch_backend, SampledLogprobsBackend)
 
 
 @pytest.mark.parametrize("primitive", [*PRIMITIVES.values(), SHARD_PRIMITIVE,

@@ -108,8 +108,8 @@ grad)``
     ``cross_entropy_forward`` above, so every backend serves forward-only calls.
 
 Optional primitives (targets scored under a sampler's distribution, ``ops/sampling.py``; the
-``cpp`` backend implements them; for a backend without them the op runs its own chunked-torch
-selection, ``ops/sampling.py``'s portable path, on that backend's device):
+``cpp`` and ``triton`` backends implement them; for a backend without them the op runs its own
+chunked-torch selection, ``ops/sampling.py``'s portable path, on that backend's device):
 
 ``sampled_logprobs_forward(logits, target, params: SamplingArgs)`` -> ``(logp, lse_kept,
 threshold, log_kept_mass, support_size, in_support)``

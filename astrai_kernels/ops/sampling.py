@@ -27,9 +27,10 @@ of ``exp(s - max)`` for top_p) and keeps the bin where the count (mass) at or ab
 are exact. Rows are processed in blocks of at most ``BLOCK_ELEMENTS`` entries, each upcast to
 float32 on its own; nothing here reads a tensor back to the host. This is the portable path: a
 backend whose kernels have the optional primitives ``sampled_logprobs_forward`` /
-``sampled_logprobs_backward`` (``kernels/primitives.py``; the cpp backend) runs those instead,
-the same support found by a selection on a few candidates per row (``csrc/sampling.cpp``);
-the others (torch, triton) run this path on their device. ``backend="reference"`` runs
+``sampled_logprobs_backward`` (``kernels/primitives.py``) runs those instead: the cpp backend
+a selection on a few candidates per row (``csrc/sampling.cpp``), the triton backend a
+bisection over integer keys, 32 passes per filter (``kernels/triton/sampling.py``); the torch
+backend runs this path on its device. ``backend="reference"`` runs
 ``reference.sampled_token_logprobs``.
 """
 

@@ -15,6 +15,7 @@ from ..primitives import (
     CrossEntropyArgs,
     DistillArgs,
     LogprobsArgs,
+    SamplingArgs,
     ShardGradArgs,
     SurrogateArgs,
 )
@@ -28,6 +29,7 @@ try:
     from . import grpo as _grpo
     from . import helpers as _helpers
     from . import logprobs as _lp
+    from . import sampling as _sampling
     from . import vocab_shard as _shard
     _IMPORT_ERROR = None
 except Exception as exc:  # ImportError, or a triton too broken to build the kernels
@@ -383,6 +385,49 @@ def vocab_shard_backward(logits, target, lse, alpha, beta, gamma, delta, params,
                  HAS_SOFTCAP=softcap != 0.0),
             cfg.num_warps)
 
+
+def sampled_logprobs_forward(logits, target, params):
+    outer, inner, vocab = logits.shape
+    n_rows = outer * inner
+    target = target.reshape(-1).contiguous()
+    logp, lse_kept, threshold, log_kept_mass = (
+        torch.empty(n_rows, dtype=torch.float32, device=logits.device) for _ in range(4))
+    support_size = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
+    in_support = torch.empty(n_rows, dtype=torch.bool, device=logits.device)
+    outputs = (logp, lse_kept, threshold, log_kept_mass, support_size, in_support)
+    if n_rows == 0:
+        return outputs
+    # the kernel's "off" values: top_k 0 (also for top_k >= V), log(min_p) -inf
+    top_k = int(params.top_k) if 0 < params.top_k < vocab else 0
+    log_min_p = math.log(params.min_p) if params.min_p > 0.0 else -math.inf
+    cfg = _tile_config(logits)
+    programs = config.row_programs(n_rows, _row_bytes(logits), logits.device,
+                                   rereads=not cfg.one_tile)
+    _launch(_sampling.sampled_logprobs_fwd_kernel, programs,
+            (logits, target, logp, lse_kept, threshold, log_kept_mass, support_size,
+             in_support.view(torch.uint8), n_rows, inner, vocab, *logits.stride(),
+             float(params.temperature), top_k, float(params.top_p), log_min_p,
+             int(params.ignore_index)),
+            dict(BLOCK_V=cfg.block_v, ONE_TILE=cfg.one_tile), cfg.num_warps)
+    return outputs
+
+
+def sampled_logprobs_backward(logits, target, lse_kept, threshold, coef, params, grad):
+    outer, inner, vocab = logits.shape
+    n_rows = outer * inner
+    if n_rows == 0 or vocab == 0:
+        return None
+    target = target.reshape(-1).contiguous()
+    cfg = _tile_config(logits, grad)
+    programs = config.row_programs(n_rows, _row_bytes(logits), logits.device, rereads=False)
+    _launch(_sampling.sampled_logprobs_bwd_kernel, programs,
+            (logits, target, _rows_f32(lse_kept), _rows_f32(threshold), _rows_f32(coef), grad,
+             n_rows, inner, vocab, *logits.stride(), *grad.stride(),
+             float(params.temperature), int(params.ignore_index)),
+            dict(BLOCK_V=cfg.block_v), cfg.num_warps)
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # what the compile-check builds
 
@@ -463,6 +508,9 @@ def _representative_calls(logits, grad):
                 vocab_shard_backward(logits, target, rows, rows, rows if has_beta else None, rows,
                                      rows if has_delta else None,
                                      ShardGradArgs(1.0, softcap, -100), grad)
+    sampling = SamplingArgs(0.7, 50, 0.9, 0.05, -100)
+    sampled_logprobs_forward(logits, target, sampling)
+    sampled_logprobs_backward(logits, target, rows, rows, rows, sampling, grad)
     scale_grad_(grad, torch.empty((), dtype=torch.float32, device=device))
 
 
