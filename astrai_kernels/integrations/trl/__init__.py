@@ -66,7 +66,9 @@ count, each head in its hidden states' (or the autocast) dtype, and the logged s
 from ``ak.linear_token_logprobs`` (one more walk of the student head, no gradient). Refused:
 no local ``teacher_model``, a subclass overriding ``compute_loss`` or ``_compute_loss``, a TRL
 whose ``_compute_loss`` does not call ``_chunked_divergence_loss`` with 1.16's arguments,
-``beta`` outside [0, 1], ``temperature <= 0``, heads of different vocabularies or DTensor heads.
+``beta`` outside [0, 1], ``temperature <= 0``, heads of different vocabularies, or a DTensor
+head other than FSDP2's (under FSDP2 the student's head is read inside its forward and a
+sharded teacher head is gathered for the loss).
 
 On a ``ServerDistillationTrainer`` (``trl.experimental.server_distillation``: the teacher is a
 vLLM server returning top-k log-probs), ``install`` replaces its ``compute_loss``
@@ -83,7 +85,7 @@ op has no soft-cap) or one ``integrations.transformers.fused_head`` does not rea
 on the hidden-state form runs TRL's own ``compute_loss`` (the caller wants the logits). Refused:
 a subclass overriding the loss methods, ``beta`` outside [0, 1], ``temperature <= 0``,
 ``loss_top_k`` other than TRL's config allows, ``reverse_kl_top_1_mode`` other than
-``"sampled"``, a DTensor head.
+``"sampled"``, a DTensor head other than FSDP2's (read inside the student's forward).
 
 Calls without ``fused_lm_head`` go to TRL's forward (so to the model's own, e.g. for
 ``generate``). The models are still called through ``model(...)``, so hooks run. TRL's

@@ -121,23 +121,14 @@ def check_trl(trainer) -> None:
         check_fsdp2(trainer)
 
 
-#: the families whose loss reads an LM head outside its model's forward, where FSDP2 keeps the
-#: weight a Shard(0) DTensor (GRPO's fused loss runs inside the policy's forward instead)
-_OUTSIDE_FORWARD_FAMILIES = ("gkd", "distillation", "server_distillation")
-
-
 def check_fsdp2(trainer) -> None:
-    """Under accelerate's FSDP, only FSDP2 (``fsdp_version: 2``), whose root module gathers the
-    LM head's weight for its forward, where every served head reads it."""
+    """Under accelerate's FSDP, only FSDP2 (``fsdp_version: 2``), which gathers the LM head's
+    weight inside the model's forward, where every served loss reads the trained model's head
+    (a teacher's frozen head is gathered for the loss, :func:`teacher_head`)."""
     version = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1)
     if version != 2:
         raise refuse(trainer, f"it runs under FSDP{version}, whose flat parameters are not "
                               f"read by this integration; FSDP2 (fsdp_version: 2) is served")
-    family = trainer_family(trainer)
-    if family in _OUTSIDE_FORWARD_FAMILIES:
-        raise refuse(trainer, f"it runs under FSDP2 and its {family} loss reads the LM heads "
-                              f"outside the models' forwards, where each weight is a Shard(0) "
-                              f"DTensor")
 
 
 def trainer_class(family: str):
@@ -340,6 +331,30 @@ def check_gathered(weight: Tensor) -> None:
                          f"DTensor inside the model's forward (placements {weight.placements}): "
                          f"a module whose forward the fused head does not call shards it "
                          f"(fully_shard the whole model instead)")
+
+
+def check_teacher_head_weight(trainer, model: nn.Module) -> Tensor:
+    """A teacher's output embedding weight: ``[V, H]``, a local tensor or a DTensor of any
+    placement (:func:`teacher_head` gathers it for each loss), else refused."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise refuse(trainer, f"its teacher's output embedding {type(head).__name__} has no "
+                              f"[V, H] weight")
+    return weight
+
+
+def teacher_head(weight: Tensor, bias: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    """A frozen teacher's LM head as local tensors for a loss outside the teacher's forward. A
+    DTensor (a teacher the caller ``fully_shard``ed; accelerate leaves one it prepares with
+    ``evaluation_mode=True``, as TRL's trainers do, unsharded) is gathered with
+    ``full_tensor()`` without gradient: the values FSDP2's unshard gives the teacher's own
+    forward, one ``[V, H]`` all-gather per loss."""
+    def local(tensor):
+        return tensor.full_tensor() if sharded(tensor) else tensor
+
+    with torch.no_grad():
+        return local(weight), None if bias is None else local(bias)
 
 
 def check_temperature(trainer, temperature) -> None:

@@ -4,7 +4,9 @@ soft-caps) with the one global name ``_chunked_divergence_loss`` resolved to
 :func:`divergence_loss`: ``ak.linear_distill_loss`` on the completion positions with the
 trainer's ``beta`` and ``temperature``, divided by ``num_items_in_batch`` or the position count,
 each head in its hidden states' (or the autocast) dtype, and the logged student entropy from
-``ak.linear_token_logprobs`` (one more walk of the student head, no gradient).
+``ak.linear_token_logprobs`` (one more walk of the student head, no gradient). TRL runs that
+``_compute_loss`` inside the student's forward (``_forward_redirection``), where FSDP2 has
+gathered the student's head; a sharded teacher's is gathered by ``contract.teacher_head``.
 """
 
 import functools
@@ -47,8 +49,8 @@ class DistillationAdapter(contract.LossAdapter):
         contract.check_beta(trainer, trainer.beta)
         contract.check_temperature(trainer, trainer.temperature)
         vocabularies = []
-        for role, model in (("student", trainer.model), ("teacher", trainer.teacher_model)):
-            weight = contract.check_head_weight(trainer, role, model)
+        for weight in (contract.check_head_weight(trainer, "student", trainer.model),
+                       contract.check_teacher_head_weight(trainer, trainer.teacher_model)):
             contract.resolve_backend(request.backend, weight.device)
             vocabularies.append(weight.shape[0])
         if vocabularies[0] != vocabularies[1]:
@@ -97,10 +99,12 @@ def divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_hea
     ``temperature`` over the positions where ``completion_mask`` is not 0, summed and divided by
     ``num_items_in_batch``, else by their count (at least 1); ``entropy_sum`` is the student's
     entropy at ``temperature`` summed over them (``ak.linear_token_logprobs``, no gradient).
-    Each head computes in its hidden states' dtype, or the autocast dtype, as TRL's does."""
-    if contract.sharded(student_lm_head_weight) or contract.sharded(teacher_lm_head_weight):
-        raise ValueError("astrai_kernels.integrations.trl: a DTensor (sharded) LM head is not "
-                         "served (uninstall to use TRL's loss)")
+    Each head computes in its hidden states' dtype, or the autocast dtype, as TRL's does. TRL
+    calls it inside the student's forward (``_forward_redirection``), where FSDP2 has gathered
+    the student's LM head; the teacher's goes through ``contract.teacher_head``."""
+    contract.check_gathered(student_lm_head_weight)
+    teacher_lm_head_weight, teacher_lm_head_bias = contract.teacher_head(teacher_lm_head_weight,
+                                                                         teacher_lm_head_bias)
     valid = completion_mask.reshape(-1) != 0
     n_valid = valid.sum()
     normalizer = n_valid.clamp(min=1) if num_items_in_batch is None else num_items_in_batch

@@ -137,16 +137,19 @@ def _inputs(inputs) -> Dict[str, Any]:
             "prompt_attention_mask": prompt_mask}
 
 
-def _student_loss(trainer, unwrapped, head, input_ids, attention_mask, positions, labels,
-                  support, options):
+def _student_loss(trainer, unwrapped, input_ids, attention_mask, positions, labels, support,
+                  options):
     """``ak.linear_topk_distill_loss`` on the student's labelled hidden states (run through
-    ``_forward_redirection``, so the prepared model's hooks see the call)."""
+    ``_forward_redirection``, so the prepared model's hooks see the call). The head is read
+    here, inside the forward, where FSDP2 has gathered its weight."""
     # the prepared model's autocast wraps its forward, which the backbone call skips
     with trainer.accelerator.autocast():
         hidden = trainer._get_last_hidden_state(unwrapped, input_ids, attention_mask,
                                                 input_ids.shape[1] - 1)
         dtype = contract.compute_dtype(hidden, False)
+    head = _student_head(contract.base_model(unwrapped))
     weight, bias = head.weight, head.bias
+    contract.check_gathered(weight)
     mask = labels.to(weight.device) != -100
     rows = hidden[:, positions][:, :labels.shape[1]].to(weight.device)[mask]
     if head.logit_scale != 1.0:
@@ -188,7 +191,7 @@ def _compute_loss(trainer, request: contract.Request):
                        tail=trainer.loss_add_tail, backend=request.backend)
         if head is not None:
             loss = trainer._forward_redirection(
-                model, unwrapped, _student_loss, trainer, unwrapped, head, input_ids,
+                model, unwrapped, _student_loss, trainer, unwrapped, input_ids,
                 attention_mask, positions, labels, support,
                 dict(options, chunk_size=request.chunk_size))
         else:
