@@ -15,7 +15,10 @@
 //      so it is at most the k-th largest logit), min_p's threshold, or, for top_p alone, the
 //      largest group maximum whose group maxima's masses reach p S (else a cut 8, 16, 32 or
 //      64 below the max whose mass does, else none); then the candidates x_j >= c are gathered
-//      from the groups whose max reaches c (about k groups for top_k);
+//      from the groups whose max reaches c (about k groups for top_k). With fewer groups than
+//      k (k <= V / 8), a max pass over chunks of kLanes * r logits keeps the maxima of their
+//      kLanes strided sub-groups (r logits each, V / r >= 2k of them): k disjoint sub-groups
+//      reach the k-th largest, so it bounds c the same way;
 //   3. exact selection on the candidates: a bisection on int keys ordered as the floats (each
 //      step a branch-free vectorized pass over the candidates' keys) for the largest key whose
 //      count (top_k) or mass (top_p) at or above reaches its target: a key
@@ -40,6 +43,12 @@ constexpr int64_t kMinGroup = 256;
 // Candidates are gathered from a group in chunks of this many logits; a chunk with none is
 // skipped after one vectorized test.
 constexpr int kGatherChunk = 64;
+// The most logits of a strided sub-group (strided_maxima): a chunk of kLanes * 8 is kMinGroup.
+constexpr int kMaxStrideRows = 8;
+// Fewer rows (top_k > V / 8) cost more than they save: the selection over V / 2 maxima, then
+// over the k or more logits gathered, was slower than one over the whole row (k = 5000 of
+// 32768: 1.3x slower).
+constexpr int kMinStrideRows = 4;
 
 // The smallest float x with x / t >= s (float32 division), for a finite s: the logit threshold
 // of the scaled threshold s. -inf for s = -inf (keep every token). x / t is non-decreasing in x,
@@ -99,6 +108,46 @@ ASTRAI_INLINE float mass_at_least(const Load& load, int64_t b0, int64_t len, flo
   return total;
 }
 
+// The rows of the strided maxima bounding top_k when there are fewer groups than k: the most
+// (a power of two, at most kMaxStrideRows) leaving at least 2k maxima.
+int strided_rows(int64_t V, int64_t top_k) {
+  int rows = 1;
+  while (rows * 2 <= kMaxStrideRows && V / (rows * 2) >= 2 * top_k) rows *= 2;
+  return rows;
+}
+
+// The row in chunks of kLanes * rows logits, each split into its kLanes strided sub-groups
+// (logits l, l + kLanes, ..., of the chunk): their maxima into sub[chunk * kLanes + l] (-inf
+// past V) and each chunk's max into chunk_max. One vectorized max pass, with no reduction
+// across lanes but the chunk maxima's.
+template <class Load>
+ASTRAI_INLINE int64_t strided_maxima(int64_t V, const Load& load, int rows, float* sub,
+                                     float* chunk_max) {
+  const int64_t chunk = static_cast<int64_t>(kLanes) * rows;
+  int64_t chunks = 0;
+  for (int64_t b0 = 0; b0 < V; b0 += chunk, ++chunks) {
+    float* lanes = sub + chunks * kLanes;
+    for (int l = 0; l < kLanes; ++l) lanes[l] = -kInf;
+    if (b0 + chunk <= V) {
+      for (int r = 0; r < rows; ++r) {
+        for (int l = 0; l < kLanes; ++l) {
+          const float v = load(b0 + r * kLanes + l);
+          lanes[l] = lanes[l] < v ? v : lanes[l];
+        }
+      }
+    } else {
+      for (int64_t j = b0; j < V; ++j) {
+        const int l = static_cast<int>((j - b0) % kLanes);
+        lanes[l] = std::max(lanes[l], load(j));
+      }
+    }
+    float mx = -kInf;
+    for (int l = 0; l < kLanes; ++l) mx = mx < lanes[l] ? lanes[l] : mx;
+    chunk_max[chunks] = mx;
+  }
+  return chunks;
+}
+
 // The logits x_j >= c of the groups whose max reaches c into out (room for V), in row order;
 // returns their count. A chunk's test is one vectorized loop (a flag byte per logit); the
 // flags are then read eight at a time, so a chunk holding one candidate costs a few steps.
@@ -112,13 +161,20 @@ ASTRAI_INLINE int64_t gather_at_least(int64_t V, const Load& load, int64_t g, co
     const int64_t b1 = std::min(V, b0 + g);
     int64_t j = b0;
     for (; j + kGatherChunk <= b1; j += kGatherChunk) {
-      int any = 0;
+      int hits = 0;
       for (int l = 0; l < kGatherChunk; ++l) {
         const int h = load(j + l) >= c;
         hit[l] = static_cast<uint8_t>(h);
-        any |= h;
+        hits += h;
       }
-      if (!any) continue;
+      if (hits == 0) continue;
+      if (hits > kGatherChunk / 4) {  // many: a branch-free copy beats a step per flag
+        for (int l = 0; l < kGatherChunk; ++l) {
+          out[n] = load(j + l);
+          n += hit[l];
+        }
+        continue;
+      }
       for (int w = 0; w < kGatherChunk; w += 8) {
         uint64_t word;
         std::memcpy(&word, hit + w, 8);
@@ -174,7 +230,7 @@ ASTRAI_INLINE int64_t pad_keys(int32_t* keys, float* w, int64_t n) {
 // one of the values (the weight only changes there), so tied values go together. lo when even
 // lo falls short (rounding); the caller has every key in [lo, hi].
 template <bool WEIGHTED>
-int32_t key_at_least(const int32_t* keys, const float* w, int64_t n, int32_t lo, int32_t hi,
+ASTRAI_INLINE int32_t key_at_least(const int32_t* keys, const float* w, int64_t n, int32_t lo, int32_t hi,
                      double target) {
   while (lo < hi) {
     const int32_t mid = static_cast<int32_t>(lo + (static_cast<int64_t>(hi) - lo + 1) / 2);
@@ -200,6 +256,7 @@ ASTRAI_INLINE int32_t keys_of(const float* v, int64_t n, int32_t* keys) {
 // Per-thread buffers of the forward (grow, never shrink).
 struct SelectScratch {
   std::vector<float> values, weights, group_max, group_weights;
+  std::vector<float> sub_max, sub_values, chunk_max;
   std::vector<int32_t> keys, group_keys;
 };
 
@@ -210,6 +267,9 @@ SelectScratch& select_scratch(int64_t V, int64_t groups) {
     s.values.resize(values);
     s.weights.resize(values);
     s.keys.resize(values);
+    s.sub_max.resize(values + kLanes);
+    s.sub_values.resize(values + kLanes);
+    s.chunk_max.resize(V / kLanes + kLanes);
   }
   if (static_cast<int64_t>(s.group_max.size()) < padded_groups) {
     s.group_max.resize(padded_groups);
@@ -217,6 +277,31 @@ SelectScratch& select_scratch(int64_t V, int64_t groups) {
     s.group_keys.resize(padded_groups);
   }
   return s;
+}
+
+// The value of the largest key t whose weight at or above (the count of the values >= t, or
+// WEIGHTED the sum of their weights w) reaches `target`: key_at_least on the keys of v[0, n)
+// (the lowest value's when even that falls short). w needs room for n + kLanes (padding).
+template <bool WEIGHTED>
+ASTRAI_INLINE float select_at_least(const float* v, float* w, int64_t n, double target,
+                                    int32_t top_key, SelectScratch& sc) {
+  int32_t* keys = sc.keys.data();
+  const int32_t lowest = keys_of(v, n, keys);
+  const int64_t padded = pad_keys(keys, WEIGHTED ? w : nullptr, n);
+  return key_value(key_at_least<WEIGHTED>(keys, w, padded, lowest, top_key, target));
+}
+
+// sum_i w[i] over [0, n) in kLanes lane sums (those of weight_at_least over every key).
+ASTRAI_INLINE double total_weight(const float* w, int64_t n) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lanes[l] += w[i + l];
+  }
+  for (int l = 0; i < n; ++i, ++l) lanes[l] += w[i];
+  double total = 0.0;
+  for (int l = 0; l < kLanes; ++l) total += lanes[l];
+  return total;
 }
 
 template <class T, bool C>
@@ -229,10 +314,10 @@ ASTRAI_INLINE void forward_rows(const SampledArgs& a, int64_t n0, int64_t n1) {
   const int64_t k = a.top_k;
   const int64_t g = group_size(V, k_on ? k : 0);
   const int64_t groups = (V + g - 1) / g;
+  const int stride_rows = k_on ? strided_rows(V, k) : 1;
   SelectScratch& sc = select_scratch(V, groups);
   float* const vals = sc.values.data();
   float* const wts = sc.weights.data();
-  int32_t* const keys = sc.keys.data();
   float* const gmax = sc.group_max.data();
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t y = a.y[n];
@@ -296,14 +381,30 @@ ASTRAI_INLINE void forward_rows(const SampledArgs& a, int64_t n0, int64_t n1) {
         }
       }
     }
+    int64_t gather_group = g;
+    const float* gather_max = gmax;
+    if (k_on && groups < k && stride_rows >= kMinStrideRows) {  // k distinct sub-groups reach the k-th maximum
+      float* sub = sc.sub_max.data();
+      float* reaching = sc.sub_values.data();
+      const int64_t chunks = strided_maxima(V, load, stride_rows, sub, sc.chunk_max.data());
+      int64_t n_reaching = 0;
+      for (int64_t i = 0; i < chunks * kLanes; ++i) {
+        reaching[n_reaching] = sub[i];
+        n_reaching += sub[i] >= c;
+      }
+      if (n_reaching >= k) {
+        c = std::max(c, select_at_least<false>(reaching, nullptr, n_reaching,
+                                               static_cast<double>(k), top_key, sc));
+      }
+      gather_group = static_cast<int64_t>(kLanes) * stride_rows;
+      gather_max = sc.chunk_max.data();
+    }
     // values whose quotient ties with that of c are candidates too
     c = unscaled_lower(c / temp, temp);
-    int64_t count = gather_at_least(V, load, g, gmax, c, vals);
+    int64_t count = gather_at_least(V, load, gather_group, gather_max, c, vals);
     if (k_on && count >= k) {  // fewer: min_p kept fewer than k, so top_k keeps all of them
-      const int32_t lowest = keys_of(vals, count, keys);
-      const int64_t padded = pad_keys(keys, nullptr, count);
-      const float kth = key_value(key_at_least<false>(keys, nullptr, padded, lowest, top_key,
-                                                      static_cast<double>(k)));
+      const float kth = select_at_least<false>(vals, nullptr, count, static_cast<double>(k),
+                                               top_key, sc);
       theta = std::max(theta, unscaled_lower(kth / temp, temp));
     }
     if (p_on) {
@@ -314,13 +415,9 @@ ASTRAI_INLINE void forward_rows(const SampledArgs& a, int64_t n0, int64_t n1) {
         kept += v >= theta;
       }
       count = kept;
-      const int32_t lowest = keys_of(vals, count, keys);
       for (int64_t i = 0; i < count; ++i) wts[i] = fast_exp((vals[i] - m) * inv_t);
-      const int64_t padded = pad_keys(keys, wts, count);
-      const double mass = p_alone ? static_cast<double>(st.sum)
-                                  : weight_at_least<true>(keys, wts, padded, lowest);
-      const float crossing = key_value(key_at_least<true>(keys, wts, padded, lowest, top_key,
-                                                          a.top_p * mass));
+      const double mass = p_alone ? static_cast<double>(st.sum) : total_weight(wts, count);
+      const float crossing = select_at_least<true>(vals, wts, count, a.top_p * mass, top_key, sc);
       theta = std::max(theta, unscaled_lower(crossing / temp, temp));
     }
     // the support: the candidates >= theta (every kept token is one)

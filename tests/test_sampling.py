@@ -470,7 +470,8 @@ def test_sampling_argument_errors():
 
 
 # Rows long enough for the cpp kernel's candidate bounds (csrc/sampling.cpp): the group maxima
-# bound top_k (2k groups and more) and top_p alone (its group maxima's mass, else cuts below
+# bound top_k (2k groups and more; with fewer groups than k, the maxima of strided sub-groups
+# while k <= V / 8, the last chunk partial at LONG_VOCAB) and top_p alone (its group maxima's mass, else cuts below
 # the max, else the whole row); the rows of the tests above are too short to have groups.
 LONG_VOCAB = 1500
 # logits' scale: flat rows (top_p alone gathers everything), LM-like and very peaky rows, and
@@ -480,6 +481,8 @@ LONG_SETTINGS = [
     {"top_k": 5},  # 2k or more groups: the group-maxima bound
     {"top_k": 30, "top_p": 0.9},
     {"top_k": 200, "top_p": 0.8},  # fewer than k groups: every logit a candidate
+    {"top_k": 60},  # fewer than k groups: maxima of strided sub-groups of 8 logits bound top_k
+    {"top_k": 150, "top_p": 0.9},  # ... of 4 logits
     {"top_p": 0.5},
     {"top_p": 0.95},
     {"top_p": 0.999},
@@ -509,6 +512,23 @@ def test_long_rows_match_vllm(backend, kind, settings):
     full, view = long_rows(kind, torch.float32, seed=len(kind) + settings.get("top_k", 0))
     target = sampled_targets(view(full), vllm_kept(view(full), params), params, seed=1)
     check_against_vllm(full, target, params, backend, view)
+
+
+@pytest.mark.parametrize("top_k", [60, 150, 400])
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_large_top_k_keeps_every_tie_at_its_boundary(backend, top_k):
+    """top_k above the number of groups (60, 150: the strided sub-group bound; 400 > V / 8:
+    every logit a candidate) on rows of small integers: the k-th largest value is tied many
+    times over, and every copy of it is kept."""
+    params = ak.SamplingParams(temperature=0.8, top_k=top_k)
+    full, view = long_rows("integers", torch.float32, seed=top_k)
+    kept = vllm_kept(view(full), params)
+    target = sampled_targets(view(full), kept, params, seed=4)
+    _, support = check_against_vllm(full, target, params, backend, view)
+    # the boundary is tied (kept beyond k) in most rows; a row may end exactly at k
+    assert int((kept.sum(-1) > top_k).sum()) >= 3
+    valid = target != -100
+    assert torch.all(support["support_size"][valid] >= top_k)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
