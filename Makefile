@@ -41,7 +41,7 @@ ifeq ($(HAS_GPU),1)
 else
 	$(PY) -m pip install -q $(TORCH_CPU_PIP_ARGS) "$(TORCH_CPU_SPEC)"
 endif
-	$(PY) -m pip install -q -e ".[test,plot,dev,transformers,trl]"
+	$(PY) -m pip install -q -e ".[test,plot,dev,transformers,trl,deepspeed]"
 	touch $(INSTALLED)
 
 $(STAMP): $(INSTALLED) $(wildcard csrc/*)
