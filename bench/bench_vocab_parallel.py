@@ -40,6 +40,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import astrai_kernels as ak  # noqa: E402
+from astrai_kernels.kernels.memory import release_gradient_cache  # noqa: E402
 from astrai_kernels.testing.multiprocess import spawn_ranks  # noqa: E402
 
 OPS = ("cross_entropy", "token_logprobs", "linear_cross_entropy")
@@ -95,7 +96,8 @@ def _time(op, tensors, group, backend, repeats, mesh=None):
 
 def _peak_bytes(op, tensors, group, backend, mesh=None):
     """The resident memory one step adds at its peak (after ``_time``'s steps warmed the
-    gradient cache; a gradient it serves counts as a fresh one, ``bench/peak.py``)."""
+    gradient cache; a gradient it serves counts as a fresh one, ``bench/peak.py``). The caller
+    releases the cache before each op's steps: blocks another op left there would count."""
     from astrai_kernels.bench.peak import PeakRss
 
     peak = PeakRss()
@@ -125,6 +127,7 @@ def _sharded_worker(rank, world_size, rows, vocab, hidden_size, repeats, backend
     mesh = init_device_mesh("cpu", (world_size,))
     results = {}
     for op in OPS:
+        release_gradient_cache()
         seconds = _time(op, tensors, dist.group.WORLD, backend, repeats)
         peak_bytes = _peak_bytes(op, tensors, dist.group.WORLD, backend)
         dtensor_seconds = _time(op, tensors, dist.group.WORLD, backend, repeats, mesh)
@@ -148,6 +151,7 @@ def measure(rows, vocab, hidden, repeats, backend):
     tensors = _inputs(rows, vocab, hidden)
     single = {}
     for op in OPS:
+        release_gradient_cache()
         single[op] = {"seconds": _time(op, tensors, None, backend, repeats),
                       "peak_bytes": _peak_bytes(op, tensors, None, backend)}
     sharded = spawn_ranks(_sharded_worker, 2, (rows, vocab, hidden, repeats, backend),
