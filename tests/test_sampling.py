@@ -471,8 +471,9 @@ def test_sampling_argument_errors():
 
 # Rows long enough for the cpp kernel's candidate bounds (csrc/sampling.cpp): the group maxima
 # bound top_k (2k groups and more; with fewer groups than k, the maxima of strided sub-groups
-# while k <= V / 8, the last chunk partial at LONG_VOCAB) and top_p alone (its group maxima's mass, else cuts below
-# the max, else the whole row); the rows of the tests above are too short to have groups.
+# while k <= V / 8, the last chunk partial at LONG_VOCAB) and top_p alone (its group maxima's
+# mass, else cuts below the max, else the whole row); the rows of the tests above are too short
+# to have groups.
 LONG_VOCAB = 1500
 # logits' scale: flat rows (top_p alone gathers everything), LM-like and very peaky rows, and
 # rows of small integers (ties everywhere, the top-k and top-p boundaries included)
@@ -620,16 +621,18 @@ def _non_finite_rows(vocab):
 @pytest.mark.parametrize("settings", LONG_SETTINGS, ids=lambda s: "-".join(
     f"{k}={v}" for k, v in s.items()))
 @pytest.mark.parametrize("vocab", [VOCAB, LONG_VOCAB])
-def test_cpp_rows_with_nan_or_inf_are_nan_as_in_the_plain_op(vocab, settings):
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_rows_with_nan_or_inf_are_nan_as_in_the_plain_op(vocab, settings, backend):
     """A row holding NaN or +inf (or only -inf) has no distribution: the plain op gives NaN
-    log-probs and a NaN gradient there, and so does the cpp sampling kernel (in_support, every
-    token counted), whatever its filters; it never hangs, and the other rows are untouched."""
+    log-probs and a NaN gradient there, and so does the sampling path (in_support, every token
+    counted), the cpp kernel and the torch path alike, whatever its filters; it never hangs,
+    and the other rows are untouched."""
     params = ak.SamplingParams(temperature=0.8, **settings)
     rows, target, bad = _non_finite_rows(vocab)
     x, x_plain = (rows.clone().requires_grad_(True) for _ in range(2))
     logp, support = ak.token_logprobs(x, target, sampling=params, return_support=True,
-                                      backend="cpp")
-    plain = ak.token_logprobs(x_plain, target, temperature=0.8, backend="cpp")
+                                      backend=backend)
+    plain = ak.token_logprobs(x_plain, target, temperature=0.8, backend=backend)
     logp.backward(torch.ones_like(logp))
     plain.backward(torch.ones_like(plain))
     assert torch.isnan(plain[bad]).all() and torch.isnan(x_plain.grad[bad]).any(-1).all()
@@ -640,13 +643,13 @@ def test_cpp_rows_with_nan_or_inf_are_nan_as_in_the_plain_op(vocab, settings):
     finite = ~bad
     alone = rows[finite].clone().requires_grad_(True)
     logp_alone, support_alone = ak.token_logprobs(alone, target[finite], sampling=params,
-                                                  return_support=True, backend="cpp")
+                                                  return_support=True, backend=backend)
     logp_alone.backward(torch.ones_like(logp_alone))
     assert torch.equal(logp[finite], logp_alone)
     assert torch.equal(x.grad[finite], alone.grad)
     for name in support:
         assert torch.equal(support[name][finite], support_alone[name])
-    check_against_vllm(rows[finite], target[finite], params, "cpp")
+    check_against_vllm(rows[finite], target[finite], params, backend)
 
 
 def _rows_with_minus_inf(vocab):

@@ -248,9 +248,17 @@ def _block_forward(block, target, temperature, top_k, top_p, min_p, ignore_index
     target_logit = scaled.gather(1, safe_target).squeeze(1)
     logp = torch.where(in_support, (target_logit - row_max) - log_kept,
                        torch.where(valid, -math.inf, 0.0))
-    return (logp, row_max + log_kept, key_values(threshold).squeeze(1),
-            torch.where(valid, log_kept - torch.log(total), 0.0),
-            torch.where(valid, kept.sum(-1), 0), in_support)
+    log_kept_mass = torch.where(valid, log_kept - torch.log(total), 0.0)
+    support_size = torch.where(valid, kept.sum(-1), 0)
+    # a row holding NaN or +inf (or only -inf) has no distribution: NaN, every token counted,
+    # as the plain op and the kernels give (never a masked -inf that hides it)
+    undefined = valid & ~torch.isfinite(row_max)
+    logp = torch.where(undefined, math.nan, logp)
+    log_kept_mass = torch.where(undefined, math.nan, log_kept_mass)
+    lse_kept = torch.where(undefined, math.nan, row_max + log_kept)
+    support_size = torch.where(undefined, vocab, support_size)
+    return (logp, lse_kept, key_values(threshold).squeeze(1), log_kept_mass, support_size,
+            in_support | undefined)
 
 
 def _block_backward(block, target, lse_kept, threshold, coef, temperature, grad_block, work):
