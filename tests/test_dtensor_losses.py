@@ -269,6 +269,14 @@ def _refused(dtype):
     with pytest.raises(ValueError, match=r"teacher_logits has placements \(Shard\(dim=1\),\) but "
                        r"student_logits \(Shard\(dim=0\),\)"):
         ak.distill_loss(rows, other_rows, _target())
+    # a reduction the op refuses is refused on row shards too (they reduce by a sum and a count)
+    ids, teacher_logprobs = _support()
+    for reduction in ("mean", "token_mean"):
+        with pytest.raises(ValueError, match="reduction"):
+            ak.topk_distill_loss(rows, ids, teacher_logprobs, reduction=reduction)
+    with pytest.raises(ValueError, match="reduction"):
+        ak.distill_loss(rows, distribute_tensor(teacher, mesh, _placements(0)),
+                        reduction="token_mean")
     hidden, weight, _ = _head(dtype, 0)
     colwise = distribute_tensor(weight, mesh, _placements(0))
     with pytest.raises(ValueError, match=r"linear_topk_distill_loss: weight is a DTensor with "

@@ -123,18 +123,10 @@ def distill_loss(op, student_logits, teacher_logits, target=None, *, reduction="
     call, local = _rows_call("distill_loss", {"student_logits": student_logits,
                                               "teacher_logits": teacher_logits},
                              target, "target", normalizer)
-    vocab = student_logits.shape[-1]
-
-    def denominator():
-        # TRL's batchmean: the counted rows (without targets B); mean: every counted element
-        if reduction == "mean":
-            return _row_count(call, ignore_index, every_row=True) * vocab
-        return _row_count(call, ignore_index)
-
-    return _row_reduced(call, reduction, normalizer, denominator, lambda reduction: call.run(
+    return _row_reduced(call, reduction, normalizer, _DISTILL_MEANS, lambda reduction: call.run(
         op, local["student_logits"], local["teacher_logits"], call.target, reduction=reduction,
         normalizer=None if normalizer is None else call.normalizer("sum", normalizer, None),
-        ignore_index=ignore_index, **options))
+        ignore_index=ignore_index, **options), ignore_index, student_logits.shape[-1])
 
 
 def topk_distill_loss(op, student_logits, support_ids, teacher_logprobs, labels=None, *,
@@ -149,11 +141,7 @@ def topk_distill_loss(op, student_logits, support_ids, teacher_logprobs, labels=
     support = {name: _per_row_columns(call, name, value) for name, value in (
         ("support_ids", support_ids), ("teacher_logprobs", teacher_logprobs),
         ("support_mask", support_mask))}
-
-    def denominator():
-        return _row_count(call, -100)
-
-    return _row_reduced(call, reduction, None, denominator, lambda reduction: call.run(
+    return _row_reduced(call, reduction, None, _TOPK_MEANS, lambda reduction: call.run(
         op, local["student_logits"], support["support_ids"], support["teacher_logprobs"],
         call.target, support_mask=support["support_mask"], reduction=reduction, **options))
 
@@ -170,19 +158,12 @@ def linear_distill_loss(op, student_hidden, student_weight, teacher_hidden, teac
                                                      "teacher_hidden": teacher_hidden},
                              target, "target", normalizer, head)
     replicated = _replicated_head(call, head)
-    vocab = student_weight.shape[0]
-
-    def denominator():
-        if reduction == "mean":
-            return _row_count(call, ignore_index, every_row=True) * vocab
-        return _row_count(call, ignore_index)
-
-    return _row_reduced(call, reduction, normalizer, denominator, lambda reduction: call.run(
+    return _row_reduced(call, reduction, normalizer, _DISTILL_MEANS, lambda reduction: call.run(
         op, local["student_hidden"], replicated["student_weight"], local["teacher_hidden"],
         replicated["teacher_weight"], call.target, student_bias=replicated["student_bias"],
         teacher_bias=replicated["teacher_bias"], reduction=reduction,
         normalizer=None if normalizer is None else call.normalizer("sum", normalizer, None),
-        ignore_index=ignore_index, **options))
+        ignore_index=ignore_index, **options), ignore_index, student_weight.shape[0])
 
 
 def linear_topk_distill_loss(op, hidden, weight, support_ids, teacher_logprobs, labels=None, *,
@@ -198,12 +179,10 @@ def linear_topk_distill_loss(op, hidden, weight, support_ids, teacher_logprobs, 
     support = {name: _per_row_columns(call, name, value) for name, value in (
         ("support_ids", support_ids), ("teacher_logprobs", teacher_logprobs),
         ("support_mask", support_mask))}
-    return _row_reduced(call, reduction, None, lambda: _row_count(call, -100),
-                        lambda reduction: call.run(
-                            op, local["hidden"], replicated["weight"], support["support_ids"],
-                            support["teacher_logprobs"], call.target, bias=replicated["bias"],
-                            support_mask=support["support_mask"], reduction=reduction,
-                            **options))
+    return _row_reduced(call, reduction, None, _TOPK_MEANS, lambda reduction: call.run(
+        op, local["hidden"], replicated["weight"], support["support_ids"],
+        support["teacher_logprobs"], call.target, bias=replicated["bias"],
+        support_mask=support["support_mask"], reduction=reduction, **options))
 
 
 def _replicated_head(call, named):
@@ -358,18 +337,28 @@ def _row_count(call, ignore_index, every_row=False) -> torch.Tensor:
     return _summed(count, call.row_groups).to(torch.float32)
 
 
-def _row_reduced(call, reduction, normalizer, denominator, run):
-    """A distillation loss over sharded rows: per row as the rows; else this rank's sum (over
-    ``denominator()``, the global count, for a mean without ``normalizer``) summed over the row
-    shards into a Replicate result (TRL's means: a count of 0 gives 0, batchmean's is at least
-    1, so the clamp serves both)."""
+# the reductions that divide the rows' sum by a count: TRL's batchmean (the counted rows, B
+# without targets) and, for distill_loss, mean (every counted element: the rows times V)
+_DISTILL_MEANS = ("batchmean", "mean")
+_TOPK_MEANS = ("batchmean",)
+
+
+def _row_reduced(call, reduction, normalizer, means, run, ignore_index=-100, vocab=None):
+    """A distillation loss over sharded rows: per row as the rows; a reduction among ``means``
+    without ``normalizer``: this rank's sum over the global count; anything else as the op
+    reduces (and checks) it. Reduced results are summed over the row shards into a Replicate
+    result (TRL's means: a count of 0 gives 0, batchmean's is at least 1, so the clamp serves
+    both)."""
     if reduction == "none":
         return call.per_row(run("none"))
-    if reduction == "sum" or normalizer is not None or not call.row_groups:
+    if reduction not in means or normalizer is not None or not call.row_groups:
         return call.reduced(run(reduction))
     total = run("sum")
+    count = _row_count(call, ignore_index, every_row=reduction == "mean")
+    if reduction == "mean":
+        count = count * vocab
     # a count of 0 has a sum of 0: the loss is 0 (never 0 / 0)
-    return call.reduced(total / denominator().to(total.device).clamp(min=1.0))
+    return call.reduced(total / count.to(total.device).clamp(min=1.0))
 
 
 # grpo_loss's token means: on a shard of whole sequences (Shard(0) of [B, T, V]) the full
