@@ -315,14 +315,9 @@ def _per_row_columns(call, name, value):
     if tuple(value.shape[:-1]) != tuple(call.rows_shape) or value.ndim != len(call.rows_shape) + 1:
         raise ValueError(f"{call.op_name}: {name} must have shape {tuple(call.rows_shape)} + "
                          f"(K,), got {tuple(value.shape)}")
-    for mesh_dim, placement in enumerate(value.placements):
-        if not (placement.is_replicate() or _is_row_shard(placement, value.ndim)):
-            raise _unserved(call.op_name, name, value, mesh_dim, call.row_placements[mesh_dim],
-                            "served: Replicate, Shard(d) of a row dimension (redistributed to "
-                            "the rows')")
-    if tuple(value.placements) != tuple(call.row_placements):
-        value = value.redistribute(call.mesh, call.row_placements)
-    return value.to_local()
+    return _in_row_layout(call.op_name, name, value, call.row_placements,
+                          lambda placement: _is_row_shard(placement, value.ndim),
+                          "Shard(d) of a row dimension").to_local()
 
 
 def _row_count(call, ignore_index, every_row=False) -> torch.Tensor:
@@ -539,14 +534,7 @@ def _per_row_input(op_name, name, value, call, full_shape=False):
         wanted = f"{shape}" if full_shape else f"{shape} or {shape[:1]}"
         raise ValueError(f"{op_name}: {name} must have shape {wanted}, got "
                          f"{tuple(value.shape)}")
-    placements = tuple(call.row_placements)
-    for mesh_dim, placement in enumerate(value.placements):
-        if not (placement.is_replicate() or _is_shard_like(placement)):
-            raise _unserved(op_name, name, value, mesh_dim, placements[mesh_dim],
-                            "served: Replicate, Shard(d) (redistributed to the rows')")
-    if tuple(value.placements) != placements:
-        value = value.redistribute(call.mesh, placements)
-    return value.to_local()
+    return _in_row_layout(op_name, name, value, call.row_placements).to_local()
 
 
 class _SumOverGroups(torch.autograd.Function):
@@ -813,13 +801,22 @@ def _rows_of(op_name, target, mesh, row_placements, rows_shape, rows_name):
     if tuple(target.shape) != rows_shape:
         raise ValueError(f"{op_name}: target must have the shape of the leading dimensions of "
                          f"{rows_name}, {rows_shape}, got {tuple(target.shape)}")
-    for mesh_dim, placement in enumerate(target.placements):
-        if not (placement.is_replicate() or _is_shard_like(placement)):
-            raise _unserved(op_name, "target", target, mesh_dim, row_placements[mesh_dim],
-                            "served: Replicate, Shard(d) (redistributed to the rows')")
-    if tuple(target.placements) != row_placements:
-        target = target.redistribute(mesh, row_placements)
-    return target
+    return _in_row_layout(op_name, "target", target, row_placements)
+
+
+def _in_row_layout(op_name, name, value, row_placements, is_served_shard=None,
+                   served_shard="Shard(d)"):
+    """The per-row DTensor ``value`` redistributed to ``row_placements`` (a slice of a
+    replicated one, an all-gather of a small sharded one); a placement other than Replicate or
+    a served shard (``is_served_shard``, any shard by default) is refused by name."""
+    is_served_shard = is_served_shard or _is_shard_like
+    for mesh_dim, placement in enumerate(value.placements):
+        if not (placement.is_replicate() or is_served_shard(placement)):
+            raise _unserved(op_name, name, value, mesh_dim, row_placements[mesh_dim],
+                            f"served: Replicate, {served_shard} (redistributed to the rows')")
+    if tuple(value.placements) != tuple(row_placements):
+        value = value.redistribute(value.device_mesh, row_placements)
+    return value
 
 
 def _bias_like(op_name, bias, weight):
