@@ -150,21 +150,27 @@ def grad_terms(logits, ids, teacher, live, labels, beta, tail, temperature, redu
     else:
         a, b = s - torch.logsumexp(s, 1, keepdim=True), t - torch.logsumexp(t, 1, keepdim=True)
         live_e = live
-    p, q = torch.where(live_e, a.exp(), 0.0), torch.where(live_e, b.exp(), 0.0)
-    a, b = torch.where(live_e, a, 0.0).abs(), torch.where(live_e, b, 0.0).abs()
-    if beta == 0:
-        sizes = q
-    elif beta == 1:
-        sizes = p * (1 + a + b)
-    else:
-        log_m = torch.where(live_e, torch.log((1 - beta) * p + beta * q), 0.0).abs()
-        sizes = (1 - beta) * p * (1 + a + log_m)
+    p, sizes = _divergence_sizes(a, b, live_e, beta)
     if tail:
         shares = sizes[:, :-1] + sizes[:, -1:] * torch.exp(s - student_tail)
     else:
         shares = sizes + p * sizes.sum(1, keepdim=True)
     return _entry_terms(log_p, index, torch.where(live, shares, 0.0), tail, counted, labels,
                         logits, temperature, reduction, weights)
+
+
+def _divergence_sizes(a, b, live, beta):
+    """``(p, sizes)``: the student's probabilities ``exp(a)`` and, per live entry, the size of
+    ``d loss / d a`` of the generalized JSD with the teacher's log-probs ``b``: ``q`` at
+    ``beta = 0``, ``p (1 + |a| + |b|)`` at 1, ``(1 - beta) p (1 + |a| + |log m|)`` between."""
+    p, q = torch.where(live, a.exp(), 0.0), torch.where(live, b.exp(), 0.0)
+    a_abs, b_abs = torch.where(live, a, 0.0).abs(), torch.where(live, b, 0.0).abs()
+    if beta == 0:
+        return p, q
+    if beta == 1:
+        return p, p * (1 + a_abs + b_abs)
+    log_m = torch.where(live, torch.log((1 - beta) * p + beta * q), 0.0).abs()
+    return p, (1 - beta) * p * (1 + a_abs + log_m)
 
 
 def terms_of(logits, ids, teacher, live, labels, beta, tail, temperature,
@@ -617,15 +623,7 @@ def objective_grad_terms(logits, ids, teacher, live, labels, options, reduction,
     else:
         full = not options.get("normalize_topk", False)
         a = s if full else s - torch.logsumexp(s, 1, keepdim=True)
-        p, q = torch.where(live, a.exp(), 0.0), torch.where(live, t.exp(), 0.0)
-        a_abs, b_abs = torch.where(live, a, 0.0).abs(), torch.where(live, t, 0.0).abs()
-        if beta == 0:
-            sizes = q
-        elif beta == 1:
-            sizes = p * (1 + a_abs + b_abs)
-        else:
-            log_m = torch.where(live, torch.log((1 - beta) * p + beta * q), 0.0).abs()
-            sizes = (1 - beta) * p * (1 + a_abs + log_m)
+        p, sizes = _divergence_sizes(a, t, live, beta)
         shares = (sizes if full else sizes + p * sizes.sum(1, keepdim=True)) * temperature ** 2
     return _entry_terms(log_p, index, torch.where(live, shares, 0.0).nan_to_num(0.0, 0.0, 0.0),
                         full, counted, labels, logits, temperature, reduction, weights)
