@@ -2,18 +2,17 @@
 
 from . import distributed, nn
 from .kernels.registry import available_backends
-from .ops.cross_entropy import cross_entropy
+from .ops.cross_entropy import cross_entropy, linear_cross_entropy
 from .ops.distill import distill_loss, linear_distill_loss
 from .ops.distill_options import DistillOptions
-from .ops.grpo import grpo_loss
+from .ops.grpo import grpo_loss, linear_grpo_loss
 from .ops.grpo_options import GRPOOptions
-from .ops.linear import (
-    linear_cross_entropy,
-    linear_grpo_loss,
+from .ops.logprobs import (
     linear_sequence_logprobs,
     linear_token_logprobs,
+    sequence_logprobs,
+    token_logprobs,
 )
-from .ops.logprobs import sequence_logprobs, token_logprobs
 from .ops.preference import (
     DPOOptions,
     cpo_loss,

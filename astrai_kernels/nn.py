@@ -6,8 +6,7 @@ from typing import Optional
 
 import torch
 
-from .ops.cross_entropy import cross_entropy
-from .ops.linear import linear_cross_entropy
+from .ops.cross_entropy import cross_entropy, linear_cross_entropy
 
 
 class CrossEntropyLoss(torch.nn.Module):

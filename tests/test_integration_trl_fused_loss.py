@@ -30,7 +30,7 @@ from test_integration_trl import (  # noqa: E402
 )
 
 import astrai_kernels as ak  # noqa: E402
-import astrai_kernels.ops.linear as linear_ops  # noqa: E402
+import astrai_kernels.ops.grpo as grpo_ops  # noqa: E402
 from astrai_kernels.integrations import trl as ak_trl  # noqa: E402
 from astrai_kernels.testing import compare_elementwise  # noqa: E402
 
@@ -68,7 +68,7 @@ def _case_id(case):
 class _Counts:
     def __init__(self, monkeypatch):
         self.loss = self.walk = 0
-        loss_op, walk = ak.linear_grpo_loss, linear_ops._linear_grpo_forward
+        loss_op, walk = ak.linear_grpo_loss, grpo_ops._HEAD_WALK
 
         def counted_loss(*args, **kwargs):
             self.loss += 1
@@ -79,7 +79,7 @@ class _Counts:
             return walk(*args, **kwargs)
 
         monkeypatch.setattr(ak, "linear_grpo_loss", counted_loss)
-        monkeypatch.setattr(linear_ops, "_linear_grpo_forward", counted_walk)
+        monkeypatch.setattr(grpo_ops, "_HEAD_WALK", counted_walk)
 
 
 @pytest.mark.parametrize("case", GRPO_CASES, ids=_case_id)

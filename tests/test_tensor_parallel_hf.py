@@ -84,15 +84,15 @@ def _colwise_lm_head_and_patch(backend):
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from astrai_kernels.integrations import transformers as hf
-    from astrai_kernels.ops import linear
+    from astrai_kernels.ops import cross_entropy as ce_op
 
     model = _model()
     parallelize_module(model, _mesh(), {"lm_head": ColwiseParallel(use_local_output=False)})
     assert isinstance(model.lm_head.weight, DTensor)
     hf.patch(model, backend=backend)
-    door = linear.LINEAR_CROSS_ENTROPY
+    door = ce_op.LINEAR_CROSS_ENTROPY
     front_door = mock.Mock(wraps=door.dtensor)
-    with mock.patch.object(linear, "LINEAR_CROSS_ENTROPY",
+    with mock.patch.object(ce_op, "LINEAR_CROSS_ENTROPY",
                            dataclasses.replace(door, dtensor=front_door)):
         got = _train(model)
     assert front_door.call_count == 2  # each step's loss went through the DTensor front door

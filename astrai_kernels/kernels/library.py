@@ -6,10 +6,11 @@ custom op (its schema: the declared tensors, then the fields of its params class
 (the declared output lengths), its ``triton_op`` twin and the eager wrapper the ops call,
 ``primitive_name(*tensors, params, [compute_grad,] backend)``. Each op is functional (it
 allocates the gradient it returns) and dispatches on ``backend`` to the module named in
-``_backend.py``. The in-place-gradient paths call the backend modules directly instead (an op
-may not return an alias of its input).
+``kernels/registry.py``. The in-place-gradient paths call the backend modules directly instead
+(an op may not return an alias of its input).
 
-:func:`traceable_op` makes these ops (and the fused head's in ``linear.py``):
+:func:`traceable_op` makes these ops (and the fused head's walks, ``ops/head.py``'s
+``head_walk``):
 
 * Float hyperparameters (temperature, softcap, z-loss, ...) cross the op boundary as 0-d
   float64 CPU tensors (:func:`float_arg`) and are read back with ``.item()`` in the op body,
@@ -185,19 +186,12 @@ def _signature(primitive, runtime_floats_as_tensors, with_backend):
         params.append(inspect.Parameter("compute_grad", kind, annotation=bool))
     if with_backend:
         params.append(inspect.Parameter("backend", kind, annotation=str))
-    n_outputs = len(primitive.outputs(_AllOn(), 1))
+    n_outputs = primitive.n_outputs
     if primitive.gradient == ALWAYS:
         returns = Tensor
     else:
         returns = Tuple[(Tensor,) * (n_outputs + (primitive.gradient == OPTIONAL))]
     return inspect.Signature(params, return_annotation=returns)
-
-
-class _AllOn:
-    """Params stand-in for counting outputs: every flag set."""
-
-    def __getattr__(self, name):
-        return 1
 
 
 def _run(primitive, module, tensors, params, compute_grad, new_grad):

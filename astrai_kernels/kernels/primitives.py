@@ -288,13 +288,30 @@ class Primitive:
     """One primitive: the tensors it takes (in order; ``Optional`` ones may be None), its
     params class, the lengths of its per-row outputs given the params and N, and whether it
     writes the gradient of its first tensor (``grad`` is then its last argument). The outputs
-    are float32 unless ``output_dtypes`` gives each one's dtype."""
+    are float32 unless ``output_dtypes`` gives each one's dtype. The first ``logits`` tensors
+    are logits views (the rest are per-row): the fused head computes those from a head each."""
     name: str
     tensors: Tuple[Tuple[str, object], ...]
     params: type
     outputs: Callable[[object, int], Tuple[int, ...]]
     gradient: str = NONE
     output_dtypes: Optional[Tuple[torch.dtype, ...]] = None
+    logits: int = 1
+
+    @property
+    def n_outputs(self) -> int:
+        """How many per-row outputs it returns (the gradient not counted)."""
+        return len(self.outputs(_EveryFlagSet(), 1))
+
+    def output_dtype(self, index: int) -> torch.dtype:
+        return torch.float32 if self.output_dtypes is None else self.output_dtypes[index]
+
+
+class _EveryFlagSet:
+    """Params stand-in for counting outputs: every flag set."""
+
+    def __getattr__(self, name):
+        return 1
 
 
 def _rows(count: int) -> Callable[[object, int], Tuple[int, ...]]:
@@ -317,11 +334,12 @@ PRIMITIVES = {p.name: p for p in (
               lambda p, n: (n, n, n if p.with_entropy else 0), OPTIONAL),
     Primitive("distill_forward",
               (("student", _T), ("teacher", _T), ("target", _T), ("grad_scale", _OT)),
-              DistillArgs, lambda p, n: (n, n, n, n, n if p.hard_weight else 0), OPTIONAL),
+              DistillArgs, lambda p, n: (n, n, n, n, n if p.hard_weight else 0), OPTIONAL,
+              logits=2),
     Primitive("distill_backward",
               (("student", _T), ("teacher", _T), ("target", _T), ("student_lse", _T),
                ("teacher_lse", _T), ("student_kl", _T), ("hard_lse", _T), ("grad_loss", _T)),
-              DistillArgs, _rows(0), ALWAYS),
+              DistillArgs, _rows(0), ALWAYS, logits=2),
 )}
 
 #: the optional primitive, eager only (no custom op): ``vocab_shard_backward``

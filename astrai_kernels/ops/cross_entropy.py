@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional, Union
 
 import torch
+from torch import Tensor
 
 from .. import reference
 
@@ -45,6 +46,14 @@ from ._common import (
     rows_view,
 )
 from .door import Checked, Door
+from .head import (
+    AttachHeadGrads,
+    check_head,
+    grad_or_none,
+    head_any_grad,
+    head_needs,
+    head_walk,
+)
 from .reduction import (
     check_zero_normalizer,
     checked_normalizer,
@@ -262,3 +271,146 @@ def _vocab_parallel(call):
 
 CROSS_ENTROPY = Door(cross_entropy, ("logits", "target", "normalizer"), _check, _local,
                      _reference, _vocab_parallel, dtensor.cross_entropy)
+
+
+# The fused head's form: ``linear_cross_entropy`` (ops/head.py walks the chunks)
+
+# named by the error of a double backward (refuse_double_backward)
+CE_EQUIVALENT = ("torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight, "
+                 "bias).float(), target, ...)")
+
+_HEAD_WALK = head_walk("cross_entropy_forward")
+
+
+def _head_walk(hidden_rows, weight, bias, target_flat, params, chunk_size, grad_scale=None,
+               needs=(False, False, False)):
+    """``(loss, grad_hidden, grad_weight, grad_bias)`` from one walk: the rows' losses and,
+    with ``grad_scale``, the gradients of their scaled sum (the kernels apply the transform)."""
+    loss, _, *grads = _HEAD_WALK(hidden_rows, weight, bias, target_flat, grad_scale, params,
+                                 *needs, chunk_size, params.backend, 1.0, 0.0)
+    return (loss, *grads)
+
+
+class _LinearCrossEntropyRows(torch.autograd.Function):
+    """``reduction="none"``: per-row losses; backward walks the chunks with per-row grads."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, params, chunk_size):
+        loss = _head_walk(hidden, weight, bias, target, params, chunk_size)[0]
+        ctx.save_for_backward(hidden, weight, bias, target)
+        ctx.params, ctx.chunk_size = params, chunk_size
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        refuse_double_backward("linear_cross_entropy", CE_EQUIVALENT)
+        hidden, weight, bias, target = ctx.saved_tensors
+        _, grad_hidden, grad_weight, grad_bias = _head_walk(
+            hidden, weight, bias, target, ctx.params, ctx.chunk_size,
+            grad_rows.float().contiguous(), tuple(ctx.needs_input_grad[:3]))
+        return (grad_or_none(grad_hidden), grad_or_none(grad_weight), grad_or_none(grad_bias),
+                None, None, None)
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
+                         bias: Optional[Tensor] = None, ignore_index: int = -100,
+                         reduction: str = "mean", label_smoothing: float = 0.0,
+                         z_loss: float = 0.0, softcap: Optional[float] = None,
+                         logit_scale: float = 1.0,
+                         normalizer: Union[None, float, Tensor] = None,
+                         chunk_size: Optional[int] = None, backend: str = "auto",
+                         process_group: Optional["ProcessGroup"] = None,
+                         check_consistency: bool = True) -> Tensor:
+    """Cross-entropy of ``hidden [..., H] @ weight[V, H].T + bias`` against ``target [...]``.
+
+    Equals ``ak.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` (every keyword
+    means the same, ``logit_scale`` and ``softcap`` included) without holding the ``[N, V]``
+    logits; float32 result. With ``process_group`` the weight (and bias) hold this rank's
+    vocabulary shard and the hidden states' gradient is summed over the group
+    (``ops/vocab_parallel.py``; ``check_consistency`` as in ``cross_entropy``; no
+    ``logit_scale`` there).
+    """
+    return LINEAR_CROSS_ENTROPY.enter(locals())
+
+
+def _check_linear(call) -> Checked:
+    hidden, weight = call["hidden"], call["weight"]
+    check_head(hidden, weight, call["bias"], call["chunk_size"])
+    return Checked(*checked_params(
+        LogitsShape.of_head(hidden, weight), call["target"], call["ignore_index"],
+        call["reduction"], call["label_smoothing"], call["z_loss"], call["softcap"],
+        call["normalizer"], False, call["backend"], call["logit_scale"]))
+
+
+def _reference_linear(call, checked: Checked):
+    logits = torch.nn.functional.linear(call["hidden"], call["weight"], call["bias"])
+    return cross_entropy(logits, call["target"], ignore_index=call["ignore_index"],
+                               reduction=call["reduction"],
+                               label_smoothing=call["label_smoothing"], z_loss=call["z_loss"],
+                               softcap=call["softcap"], logit_scale=call["logit_scale"],
+                               normalizer=call["normalizer"], backend="reference")
+
+
+def _local_linear(call, checked: Checked):
+    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
+    params, normalizer_t = checked
+    chunk_size = call["chunk_size"]
+    hidden_rows, target_flat = hidden.reshape(-1, hidden.shape[-1]), flat_target(target)
+    if params.reduction == "none":
+        if head_any_grad(hidden, weight, bias):
+            loss = _LinearCrossEntropyRows.apply(hidden_rows, weight, bias, target_flat,
+                                                 params, chunk_size)
+        else:
+            loss = _head_walk(hidden_rows, weight, bias, target_flat, params, chunk_size)[0]
+        return loss.view(target.shape)
+    scale = loss_grad_scale(target_flat, params, normalizer_t)
+    needs = head_needs(hidden, weight, bias) if torch.is_grad_enabled() else (False,) * 3
+    with torch.no_grad():
+        loss, grad_hidden, grad_weight, grad_bias = _head_walk(
+            hidden_rows, weight, bias, target_flat, params, chunk_size,
+            scale if any(needs) else None, needs)
+        value = reduce_loss(loss, scale, params)
+    if not any(needs):
+        return value
+    return AttachHeadGrads.apply(hidden_rows, weight, bias, value, grad_hidden, grad_weight,
+                                  grad_bias, "linear_cross_entropy", CE_EQUIVALENT)
+
+
+def _vocab_parallel_linear(call):
+    """``linear_cross_entropy`` with this rank's vocabulary shard of the head."""
+    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
+    chunk_size, backend = call["chunk_size"], call["backend"]
+    if check_in_range(call["logit_scale"], "logit_scale", -math.inf, math.inf) != 1.0:
+        raise ValueError("logit_scale is not supported with process_group")
+    hidden_rows, layout, needs_grad = vocab_parallel.head_setup(
+        hidden, weight, bias, chunk_size, call["process_group"], target, call["ignore_index"],
+        call["check_consistency"])
+    params, normalizer_t = checked_params(
+        vocab_parallel.whole_logits(hidden, layout), target, call["ignore_index"],
+        call["reduction"], call["label_smoothing"], call["z_loss"], call["softcap"],
+        call["normalizer"], False, backend)
+    if params.backend == "reference":
+        return vocab_parallel.on_head_logits(cross_entropy, call)
+    reduction = params.reduction
+    target_flat = flat_target(target)
+    if reduction != "none" and needs_grad:  # the gradient factor is known: one walk
+        scale = loss_grad_scale(target_flat, params, normalizer_t)
+        with torch.no_grad():
+            rows_loss, grad_hidden, grad_weight, grad_bias = (
+                vocab_parallel.head_shard_cross_entropy_walk(
+                    hidden_rows, weight, bias, target_flat, params, layout, chunk_size, backend,
+                    scale, head_needs(hidden, weight, bias)))
+            value = reduce_loss(rows_loss, scale, params)
+        return AttachHeadGrads.apply(hidden_rows, weight, bias, value, grad_hidden, grad_weight,
+                                      grad_bias, "linear_cross_entropy", CE_EQUIVALENT)
+    rows_loss = vocab_parallel.head_shard_cross_entropy_rows(
+        hidden_rows, weight, bias, target_flat, params, layout, chunk_size, backend, needs_grad)
+    if reduction == "none":
+        return rows_loss.view(target.shape)
+    return reduce_loss(rows_loss, loss_grad_scale(target_flat, params, normalizer_t), params)
+
+
+LINEAR_CROSS_ENTROPY = Door(linear_cross_entropy,
+                            ("hidden", "weight", "target", "bias", "normalizer"),
+                            _check_linear, _local_linear, _reference_linear,
+                            _vocab_parallel_linear, dtensor.linear_cross_entropy)

@@ -21,9 +21,8 @@ from torch import Tensor
 
 from .. import reference
 from ..kernels import library
-from ..kernels.library import traceable_op
 from ..kernels.primitives import DistillArgs
-from ..kernels.registry import backend_module, resolve_backend
+from ..kernels.registry import resolve_backend
 from . import dtensor
 from ._common import (
     AttachGrad,
@@ -38,14 +37,12 @@ from .distill_options import DistillOptions, distill_options_or_keywords, keywor
 from .door import Checked, Door
 from .head import (
     AttachHeadGrads,
-    ChunkedHead,
     check_head,
     checked_transform,
-    fake_head_gradients,
     grad_or_none,
     head_needs,
+    head_walk,
     reference_logits,
-    row_floats,
 )
 from .reduction import check_zero_normalizer, checked_normalizer, inverse_or_zero
 
@@ -258,58 +255,20 @@ def _local(call, checked: Checked):
                             "distill_loss", None)
 
 
-@traceable_op("linear_distill", floats=("logit_scale", "softcap", "teacher_logit_scale",
-                                        "teacher_softcap"), params={"args": DistillArgs})
-def _linear_distill(student_hidden: Tensor, student_weight: Tensor,
-                    student_bias: Optional[Tensor], teacher_hidden: Tensor,
-                    teacher_weight: Tensor, teacher_bias: Optional[Tensor], target: Tensor,
-                    args: DistillArgs, logit_scale: float, softcap: float,
-                    teacher_logit_scale: float,
-                    teacher_softcap: float, grad_rows: Optional[Tensor], needs_hidden: bool,
-                    needs_weight: bool, needs_bias: bool, chunk_size: Optional[int],
-                    backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per-row losses and, when ``grad_rows`` (float32, 1 or N elements: d loss / d row loss)
-    is given, the student head's gradients: both heads walked in the same chunks, each
-    holding one chunk of logits; the chunk's logit gradient is written over its buffer."""
-    needs = (needs_hidden, needs_weight, needs_bias) if grad_rows is not None else (False,) * 3
-    student_head = ChunkedHead(student_hidden, student_weight, student_bias, chunk_size, needs,
-                               logit_scale, softcap)
-    teacher_head = ChunkedHead(teacher_hidden, teacher_weight, teacher_bias,
-                               student_head.chunk, (False,) * 3, teacher_logit_scale,
-                               teacher_softcap)
-    kernels = backend_module(backend)
-    loss = row_floats(target.numel(), target.device)
-    for (start, stop, student), (_, _, teacher) in zip(student_head.chunks(),
-                                                       teacher_head.chunks()):
-        rows = target[start:stop]
-        if grad_rows is None:
-            loss[start:stop] = kernels.distill_forward(student, teacher, rows, None, args,
-                                                       None)[0]
-            continue
-        upstream = grad_rows if grad_rows.numel() == 1 else grad_rows[start:stop]
-        loss[start:stop] = kernels.distill_forward(student, teacher, rows, upstream, args,
-                                                   student)[0]
-        student_head.fold(start, stop, student)
-    return (loss, *student_head.gradients())
-
-
-@_linear_distill.register_fake
-def _(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-      teacher_bias, target, args, logit_scale, softcap, teacher_logit_scale, teacher_softcap,
-      grad_rows, needs_hidden, needs_weight, needs_bias, chunk_size, backend):
-    needs = (needs_hidden, needs_weight, needs_bias) if grad_rows is not None else (False,) * 3
-    return (row_floats(target.numel(), student_hidden.device),
-            *fake_head_gradients(student_hidden, student_weight, *needs))
+_HEAD_WALK = head_walk("distill_forward")
 
 
 def _walk(student, teacher, target_flat, params, transforms, chunk_size, grad_rows=None,
           needs=(False, False, False)):
-    """:func:`_linear_distill` on ``student``/``teacher`` ``(hidden, weight, bias)`` with
-    ``params``' scalars and each head's ``(logit_scale, softcap)``."""
+    """``(loss, grad_hidden, grad_weight, grad_bias)`` per row from one walk of both heads
+    (``student``/``teacher`` ``(hidden, weight, bias)``, each with its ``(logit_scale,
+    softcap)``) in the same chunks; with ``grad_rows`` (float32, 1 or N elements: d loss / d row
+    loss) the student head's gradients too."""
     (scale, softcap), (teacher_scale, teacher_softcap) = transforms
-    return _linear_distill(*student, *teacher, target_flat, params,
-                           scale, softcap, teacher_scale, teacher_softcap, grad_rows, *needs,
-                           chunk_size, params.backend)
+    loss, *_, grad_hidden, grad_weight, grad_bias = _HEAD_WALK(
+        *student, *teacher, target_flat, grad_rows, params, *needs, chunk_size, params.backend,
+        scale, softcap, teacher_scale, teacher_softcap)
+    return loss, grad_hidden, grad_weight, grad_bias
 
 
 class _LinearDistillRows(torch.autograd.Function):
@@ -363,7 +322,7 @@ def linear_distill_loss(
 ) -> Tensor:
     """``distill_loss(F.linear(student_hidden, student_weight, student_bias),
     F.linear(teacher_hidden, teacher_weight, teacher_bias), target, ...)`` without either
-    ``[N, V]`` logits: the rows are walked in chunks (``ops/linear.py``'s chunk rule; both
+    ``[N, V]`` logits: the rows are walked in chunks (``ops/head.py``'s chunk rule; both
     heads hold one chunk of logits each). The vocabularies must match; the hidden sizes and
     dtypes of the two heads may differ. Only the student's tensors get gradients; with a
     scalar reduction they are produced in the forward's single walk. ``softcap`` and

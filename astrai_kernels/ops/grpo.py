@@ -17,7 +17,7 @@ logits, advantages and old/reference log-probs may hold anything, inf and NaN in
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -49,7 +49,15 @@ from .grpo_options import (
     options_from,
     options_or_keywords,
 )
-from .logprobs import token_logprobs
+from .head import (
+    AttachHeadGrads,
+    check_head,
+    checked_transform,
+    head_needs,
+    head_walk,
+    reference_logits,
+)
+from .logprobs import linear_token_logprobs, refuse_transform_with_process_group, token_logprobs
 from .sampling import SamplingParams, checked_sampling
 
 if TYPE_CHECKING:
@@ -791,3 +799,181 @@ GRPO_LOSS = Door(grpo_loss, ("logits", "target", "advantages", "mask", "old_logp
                              "ref_logprobs", "normalizer", "importance_weights",
                              "sampling_logprobs"),
                  _check_call, _local, _reference, _vocab_parallel, _dtensor)
+
+
+# The fused head's form: ``linear_grpo_loss``
+
+_HEAD_WALK = head_walk("grpo_forward")
+
+
+@options_or_keywords
+def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages: Tensor, *,
+                     bias: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+                     old_logprobs: Optional[Tensor] = None,
+                     ref_logprobs: Optional[Tensor] = None, beta: float = 0.0,
+                     clip_eps_low: float = 0.2, clip_eps_high: Optional[float] = None,
+                     delta: Optional[float] = None, loss_type: str = "bnpo",
+                     importance_sampling: str = "token", temperature: float = 1.0,
+                     max_completion_length: Optional[int] = None,
+                     normalizer: Union[None, float, Tensor] = None,
+                     sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05,
+                     vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
+                     vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+                     kl_ratio_correction: bool = False,
+                     importance_weights: Optional[Tensor] = None,
+                     off_policy_threshold: Optional[float] = None,
+                     sampling_logprobs: Optional[Tensor] = None,
+                     top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0,
+                     rollout_is: Optional[str] = None, rollout_is_min: Optional[float] = None,
+                     rollout_is_max: Optional[float] = 3.0,
+                     rollout_is_batch_normalize: bool = False,
+                     rollout_rs: Optional[str] = None,
+                     rollout_rs_threshold: Optional[float] = None,
+                     rollout_rs_threshold_lower: Optional[float] = None,
+                     options: Optional[GRPOOptions] = None, softcap: Optional[float] = None,
+                     logit_scale: float = 1.0, sampling: Optional[SamplingParams] = None,
+                     return_token_values: bool = False,
+                     chunk_size: Optional[int] = None, backend: str = "auto",
+                     process_group: Optional["ProcessGroup"] = None,
+                     check_consistency: bool = True) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """GRPO loss and metrics of ``grpo_loss(F.linear(hidden, weight, bias), ...)``, fused.
+
+    ``hidden [B, T, H]`` aligned with ``target [B, T]`` (the caller shifts); every keyword as in
+    ``ak.grpo_loss``. The clipped surrogate on token ratios computes all gradients in the
+    forward's single walk over the chunks; every other objective and option (GSPO, CISPO, SAPO,
+    VESPO, the masks, the entropy bonus) differentiates through ``linear_token_logprobs``.
+    ``softcap`` and ``logit_scale`` transform the logits before the temperature, as in
+    ``linear_token_logprobs``. ``process_group``: vocabulary parallel, as in
+    ``linear_cross_entropy`` (no softcap or logit scale there). ``return_token_values`` as in
+    ``ak.grpo_loss``: the token log-probs and entropies come out of the same walk.
+    ``sampling`` as in ``ak.grpo_loss``: the token log-probs under the sampler's processed
+    distribution (``linear_token_logprobs(sampling=...)``), a token outside it masked.
+    """
+    options = options_from(options, dict(
+        beta=beta, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
+        loss_type=loss_type, importance_sampling=importance_sampling, temperature=temperature,
+        max_completion_length=max_completion_length, sapo_tau_pos=sapo_tau_pos,
+        sapo_tau_neg=sapo_tau_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+        kl_ratio_correction=kl_ratio_correction, off_policy_threshold=off_policy_threshold,
+        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef,
+        rollout_is=rollout_is, rollout_is_min=rollout_is_min, rollout_is_max=rollout_is_max,
+        rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
+        rollout_rs_threshold=rollout_rs_threshold,
+        rollout_rs_threshold_lower=rollout_rs_threshold_lower))
+    return LINEAR_GRPO_LOSS.enter(locals())
+
+
+@dataclass(frozen=True)
+class _HeadGRPO:
+    """A checked ``linear_grpo_loss`` call: the GRPO plan and the logits' transform."""
+    plan: GRPOPlan
+    transform: Tuple[float, float]
+
+    @property
+    def backend(self) -> str:
+        return self.plan.backend
+
+
+def _check_linear(call) -> _HeadGRPO:
+    hidden, weight = call["hidden"], call["weight"]
+    transform = checked_transform(call["logit_scale"], call["softcap"])
+    check_head(hidden, weight, call["bias"], call["chunk_size"])
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
+    checked = plan(LogitsShape.of_head(hidden, weight), call["target"], call["advantages"],
+                   call["options"], backend=call["backend"], **call_inputs(call))
+    return _HeadGRPO(checked, transform)
+
+
+def _reference_linear(call, checked: _HeadGRPO):
+    logits = reference_logits(call["hidden"], call["weight"], call["bias"], call["logit_scale"],
+                              call["softcap"])
+    keywords = without_option_keywords(call)
+    for name in ("hidden", "weight", "bias", "softcap", "logit_scale", "chunk_size"):
+        del keywords[name]
+    return grpo_loss(logits=logits, **{**keywords, "backend": "reference"})
+
+
+def _local_linear(call, checked: _HeadGRPO):
+    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
+    grpo_plan, chunk_size = checked.plan, call["chunk_size"]
+    params = grpo_plan.params
+
+    def head_logprobs(masked_target, **keywords):
+        return linear_token_logprobs(hidden, weight, masked_target, bias=bias,
+                                     softcap=call["softcap"], logit_scale=call["logit_scale"],
+                                     chunk_size=chunk_size, backend=params.backend, **keywords)
+
+    if grpo_plan.sampling is not None:
+        return from_logprobs(sampled_logprobs_of(
+            lambda masked_target: head_logprobs(masked_target, ignore_index=-100,
+                                                sampling=grpo_plan.sampling)), target, grpo_plan)
+    if not grpo_plan.fused:
+        def logprobs_of(masked_target, with_entropy):
+            out = head_logprobs(masked_target, temperature=params.temperature,
+                                return_entropy=with_entropy)
+            return out if with_entropy else (out, None)
+        return from_logprobs(logprobs_of, target, grpo_plan)
+    needs = head_needs(hidden, weight, bias) if torch.is_grad_enabled() else (False,) * 3
+    hidden_rows = hidden.reshape(-1, hidden.shape[-1])
+    flat = grpo_plan.flat_rows()
+    with torch.no_grad():
+        logp, token_loss, entropy, grad_hidden, grad_weight, grad_bias = _HEAD_WALK(
+            hidden_rows, weight, bias, flat_target(target), flat.advantages, flat.old,
+            flat.ref, flat.weight, replace(params, with_entropy=grpo_plan.token_values),
+            *needs, chunk_size, params.backend, *checked.transform)
+        value, metrics, *values = token_level_result(logp, token_loss, entropy, grpo_plan)
+    if not any(needs):
+        return (value, metrics, *values)
+    loss = AttachHeadGrads.apply(hidden_rows, weight, bias, value, grad_hidden, grad_weight,
+                                  grad_bias, "linear_grpo_loss", None)
+    return (loss, metrics, *values)
+
+
+def _dtensor_linear(op, **call):
+    if call["sampling"] is not None:
+        check_sampling(call["sampling"], call["options"], call["return_token_values"],
+                               sharded=True)
+    return dtensor.linear_grpo_loss(op, **call)
+
+
+def _vocab_parallel_linear(call):
+    """``linear_grpo_loss`` with this rank's vocabulary shard of the head: its token log-probs,
+    then the per-token objective in torch."""
+    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
+    chunk_size, process_group = call["chunk_size"], call["process_group"]
+    if call["sampling"] is not None:
+        check_sampling(call["sampling"], call["options"], call["return_token_values"],
+                               sharded=True)
+    logit_scale, softcap = checked_transform(call["logit_scale"], call["softcap"])
+    refuse_transform_with_process_group(logit_scale, softcap, 0)
+    vocab_parallel.check_shard_head(hidden, weight, bias, chunk_size)
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
+    # the row count here; the targets' fingerprint (masked ones ignored) in the log-probs call
+    layout = vocab_parallel.shard_layout(process_group, weight.shape[0], hidden.device, target,
+                                         check_consistency=False)
+    check_consistency = vocab_parallel.check_consistency_flag(call["check_consistency"])
+    checked = plan(vocab_parallel.whole_logits(hidden, layout), target, call["advantages"],
+                   call["options"], backend=call["backend"], **call_inputs(call))
+    if checked.params.backend == "reference":
+        return vocab_parallel.on_head_logits(grpo_loss,
+                                             without_option_keywords(call))
+
+    def logprobs_of(masked_target, with_entropy):
+        out = linear_token_logprobs(hidden, weight, masked_target, process_group=process_group,
+                                    bias=bias, temperature=checked.params.temperature,
+                                    ignore_index=-100, return_entropy=with_entropy,
+                                    chunk_size=chunk_size, backend=call["backend"],
+                                    check_consistency=check_consistency)
+        return out if with_entropy else (out, None)
+
+    return from_logprobs(logprobs_of, target, checked)
+
+
+LINEAR_GRPO_LOSS = Door(linear_grpo_loss, ("hidden", "weight", "target", "advantages", "bias",
+                                           "mask", "old_logprobs", "ref_logprobs", "normalizer",
+                                           "importance_weights", "sampling_logprobs"),
+                        _check_linear, _local_linear, _reference_linear, _vocab_parallel_linear,
+                        _dtensor_linear)

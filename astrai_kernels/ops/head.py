@@ -1,12 +1,20 @@
 """The fused LM head's engine: ``hidden @ weight.T + bias`` walked in row chunks.
 
-Every fused-head op (``ops/linear.py``, ``linear_distill_loss`` in ``ops/distill.py``, the
-vocabulary-parallel head in ``ops/vocab_parallel.py``) runs its logits primitive on the chunks
-that :class:`ChunkedHead` yields: a chunk's logits come from one matmul into a reused
+Every fused-head op (the ``linear_*`` form in each family's file, the vocabulary-parallel head
+in ``ops/vocab_parallel.py``) runs its logits primitive on the chunks that :class:`ChunkedHead`
+yields: a chunk's logits come from one matmul into a reused
 ``[chunk, V]`` buffer, the primitive writes the chunk's logit gradient over the same buffer, and
 :meth:`ChunkedHead.fold` turns it into the gradients of ``hidden``, ``weight`` and ``bias``.
 Nothing ``[N, V]`` is ever allocated. The weight's and bias's gradients are accumulated over
-chunks in float32 and rounded to the inputs' dtype once, at the end.
+chunks in float32 and rounded to the inputs' dtype once, at the end. :func:`head_walk` generates
+that walk for a primitive from its declaration (``kernels/primitives.py``): the custom op and its
+fake.
+
+Which pass computes what: ``linear_cross_entropy`` (``mean``/``sum``) and token-level
+``linear_grpo_loss`` know each row's gradient factor up front, so the forward produces all three
+gradients in one walk and backward only scales them (out of place: a retained graph can be
+walked again); ``linear_token_logprobs`` and ``reduction="none"`` keep per-row ``lse`` (and
+entropy) and walk the chunks again in backward with the upstream per-row gradients.
 
 Chunk rule (:func:`chunk_rows`): a chunk's logits buffer holds at most ``CHUNK_BYTES`` bytes of
 float32 (64 MiB on CPU, 256 MiB on CUDA; a quarter of that when the head holds a float32 copy of
@@ -32,16 +40,21 @@ the bias's is summed in float32.
 """
 
 import contextlib
+import inspect
 import math
 import os
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
+from torch import Tensor
 
 from .. import reference
+from ..kernels.library import traceable_op
 from ..kernels.memory import cached_empty
+from ..kernels.primitives import ALWAYS, NONE, OPTIONAL, PRIMITIVES
+from ..kernels.registry import backend_module
 from ._common import (
     FLOAT_DTYPES,
     check_in_range,
@@ -332,6 +345,133 @@ def fake_head_gradients(hidden, weight, needs_hidden, needs_weight, needs_bias):
 def row_floats(n_rows, device):
     return torch.empty(n_rows, dtype=torch.float32, device=device)
 
+
+@dataclass(frozen=True)
+class ChunkExtra:
+    """A forward-only output ``[size(value), N]`` a walk computes from each chunk's logits
+    beside its primitive: ``compute(logits [n, V], rows, args, value) -> [size(value), n]``,
+    ``rows`` the chunk's per-row tensors by name, ``value`` the walk's int argument
+    ``argument`` (last in its schema)."""
+    argument: str
+    size: Callable[[int], int]
+    compute: Callable
+
+
+class _HeadNames(NamedTuple):
+    hidden: str
+    weight: str
+    bias: str
+    logit_scale: str
+    softcap: str
+
+
+def _head_names(prefix: str) -> _HeadNames:
+    return _HeadNames(*(prefix + name for name in _HeadNames._fields))
+
+
+def head_walk(primitive_name: str, extra: Optional[ChunkExtra] = None):
+    """The fused-head walk of the primitive ``primitive_name`` (``kernels/primitives.py``),
+    generated from its declaration: the custom op ``astrai_kernels::linear_<name>`` and its
+    fake. In place of each logits tensor it takes a head ``(hidden [N, H], weight [V, H],
+    bias)``, the first named so, any other prefixed by its tensor's name (``teacher_hidden``);
+    then the primitive's per-row tensors, its params object ``args``, ``needs_hidden,
+    needs_weight, needs_bias, chunk_size, backend``, each head's ``logit_scale, softcap`` and
+    the extra's argument. It returns the primitive's per-row outputs, the extra's, and the first
+    head's ``(grad_hidden, grad_weight, grad_bias)`` (empty where not needed): the primitive's
+    logit gradient of each chunk, written over the chunk's logits and folded. An OPTIONAL
+    gradient is written when any ``needs_*`` is set, an ALWAYS one always. Each chunk gets the
+    rows ``[start, stop)`` of a per-row tensor with N rows; any other (an empty entropy, a
+    single gradient scale, None) passes whole."""
+    primitive = PRIMITIVES[primitive_name]
+    heads = [_head_names("" if i == 0 else f"{name}_")
+             for i, (name, _) in enumerate(primitive.tensors[:primitive.logits])]
+    row_names = [name for name, _ in primitive.tensors[primitive.logits:]]
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    schema = []
+    for head in heads:
+        schema += [(head.hidden, Tensor), (head.weight, Tensor), (head.bias, Optional[Tensor])]
+    schema += list(primitive.tensors[primitive.logits:])
+    schema += [("args", primitive.params), ("needs_hidden", bool), ("needs_weight", bool),
+               ("needs_bias", bool), ("chunk_size", Optional[int]), ("backend", str)]
+    for head in heads:
+        schema += [(head.logit_scale, float), (head.softcap, float)]
+    if extra is not None:
+        schema.append((extra.argument, int))
+    names = [name for name, _ in schema]
+    n_results = primitive.n_outputs + (extra is not None) + 3
+
+    def layout(values):
+        """``(call, needs, writes_grad)`` of the schema's values."""
+        call = dict(zip(names, values))
+        needs = (call["needs_hidden"], call["needs_weight"], call["needs_bias"])
+        writes_grad = primitive.gradient == ALWAYS or (primitive.gradient == OPTIONAL
+                                                       and any(needs))
+        return call, needs if writes_grad else (False,) * 3, writes_grad
+
+    def outputs(call):
+        hidden, args = call["hidden"], call["args"]
+        n_rows = hidden.shape[0]
+        rows = tuple(torch.empty(length, dtype=primitive.output_dtype(i), device=hidden.device)
+                     for i, length in enumerate(primitive.outputs(args, n_rows)))
+        if extra is None:
+            return rows
+        size = extra.size(call[extra.argument])
+        return (*rows, torch.empty((size, n_rows), dtype=torch.float32, device=hidden.device))
+
+    def walk(*values):
+        call, needs, writes_grad = layout(values)
+        first = ChunkedHead(call["hidden"], call["weight"], call["bias"], call["chunk_size"],
+                            needs, call["logit_scale"], call["softcap"])
+        walked = [first] + [ChunkedHead(call[head.hidden], call[head.weight], call[head.bias],
+                                        first.chunk, (False,) * 3, call[head.logit_scale],
+                                        call[head.softcap]) for head in heads[1:]]
+        kernel = getattr(backend_module(call["backend"]), primitive.name)
+        args, n_rows = call["args"], call["hidden"].shape[0]
+        results = outputs(call)
+        row_outputs = results[:primitive.n_outputs]
+        for chunks in zip(*(head.chunks() for head in walked)):
+            start, stop, logits = chunks[0]
+            rows = {name: _chunk_rows(call[name], start, stop, n_rows) for name in row_names}
+            grad = () if primitive.gradient == NONE else (logits if writes_grad else None,)
+            values = kernel(logits, *(chunk[2] for chunk in chunks[1:]), *rows.values(), args,
+                            *grad)
+            for out, value in zip(row_outputs, values or ()):
+                if out.numel():
+                    out[start:stop] = value
+            if extra is not None and results[-1].shape[0]:
+                results[-1][:, start:stop] = extra.compute(logits[0], rows, args,
+                                                           call[extra.argument])
+            if writes_grad:
+                first.fold(start, stop, logits)
+        return (*results, *first.gradients())
+
+    def fake(*values):
+        call, needs, _ = layout(values)
+        return (*outputs(call), *fake_head_gradients(call["hidden"], call["weight"], *needs))
+
+    walk.__signature__ = inspect.Signature(
+        [inspect.Parameter(name, kind, annotation=annotation) for name, annotation in schema],
+        return_annotation=Tuple[(Tensor,) * n_results])
+    walk.__name__ = f"linear_{primitive.name}"
+    walk.__doc__ = head_walk.__doc__
+    floats = [name for head in heads for name in (head.logit_scale, head.softcap)]
+    op = traceable_op(walk.__name__, floats=floats, params={"args": primitive.params})(walk)
+    fake.__signature__ = walk.__signature__
+    op.register_fake(fake)
+    HEAD_WALKS[primitive.name] = op
+    return op
+
+
+#: every generated walk by its primitive's name (filled as the op files declare theirs)
+HEAD_WALKS = {}
+
+
+def _chunk_rows(values, start, stop, n_rows):
+    """A chunk's rows of a per-row tensor; anything else whole."""
+    if values is None or values.dim() == 0 or values.shape[0] != n_rows:
+        return values
+    return values[start:stop]
+
 class AttachHeadGrads(torch.autograd.Function):
     """Give ``value`` the forward-computed gradients w.r.t. ``hidden``, ``weight``, ``bias``.
 
@@ -355,13 +495,6 @@ class AttachHeadGrads(torch.autograd.Function):
         grads = (scale_saved_grad(g, grad_output) if needed else None
                  for g, needed in zip(ctx.saved_tensors, ctx.needs_input_grad[:3]))
         return (*grads, None, None, None, None, None, None)
-
-
-@dataclass(frozen=True)
-class HeadArgs:
-    """What every chunk walk needs besides the tensors: the chunk and the kernel backend."""
-    chunk_size: Optional[int]
-    backend: str
 
 
 def head_needs(hidden, weight, bias):
