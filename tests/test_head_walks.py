@@ -10,11 +10,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import astrai_kernels  # noqa: F401  (the op files declare their walks)
 from astrai_kernels.kernels.primitives import (
-    PRIMITIVES,
     CrossEntropyArgs,
     DistillArgs,
     LogprobsArgs,
+    SamplingArgs,
     SurrogateArgs,
+    declared,
 )
 from astrai_kernels.ops.head import HEAD_WALKS
 
@@ -23,15 +24,17 @@ N, V, H = 5, 11, 4
 
 def test_the_op_files_declare_a_walk_for_each_primitive_they_use():
     assert set(HEAD_WALKS) == {"logprobs_forward", "logprobs_backward", "cross_entropy_forward",
-                               "grpo_forward", "distill_forward"}
+                               "grpo_forward", "distill_forward", "sampled_logprobs_forward",
+                               "sampled_logprobs_backward"}
     for name, walk in HEAD_WALKS.items():
         assert walk.op._opoverload._schema.name == f"astrai_kernels::linear_{name}"
 
 
 @pytest.mark.parametrize("name", ["logprobs_forward", "logprobs_backward",
-                                  "cross_entropy_forward", "grpo_forward", "distill_forward"])
+                                  "cross_entropy_forward", "grpo_forward", "distill_forward",
+                                  "sampled_logprobs_forward", "sampled_logprobs_backward"])
 def test_walk_schema_follows_the_declaration(name):
-    primitive = PRIMITIVES[name]
+    primitive = declared(name)
     schema = HEAD_WALKS[name].op._opoverload._schema
     names = [argument.name for argument in schema.arguments]
     heads = ["hidden", "weight", "bias"]
@@ -92,6 +95,17 @@ def _cases():
                           lambda h, n=needs, s=scale, hw=hard_weight: [
                               *h, *_head(7), target, s, DistillArgs(0.5, 2.0, -100, hw), *n, 2,
                               "torch", 1.0, 0.0, 1.0, 0.0]))
+    for backend in ("torch", "cpp"):  # chunked torch, or the backend's own primitive
+        for sampling in (SamplingArgs(0.8, 3, 0.9, 0.0, -100),
+                         SamplingArgs(1.0, 0, 1.0, 0.05, -100)):
+            cases.append((f"sampled_logprobs_forward-{backend}-{sampling.top_k}",
+                          "sampled_logprobs_forward", lambda h, b=backend, s=sampling: [
+                              *h, target, s, False, False, False, 2, b, 1.0, 0.0]))
+        cases.append((f"sampled_logprobs_backward-{backend}", "sampled_logprobs_backward",
+                      lambda h, b=backend: [
+                          *h, target, rows.abs() + 3.0, rows, values * (target != -100),
+                          SamplingArgs(0.8, 3, 0.9, 0.0, -100), True, True, False, 2, b, 2.0,
+                          30.0]))
     return cases
 
 

@@ -369,6 +369,15 @@ TOPK_DISTILL_PRIMITIVES = {p.name: p for p in (
 )}
 
 
+def declared(name: str) -> Primitive:
+    """The declaration of the primitive ``name``, required or optional."""
+    for table in (PRIMITIVES, SAMPLING_PRIMITIVES, TOPK_DISTILL_PRIMITIVES,
+                  {SHARD_PRIMITIVE.name: SHARD_PRIMITIVE}):
+        if name in table:
+            return table[name]
+    raise KeyError(f"no primitive {name!r} is declared")
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What a kernel backend module provides (the contract in this module's docstring)."""

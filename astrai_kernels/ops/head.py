@@ -53,7 +53,7 @@ from torch import Tensor
 from .. import reference
 from ..kernels.library import traceable_op
 from ..kernels.memory import cached_empty
-from ..kernels.primitives import ALWAYS, NONE, OPTIONAL, PRIMITIVES
+from ..kernels.primitives import ALWAYS, NONE, OPTIONAL, declared
 from ..kernels.registry import backend_module
 from ._common import (
     FLOAT_DTYPES,
@@ -369,7 +369,8 @@ def _head_names(prefix: str) -> _HeadNames:
     return _HeadNames(*(prefix + name for name in _HeadNames._fields))
 
 
-def head_walk(primitive_name: str, extra: Optional[ChunkExtra] = None):
+def head_walk(primitive_name: str, extra: Optional[ChunkExtra] = None,
+              kernels: Callable[[str], object] = backend_module):
     """The fused-head walk of the primitive ``primitive_name`` (``kernels/primitives.py``),
     generated from its declaration: the custom op ``astrai_kernels::linear_<name>`` and its
     fake. In place of each logits tensor it takes a head ``(hidden [N, H], weight [V, H],
@@ -381,8 +382,10 @@ def head_walk(primitive_name: str, extra: Optional[ChunkExtra] = None):
     logit gradient of each chunk, written over the chunk's logits and folded. An OPTIONAL
     gradient is written when any ``needs_*`` is set, an ALWAYS one always. Each chunk gets the
     rows ``[start, stop)`` of a per-row tensor with N rows; any other (an empty entropy, a
-    single gradient scale, None) passes whole."""
-    primitive = PRIMITIVES[primitive_name]
+    single gradient scale, None) passes whole. ``kernels(backend)`` gives the module whose
+    function of the primitive's name runs (an optional primitive's op passes its own, which
+    falls back to chunked torch on a backend without it)."""
+    primitive = declared(primitive_name)
     heads = [_head_names("" if i == 0 else f"{name}_")
              for i, (name, _) in enumerate(primitive.tensors[:primitive.logits])]
     row_names = [name for name, _ in primitive.tensors[primitive.logits:]]
@@ -425,7 +428,7 @@ def head_walk(primitive_name: str, extra: Optional[ChunkExtra] = None):
         walked = [first] + [ChunkedHead(call[head.hidden], call[head.weight], call[head.bias],
                                         first.chunk, (False,) * 3, call[head.logit_scale],
                                         call[head.softcap]) for head in heads[1:]]
-        kernel = getattr(backend_module(call["backend"]), primitive.name)
+        kernel = getattr(kernels(call["backend"]), primitive.name)
         args, n_rows = call["args"], call["hidden"].shape[0]
         results = outputs(call)
         row_outputs = results[:primitive.n_outputs]

@@ -61,11 +61,10 @@ from ._common import (
     rows_view,
 )
 from .head import (
-    ChunkedHead,
     check_head,
-    fake_head_gradients,
     grad_or_none,
     head_any_grad,
+    head_walk,
     reference_logits,
 )
 
@@ -106,6 +105,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in (0, 1] (1: off), got {top_p}")
         object.__setattr__(self, "top_p", top_p)
         object.__setattr__(self, "min_p", check_in_range(self.min_p, "min_p", 0.0, 1.0))
+
+    def args(self, ignore_index: int) -> SamplingArgs:
+        """The primitives' arguments (``kernels/primitives.py``)."""
+        return SamplingArgs(self.temperature, self.top_k, self.top_p, self.min_p, ignore_index)
 
     def filters(self, vocab: int) -> bool:
         """Whether min_p, top_k or top_p can drop a token of a ``vocab``-token row."""
@@ -307,85 +310,72 @@ BACKWARD_BUFFERS = ("scaled", "mask")
 ROW_OUTPUT_DTYPES = SAMPLING_PRIMITIVES["sampled_logprobs_forward"].output_dtypes
 
 
-def _sampling_kernels(backend: str):
+class _ChunkedTorchSampling:
+    """The sampled-logprobs primitives (``kernels/primitives.py``) in chunked torch, on any
+    device: blocks of at most ``BLOCK_ELEMENTS`` logits, with their buffers reused from block
+    to block."""
+
+    @staticmethod
+    def sampled_logprobs_forward(logits, target, params):
+        outputs = tuple(torch.empty(target.numel(), dtype=dtype, device=logits.device)
+                        for dtype in ROW_OUTPUT_DTYPES)
+        work = _workspace(logits, FORWARD_BUFFERS)
+        for n0, n1, block in _blocks(logits):
+            results = _block_forward(block, target[n0:n1], params.temperature, params.top_k,
+                                     params.top_p, params.min_p, params.ignore_index,
+                                     work.take(n1 - n0))
+            for out, result in zip(outputs, results):
+                out[n0:n1] = result
+        return outputs
+
+    @staticmethod
+    def sampled_logprobs_backward(logits, target, lse_kept, threshold, coef, params, grad):
+        work = _workspace(logits, BACKWARD_BUFFERS)
+        for (n0, n1, block), (_, _, grad_block) in zip(_blocks(logits), _blocks(grad)):
+            _block_backward(block, target[n0:n1], lse_kept[n0:n1], threshold[n0:n1],
+                            coef[n0:n1], params.temperature, grad_block, work.take(n1 - n0))
+
+
+CHUNKED_TORCH_SAMPLING = _ChunkedTorchSampling()
+
+
+def sampling_kernels(backend: str):
     """The kernel module of ``backend`` when it has the sampled-logprobs primitives (optional
-    ones, ``kernels/primitives.py``), else None: the torch path of this module serves it."""
+    ones), else this module's chunked torch (which serves every device)."""
     module = backend_module(backend)
-    return module if hasattr(module, "sampled_logprobs_forward") else None
+    return module if hasattr(module, "sampled_logprobs_forward") else CHUNKED_TORCH_SAMPLING
 
 
-def _new_row_outputs(n_rows, device):
-    return tuple(torch.empty(n_rows, dtype=dtype, device=device) for dtype in ROW_OUTPUT_DTYPES)
-
-
-def _forward_rows(rows, target, temperature, top_k, top_p, min_p, ignore_index, outputs,
-                  offset=0, work=None, kernels=None):
-    """Fill ``outputs`` (``_new_row_outputs``) at rows ``offset + n`` from ``rows [A, B, V]``;
-    ``work``: a forward ``_Workspace`` large enough for ``rows``' blocks, or None; ``kernels``:
-    a module from :func:`_sampling_kernels` (its primitive then serves), or None."""
-    if kernels is not None:
-        results = kernels.sampled_logprobs_forward(
-            rows, target, SamplingArgs(temperature, top_k, top_p, min_p, ignore_index))
-        for out, result in zip(outputs, results):
-            out[offset:offset + result.numel()] = result
-        return
-    if work is None:
-        work = _workspace(rows, FORWARD_BUFFERS)
-    for n0, n1, block in _blocks(rows):
-        results = _block_forward(block, target[n0:n1], temperature, top_k, top_p, min_p,
-                                 ignore_index, work.take(n1 - n0))
-        for out, result in zip(outputs, results):
-            out[offset + n0:offset + n1] = result
-
-
-@traceable_op("sampled_logprobs_forward", floats=("temperature", "top_p", "min_p"))
-def sampled_logprobs_forward(logits_rows: Tensor, target: Tensor, temperature: float,
-                             top_k: int, top_p: float, min_p: float, ignore_index: int,
+@traceable_op("sampled_logprobs_forward", params={"args": SamplingArgs})
+def sampled_logprobs_forward(logits_rows: Tensor, target: Tensor, args: SamplingArgs,
                              backend: str
                              ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(logp, lse_kept, threshold, log_kept_mass, support_size, in_support)`` per row of the
     ``[A, B, V]`` logits (``threshold`` in the encoding of the path that made it, read back by
     :func:`sampled_logprobs_backward` with the same ``backend``)."""
-    kernels = _sampling_kernels(backend)
-    if kernels is not None:
-        return tuple(kernels.sampled_logprobs_forward(
-            logits_rows, target, SamplingArgs(temperature, top_k, top_p, min_p, ignore_index)))
-    outputs = _new_row_outputs(target.numel(), logits_rows.device)
-    _forward_rows(logits_rows, target, temperature, top_k, top_p, min_p, ignore_index, outputs)
-    return outputs
+    return tuple(sampling_kernels(backend).sampled_logprobs_forward(logits_rows, target, args))
 
 
 @sampled_logprobs_forward.register_fake
-def _(logits_rows, target, temperature, top_k, top_p, min_p, ignore_index, backend):
+def _(logits_rows, target, args, backend):
     return tuple(logits_rows.new_empty(target.numel(), dtype=dtype)
                  for dtype in ROW_OUTPUT_DTYPES)
 
 
-@traceable_op("sampled_logprobs_backward", floats=("temperature", "top_p", "min_p"))
+@traceable_op("sampled_logprobs_backward", params={"args": SamplingArgs})
 def sampled_logprobs_backward(logits_rows: Tensor, target: Tensor, lse_kept: Tensor,
-                              threshold: Tensor, coef: Tensor, temperature: float, top_k: int,
-                              top_p: float, min_p: float, ignore_index: int,
+                              threshold: Tensor, coef: Tensor, args: SamplingArgs,
                               backend: str) -> Tensor:
     """The logits' gradient ``[A, B, V]`` for the per-row ``coef = g / T`` (0 outside K)."""
     # the caching allocator's buffer: a fresh [N, V] one costs a page fault per 4 KiB
     grad = cached_empty(logits_rows.shape, logits_rows.dtype, logits_rows.device)
-    kernels = _sampling_kernels(backend)
-    if kernels is not None:
-        kernels.sampled_logprobs_backward(
-            logits_rows, target, lse_kept, threshold, coef,
-            SamplingArgs(temperature, top_k, top_p, min_p, ignore_index), grad)
-        return grad
-    grad_rows = grad.view(-1, logits_rows.shape[-1])
-    work = _workspace(logits_rows, BACKWARD_BUFFERS)
-    for n0, n1, block in _blocks(logits_rows):
-        _block_backward(block, target[n0:n1], lse_kept[n0:n1], threshold[n0:n1], coef[n0:n1],
-                        temperature, grad_rows[n0:n1], work.take(n1 - n0))
+    sampling_kernels(backend).sampled_logprobs_backward(logits_rows, target, lse_kept,
+                                                        threshold, coef, args, grad)
     return grad
 
 
 @sampled_logprobs_backward.register_fake
-def _(logits_rows, target, lse_kept, threshold, coef, temperature, top_k, top_p, min_p,
-      ignore_index, backend):
+def _(logits_rows, target, lse_kept, threshold, coef, args, backend):
     return logits_rows.new_empty(logits_rows.shape)
 
 
@@ -398,13 +388,11 @@ class _SampledTokenLogprobs(torch.autograd.Function):
     """``(logp, log_kept_mass, support_size, in_support)``; only ``logp`` is differentiable."""
 
     @staticmethod
-    def forward(ctx, logits, target_flat, sampling, ignore_index, backend):
+    def forward(ctx, logits, target_flat, args, backend):
         logp, lse_kept, threshold, log_kept_mass, support_size, in_support = (
-            sampled_logprobs_forward(rows_view(logits), target_flat, sampling.temperature,
-                                     sampling.top_k, sampling.top_p, sampling.min_p,
-                                     ignore_index, backend))
+            sampled_logprobs_forward(rows_view(logits), target_flat, args, backend))
         ctx.save_for_backward(logits, target_flat, lse_kept, threshold, in_support)
-        ctx.sampling, ctx.ignore_index, ctx.backend = sampling, ignore_index, backend
+        ctx.args, ctx.backend = args, backend
         ctx.mark_non_differentiable(log_kept_mass, support_size, in_support)
         return logp, log_kept_mass, support_size, in_support
 
@@ -412,13 +400,10 @@ class _SampledTokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, *_):
         refuse_double_backward("token_logprobs", LOGPROBS_EQUIVALENT)
         logits, target_flat, lse_kept, threshold, in_support = ctx.saved_tensors
-        sampling = ctx.sampling
-        coef = _backward_coef(grad_logp, lse_kept, in_support, sampling.temperature)
+        coef = _backward_coef(grad_logp, lse_kept, in_support, ctx.args.temperature)
         grad = sampled_logprobs_backward(rows_view(logits), target_flat, lse_kept, threshold,
-                                         coef, sampling.temperature, sampling.top_k,
-                                         sampling.top_p, sampling.min_p, ctx.ignore_index,
-                                         ctx.backend)
-        return grad.view(logits.shape), None, None, None, None
+                                         coef, ctx.args, ctx.backend)
+        return grad.view(logits.shape), None, None, None
 
 
 def sampled_token_logprobs(logits: Tensor, target: Tensor, sampling: SamplingParams,
@@ -438,98 +423,30 @@ def sampled_token_logprobs(logits: Tensor, target: Tensor, sampling: SamplingPar
         target_flat = flat_target(target)
         if torch.is_grad_enabled() and logits.requires_grad:
             logp, log_kept_mass, support_size, in_support = _SampledTokenLogprobs.apply(
-                logits, target_flat, sampling, ignore_index, backend)
+                logits, target_flat, sampling.args(ignore_index), backend)
         else:
             logp, _, _, log_kept_mass, support_size, in_support = sampled_logprobs_forward(
-                rows_view(logits), target_flat, sampling.temperature, sampling.top_k,
-                sampling.top_p, sampling.min_p, ignore_index, backend)
+                rows_view(logits), target_flat, sampling.args(ignore_index), backend)
         logp = logp.view(target.shape)
     if not return_support:
         return logp
     return logp, _support_dict(log_kept_mass, support_size, in_support, target.shape)
 
 
-@traceable_op("linear_sampled_logprobs_forward",
-              floats=("temperature", "top_p", "min_p", "logit_scale", "softcap"))
-def linear_sampled_logprobs_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
-                                    target: Tensor, temperature: float, top_k: int,
-                                    top_p: float, min_p: float, ignore_index: int,
-                                    chunk_size: Optional[int], logit_scale: float,
-                                    softcap: float, backend: str
-                                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """:func:`sampled_logprobs_forward` of the head's logits, walked in row chunks."""
-    head = ChunkedHead(hidden, weight, bias, chunk_size, (False,) * 3, logit_scale, softcap)
-    outputs = _new_row_outputs(hidden.shape[0], hidden.device)
-    kernels = _sampling_kernels(backend)
-    work = None  # sized by the first chunk, the largest
-    for start, stop, logits in head.chunks():
-        if work is None and kernels is None:
-            work = _workspace(logits, FORWARD_BUFFERS)
-        _forward_rows(logits, target[start:stop], temperature, top_k, top_p, min_p,
-                      ignore_index, outputs, offset=start, work=work, kernels=kernels)
-    return outputs
-
-
-@linear_sampled_logprobs_forward.register_fake
-def _(hidden, weight, bias, target, temperature, top_k, top_p, min_p, ignore_index, chunk_size,
-      logit_scale, softcap, backend):
-    return tuple(hidden.new_empty(hidden.shape[0], dtype=dtype) for dtype in ROW_OUTPUT_DTYPES)
-
-
-@traceable_op("linear_sampled_logprobs_backward",
-              floats=("temperature", "top_p", "min_p", "logit_scale", "softcap"))
-def linear_sampled_logprobs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
-                                     target: Tensor, lse_kept: Tensor, threshold: Tensor,
-                                     coef: Tensor, temperature: float, top_k: int,
-                                     top_p: float, min_p: float, ignore_index: int,
-                                     needs_hidden: bool, needs_weight: bool, needs_bias: bool,
-                                     chunk_size: Optional[int], logit_scale: float,
-                                     softcap: float, backend: str
-                                     ) -> Tuple[Tensor, Tensor, Tensor]:
-    """The gradients of hidden, weight and bias: each chunk's logit gradient is written over
-    the chunk's logits, then folded (``ops/head.py``)."""
-    head = ChunkedHead(hidden, weight, bias, chunk_size, (needs_hidden, needs_weight, needs_bias),
-                       logit_scale, softcap)
-    kernels = _sampling_kernels(backend)
-    args = SamplingArgs(temperature, top_k, top_p, min_p, ignore_index)
-    work = None  # sized by the first chunk, the largest
-    for start, stop, logits in head.chunks():
-        if kernels is not None:
-            rows = slice(start, stop)
-            kernels.sampled_logprobs_backward(logits, target[rows], lse_kept[rows],
-                                              threshold[rows], coef[rows], args, logits)
-            head.fold(start, stop, logits)
-            continue
-        if work is None:
-            work = _workspace(logits, BACKWARD_BUFFERS)
-        for n0, n1, block in _blocks(logits):
-            rows = slice(start + n0, start + n1)
-            _block_backward(block, target[rows], lse_kept[rows], threshold[rows], coef[rows],
-                            temperature, block, work.take(n1 - n0))
-        head.fold(start, stop, logits)
-    return head.gradients()
-
-
-@linear_sampled_logprobs_backward.register_fake
-def _(hidden, weight, bias, target, lse_kept, threshold, coef, temperature, top_k, top_p, min_p,
-      ignore_index, needs_hidden, needs_weight, needs_bias, chunk_size, logit_scale, softcap,
-      backend):
-    return fake_head_gradients(hidden, weight, needs_hidden, needs_weight, needs_bias)
+_HEAD_FORWARD = head_walk("sampled_logprobs_forward", kernels=sampling_kernels)
+_HEAD_BACKWARD = head_walk("sampled_logprobs_backward", kernels=sampling_kernels)
 
 
 class _LinearSampledTokenLogprobs(torch.autograd.Function):
     """As :class:`_SampledTokenLogprobs`, from the hidden states and the head."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target_flat, sampling, ignore_index, chunk_size,
-                transform, backend):
-        logp, lse_kept, threshold, log_kept_mass, support_size, in_support = (
-            linear_sampled_logprobs_forward(
-                hidden, weight, bias, target_flat, sampling.temperature, sampling.top_k,
-                sampling.top_p, sampling.min_p, ignore_index, chunk_size, *transform, backend))
+    def forward(ctx, hidden, weight, bias, target_flat, args, chunk_size, transform, backend):
+        logp, lse_kept, threshold, log_kept_mass, support_size, in_support, *_ = _HEAD_FORWARD(
+            hidden, weight, bias, target_flat, args, False, False, False, chunk_size, backend,
+            *transform)
         ctx.save_for_backward(hidden, weight, bias, target_flat, lse_kept, threshold, in_support)
-        ctx.sampling, ctx.ignore_index, ctx.backend = sampling, ignore_index, backend
-        ctx.chunk_size, ctx.transform = chunk_size, transform
+        ctx.args, ctx.backend, ctx.chunk_size, ctx.transform = args, backend, chunk_size, transform
         ctx.mark_non_differentiable(log_kept_mass, support_size, in_support)
         return logp, log_kept_mass, support_size, in_support
 
@@ -537,13 +454,11 @@ class _LinearSampledTokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, *_):
         refuse_double_backward("linear_token_logprobs", LOGPROBS_EQUIVALENT)
         hidden, weight, bias, target_flat, lse_kept, threshold, in_support = ctx.saved_tensors
-        sampling = ctx.sampling
-        coef = _backward_coef(grad_logp, lse_kept, in_support, sampling.temperature)
-        grads = linear_sampled_logprobs_backward(
-            hidden, weight, bias, target_flat, lse_kept, threshold, coef, sampling.temperature,
-            sampling.top_k, sampling.top_p, sampling.min_p, ctx.ignore_index,
-            *ctx.needs_input_grad[:3], ctx.chunk_size, *ctx.transform, ctx.backend)
-        return (*(grad_or_none(g) for g in grads), None, None, None, None, None, None)
+        coef = _backward_coef(grad_logp, lse_kept, in_support, ctx.args.temperature)
+        grads = _HEAD_BACKWARD(hidden, weight, bias, target_flat, lse_kept, threshold, coef,
+                               ctx.args, *ctx.needs_input_grad[:3], ctx.chunk_size, ctx.backend,
+                               *ctx.transform)
+        return (*(grad_or_none(g) for g in grads), None, None, None, None, None)
 
 
 def linear_sampled_token_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
@@ -566,12 +481,12 @@ def linear_sampled_token_logprobs(hidden: Tensor, weight: Tensor, bias: Optional
     transform = (logit_scale, 0.0 if softcap is None else softcap)
     if head_any_grad(hidden, weight, bias):
         logp, log_kept_mass, support_size, in_support = _LinearSampledTokenLogprobs.apply(
-            hidden_rows, weight, bias, target_flat, sampling, ignore_index, chunk_size,
+            hidden_rows, weight, bias, target_flat, sampling.args(ignore_index), chunk_size,
             transform, backend)
     else:
-        logp, _, _, log_kept_mass, support_size, in_support = linear_sampled_logprobs_forward(
-            hidden_rows, weight, bias, target_flat, sampling.temperature, sampling.top_k,
-            sampling.top_p, sampling.min_p, ignore_index, chunk_size, *transform, backend)
+        logp, _, _, log_kept_mass, support_size, in_support, *_ = _HEAD_FORWARD(
+            hidden_rows, weight, bias, target_flat, sampling.args(ignore_index), False, False,
+            False, chunk_size, backend, *transform)
     logp = logp.view(target.shape)
     if not return_support:
         return logp
