@@ -7,12 +7,7 @@ from .ops.distill import distill_loss, linear_distill_loss
 from .ops.distill_options import DistillOptions
 from .ops.grpo import grpo_loss, linear_grpo_loss
 from .ops.grpo_options import GRPOOptions
-from .ops.logprobs import (
-    linear_sequence_logprobs,
-    linear_token_logprobs,
-    sequence_logprobs,
-    token_logprobs,
-)
+from .ops.logprobs import linear_token_logprobs, token_logprobs
 from .ops.preference import (
     DPOOptions,
     cpo_loss,
@@ -23,6 +18,7 @@ from .ops.preference import (
     simpo_loss,
 )
 from .ops.sampling import SamplingParams
+from .ops.sequences import linear_sequence_logprobs, sequence_logprobs
 from .ops.topk_distill import linear_topk_distill_loss, topk_distill_loss
 
 __version__ = "0.1.0"

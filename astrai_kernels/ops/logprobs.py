@@ -15,7 +15,6 @@ from typing import (
     TYPE_CHECKING,
     Dict,
     Literal,
-    NamedTuple,
     Optional,
     Sequence,
     Tuple,
@@ -320,91 +319,8 @@ def _vocab_parallel(call):
     return (logp, entropy.view(target.shape)) if params.with_entropy else logp
 
 
-def sequence_logprobs(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    average: bool = False,
-    temperature: float = 1.0,
-    backend: str = "auto",
-    sampling: Optional[SamplingParams] = None,
-) -> torch.Tensor:
-    """Per-sequence sum (or mean over ``mask``) of token log-probs; logits ``[B, T, V]``.
-
-    ``mask`` (bool, integer or float, of target's shape) selects the tokens counted (nonzero
-    entries); masked targets are not read, so they may hold anything. ``sampling`` as in
-    ``token_logprobs``: a sequence with a counted token outside the sampler's support gets
-    ``-inf`` (its probability under the sampler is 0), never a finite stand-in; its other
-    tokens keep their gradients. ``token_logprobs(..., return_support=True)`` says which.
-    """
-    return SEQUENCE_LOGPROBS.enter(locals())
-
-
-class SequenceCall(NamedTuple):
-    """A checked ``sequence_logprobs`` call: the mask as bool, the resolved backend."""
-    keep: torch.Tensor
-    backend: str
-
-
-def _check_sequence(call) -> SequenceCall:
-    logits = call["logits"]
-    check_logits(logits)
-    keep = checked_sequence_mask(LogitsShape.of(logits), call["target"], call["mask"],
-                                 call["average"])
-    return SequenceCall(keep, resolve_backend(call["backend"], logits.device))
-
-
-def _sequence_reference(call, checked: SequenceCall):
-    if call["sampling"] is not None:
-        return _sequence_local(call, checked)
-    return reference.sequence_logprobs(
-        call["logits"].float(), torch.where(checked.keep, call["target"], -100), call["mask"],
-        call["average"], check_positive(call["temperature"], "temperature"))
-
-
-def _sequence_local(call, checked: SequenceCall):
-    target = call["target"]
-    masked_target = torch.where(checked.keep, target, torch.full_like(target, -100))
-    logp = token_logprobs(call["logits"], masked_target, temperature=call["temperature"],
-                          ignore_index=-100, backend=checked.backend, sampling=call["sampling"])
-    return reduce_sequence(logp, call["mask"], call["average"])
-
-
-def _sequence_dtensor(op, **call):
-    return dtensor.sequence_logprobs(op, token_logprobs, reduce_sequence, **call)
-
-
-def checked_sequence_mask(logits: LogitsShape, target: torch.Tensor, mask: torch.Tensor,
-                          average: bool) -> torch.Tensor:
-    """Check ``mask``, ``average`` and the targets the mask keeps against ``[B, T, V]``
-    logits; the mask as bool."""
-    if len(logits.lead) != 2:
-        raise ValueError(f"logits must have shape [B, T, V], got {logits.lead + (logits.vocab,)}")
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
-    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(target.shape):
-        raise ValueError(f"mask must be a tensor of target's shape {tuple(target.shape)}, got "
-                         f"{getattr(mask, 'shape', type(mask).__name__)}")
-    if mask.device != logits.device:
-        raise ValueError(f"mask is on {mask.device} but logits are on {logits.device}")
-    check_bool(average, "average")
-    keep = mask.bool()
-    check_target(target, logits, where=keep)
-    return keep
-
-
-def reduce_sequence(logp: torch.Tensor, mask: torch.Tensor, average: bool) -> torch.Tensor:
-    """Sum (or mean over ``mask``) of token log-probs ``[B, T]`` per sequence."""
-    weight = mask.to(torch.float32)
-    total = (logp * weight).sum(-1)
-    return total / weight.sum(-1).clamp(min=1.0) if average else total
-
-
 TOKEN_LOGPROBS = Door(token_logprobs, ("logits", "target"), _check, _local, _reference,
                       _vocab_parallel, dtensor.token_logprobs)
-SEQUENCE_LOGPROBS = Door(sequence_logprobs, ("logits", "target", "mask"), _check_sequence,
-                         _sequence_local, _sequence_reference, dtensor=_sequence_dtensor)
 
 
 # ``target [..., K]``: K log-probs of each row from one pass over it. The row's lse comes from
@@ -559,7 +475,7 @@ def _local_columns(logits, target, params: LogprobsParams):
     return (logp, entropy.view(target.shape[:-1])) if params.with_entropy else logp
 
 
-# The fused head's forms: ``linear_token_logprobs`` and ``linear_sequence_logprobs``
+# The fused head's form: ``linear_token_logprobs``
 
 # named by the error of a double backward (refuse_double_backward)
 LOGPROBS_EQUIVALENT = ("torch.log_softmax(torch.nn.functional.linear(hidden, weight, bias)"
@@ -802,45 +718,6 @@ def refuse_transform_with_process_group(logit_scale, softcap, stats_mask):
                          "process_group (the vocabulary-parallel head)")
 
 
-def linear_sequence_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, mask: Tensor, *,
-                             bias: Optional[Tensor] = None, average: bool = False,
-                             temperature: float = 1.0, softcap: Optional[float] = None,
-                             logit_scale: float = 1.0, chunk_size: Optional[int] = None,
-                             backend: str = "auto",
-                             sampling: Optional[SamplingParams] = None) -> Tensor:
-    """Per-sequence sum (or mean over ``mask``) of token log-probs; hidden ``[B, T, H]``;
-    ``softcap`` and ``logit_scale`` as in ``linear_token_logprobs``; ``sampling`` as in
-    ``sequence_logprobs`` (a sequence with a token outside the support gets ``-inf``)."""
-    return LINEAR_SEQUENCE_LOGPROBS.enter(locals())
-
-
-def _check_linear_sequence(call) -> SequenceCall:
-    hidden, weight = call["hidden"], call["weight"]
-    check_head(hidden, weight, call["bias"], call["chunk_size"])
-    if hidden.dim() != 3:
-        raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
-    keep = checked_sequence_mask(LogitsShape.of_head(hidden, weight), call["target"],
-                                       call["mask"], call["average"])
-    return SequenceCall(keep, resolve_backend(call["backend"], hidden.device))
-
-
-def _linear_sequence_logprobs(call, checked: SequenceCall):
-    """Both routes: the token log-probs (the reference's on the reference backend) reduced."""
-    target = call["target"]
-    masked_target = torch.where(checked.keep, target, torch.full_like(target, -100))
-    logp = linear_token_logprobs(call["hidden"], call["weight"], masked_target, bias=call["bias"],
-                                 temperature=call["temperature"], ignore_index=-100,
-                                 softcap=call["softcap"], logit_scale=call["logit_scale"],
-                                 chunk_size=call["chunk_size"], backend=checked.backend,
-                                 sampling=call["sampling"])
-    return reduce_sequence(logp, call["mask"], call["average"])
-
-
-def _linear_sequence_dtensor(op, **call):
-    return dtensor.linear_sequence_logprobs(op, linear_token_logprobs, reduce_sequence,
-                                            **call)
-
-
 def _vocab_parallel_linear(call):
     """``linear_token_logprobs`` with this rank's vocabulary shard of the head."""
     hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
@@ -870,12 +747,6 @@ def _vocab_parallel_linear(call):
 LINEAR_TOKEN_LOGPROBS = Door(linear_token_logprobs, ("hidden", "weight", "target", "bias"),
                              _check_linear, _local_linear, _reference_linear,
                              _vocab_parallel_linear, dtensor.linear_token_logprobs)
-LINEAR_SEQUENCE_LOGPROBS = Door(linear_sequence_logprobs,
-                                ("hidden", "weight", "target", "mask", "bias"),
-                                _check_linear_sequence, _linear_sequence_logprobs,
-                                _linear_sequence_logprobs, dtensor=_linear_sequence_dtensor)
-
-
 # ``target [..., K]`` on the fused head: the logits op's way (``ops/logprobs.py``, "target
 # [..., K]") run on each chunk of ChunkedHead's walk, the target columns of a chunk's logit
 # gradient overwritten before it is folded.
