@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .kernels.primitives import LOG_RATIO_CLAMP
-from .ops.grpo_options import GRPOOptions, options_from, options_or_keywords
+from .ops.grpo_options import GRPOOptions, options_of_call, options_or_keywords
 
 
 def token_logprobs(logits: Tensor, target: Tensor, temperature: float = 1.0,
@@ -219,18 +219,7 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
     and old/reference log-probs may hold anything (inf, NaN, out-of-range ids). ``options``: a
     ``GRPOOptions`` holding every scalar keyword at once, as ``ak.grpo_loss`` takes it.
     """
-    options = options_from(options, dict(
-        beta=beta, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
-        loss_type=loss_type, importance_sampling=importance_sampling, temperature=temperature,
-        max_completion_length=max_completion_length, sapo_tau_pos=sapo_tau_pos,
-        sapo_tau_neg=sapo_tau_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
-        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
-        kl_ratio_correction=kl_ratio_correction, off_policy_threshold=off_policy_threshold,
-        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef,
-        rollout_is=rollout_is, rollout_is_min=rollout_is_min, rollout_is_max=rollout_is_max,
-        rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
-        rollout_rs_threshold=rollout_rs_threshold,
-        rollout_rs_threshold_lower=rollout_rs_threshold_lower))
+    options = options_of_call(locals())
     return _grpo_loss(logits, target, advantages, mask, old_logprobs, ref_logprobs, normalizer,
                       importance_weights, sampling_logprobs, options)
 

@@ -37,7 +37,7 @@ from .door import Door
 from .grpo_options import (
     OPTION_NAMES,
     GRPOOptions,
-    options_from,
+    options_of_call,
     options_or_keywords,
 )
 from .grpo_plan import (
@@ -148,18 +148,7 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
     the options that need the entropy (``top_entropy_quantile < 1``, ``entropy_coef``,
     ``return_token_values``), ``process_group`` or DTensors.
     """
-    options = options_from(options, dict(
-        beta=beta, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
-        loss_type=loss_type, importance_sampling=importance_sampling, temperature=temperature,
-        max_completion_length=max_completion_length, sapo_tau_pos=sapo_tau_pos,
-        sapo_tau_neg=sapo_tau_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
-        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
-        kl_ratio_correction=kl_ratio_correction, off_policy_threshold=off_policy_threshold,
-        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef,
-        rollout_is=rollout_is, rollout_is_min=rollout_is_min, rollout_is_max=rollout_is_max,
-        rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
-        rollout_rs_threshold=rollout_rs_threshold,
-        rollout_rs_threshold_lower=rollout_rs_threshold_lower))
+    options = options_of_call(locals())
     return GRPO_LOSS.enter(locals())
 
 
@@ -549,18 +538,7 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
     ``sampling`` as in ``ak.grpo_loss``: the token log-probs under the sampler's processed
     distribution (``linear_token_logprobs(sampling=...)``), a token outside it masked.
     """
-    options = options_from(options, dict(
-        beta=beta, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
-        loss_type=loss_type, importance_sampling=importance_sampling, temperature=temperature,
-        max_completion_length=max_completion_length, sapo_tau_pos=sapo_tau_pos,
-        sapo_tau_neg=sapo_tau_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
-        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
-        kl_ratio_correction=kl_ratio_correction, off_policy_threshold=off_policy_threshold,
-        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef,
-        rollout_is=rollout_is, rollout_is_min=rollout_is_min, rollout_is_max=rollout_is_max,
-        rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
-        rollout_rs_threshold=rollout_rs_threshold,
-        rollout_rs_threshold_lower=rollout_rs_threshold_lower))
+    options = options_of_call(locals())
     return LINEAR_GRPO_LOSS.enter(locals())
 
 
