@@ -53,6 +53,7 @@ from .head import (
     head_any_grad,
     head_needs,
     head_walk,
+    reference_on_logits,
 )
 from .reduction import (
     check_zero_normalizer,
@@ -343,12 +344,9 @@ def _check_linear(call) -> Checked:
 
 
 def _reference_linear(call, checked: Checked):
+    # the logits op applies softcap and logit_scale itself
     logits = torch.nn.functional.linear(call["hidden"], call["weight"], call["bias"])
-    return cross_entropy(logits, call["target"], ignore_index=call["ignore_index"],
-                               reduction=call["reduction"],
-                               label_smoothing=call["label_smoothing"], z_loss=call["z_loss"],
-                               softcap=call["softcap"], logit_scale=call["logit_scale"],
-                               normalizer=call["normalizer"], backend="reference")
+    return reference_on_logits(cross_entropy, call, logits)
 
 
 def _local_linear(call, checked: Checked):

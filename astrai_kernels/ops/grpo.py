@@ -56,6 +56,7 @@ from .head import (
     head_needs,
     head_walk,
     reference_logits,
+    reference_on_logits,
 )
 from .logprobs import linear_token_logprobs, refuse_transform_with_process_group, token_logprobs
 from .sampling import SamplingParams
@@ -567,10 +568,7 @@ def _check_linear(call) -> _HeadGRPO:
 def _reference_linear(call, checked: _HeadGRPO):
     logits = reference_logits(call["hidden"], call["weight"], call["bias"], call["logit_scale"],
                               call["softcap"])
-    keywords = without_option_keywords(call)
-    for name in ("hidden", "weight", "bias", "softcap", "logit_scale", "chunk_size"):
-        del keywords[name]
-    return grpo_loss(logits=logits, **{**keywords, "backend": "reference"})
+    return reference_on_logits(grpo_loss, without_option_keywords(call), logits)
 
 
 def _local_linear(call, checked: _HeadGRPO):

@@ -563,6 +563,14 @@ def reference_logits(hidden, weight, bias, logit_scale, softcap):
     return reference.transform_logits(logits.float(), logit_scale, softcap)
 
 
+def reference_on_logits(op, call, logits):
+    """A fused-head call on the reference backend: its logits ``op`` on ``logits`` with the
+    call's arguments that ``op`` takes (the head's own, such as ``chunk_size``, dropped)."""
+    accepted = inspect.signature(op).parameters
+    keywords = {name: value for name, value in call.items() if name in accepted}
+    return op(**{**keywords, "logits": logits, "backend": "reference"})
+
+
 def checked_transform(logit_scale, softcap):
     """``(logit_scale, softcap)`` as floats (softcap 0.0 when None), checked."""
     logit_scale = check_in_range(logit_scale, "logit_scale", -math.inf, math.inf)

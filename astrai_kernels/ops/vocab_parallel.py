@@ -51,7 +51,6 @@ tracing). ``backend="reference"`` all-gathers the full logits and runs the naive
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Tuple
@@ -80,6 +79,7 @@ from .head import (
     chunk_rows,
     compute_dtype,
     head_needs,
+    reference_on_logits,
     row_floats,
 )
 
@@ -646,10 +646,8 @@ def on_head_logits(op, call):
     on this shard's logits (the hidden states' gradient summed over the group), with the
     call's arguments that ``op`` takes."""
     hidden = SumGradOverGroup.apply(call["hidden"], call["process_group"])
-    logits = torch.nn.functional.linear(hidden, call["weight"], call["bias"])
-    accepted = inspect.signature(op).parameters
-    keywords = {name: value for name, value in call.items() if name in accepted}
-    return op(**{**keywords, "logits": logits, "backend": "reference"})
+    return reference_on_logits(op, call, torch.nn.functional.linear(hidden, call["weight"],
+                                                                    call["bias"]))
 
 
 def _shard_params(params, requested_backend, needs_grad, **changes):
