@@ -22,11 +22,14 @@ from astrai_kernels.kernels.primitives import (
     DistillArgs,
     MixtureWeights,
     SampledLogprobsBackend,
+    SamplingArgs,
     VocabShardBackend,
     args_of,
+    declared,
     mixture_weights,
 )
 from astrai_kernels.kernels.triton import backend as triton_backend
+from astrai_kernels.ops import sampling as sampling_op
 from astrai_kernels.ops.cross_entropy import CrossEntropyParams
 
 MODULES = {"torch": torch_backend, "cpp": cpp_backend, "triton": triton_backend}
@@ -77,9 +80,9 @@ def test_declarations_state_the_protocol(primitive):
     assert _protocol_parameters(protocol, primitive.name) == expected
 
 
-@pytest.mark.parametrize("name", sorted(PRIMITIVES))
+@pytest.mark.parametrize("name", sorted(PRIMITIVES) + sorted(SAMPLING_PRIMITIVES))
 def test_generated_schema_follows_the_declaration(name):
-    primitive = PRIMITIVES[name]
+    primitive = declared(name)
     schema = _library._GENERATED[name].op._opoverload._schema
     names = [argument.name for argument in schema.arguments]
     expected = [tensor for tensor, _ in primitive.tensors]
@@ -138,3 +141,29 @@ def test_log_ratio_clamp_is_declared_once():
     if triton_backend.import_error() is None:
         from astrai_kernels.kernels.triton import helpers
         assert float(helpers.LOG_RATIO_CLAMP.value) == primitives.LOG_RATIO_CLAMP
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])  # chunked torch, or the backend's kernel
+def test_sampling_ops_fake_states_what_they_return(backend):
+    """The optional sampled-logprobs primitives' generated ops (``ops/sampling.py`` passes its
+    own kernels): under a fake mode their fakes give the eager call's shapes and dtypes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 13, generator=g)
+    target = torch.tensor([0, 5, -100, 12, 3, 7])
+    args = SamplingArgs(0.7, 4, 0.9, 0.0, -100)
+    coef = torch.rand(6, generator=g) * (target != -100)
+    for op, arguments in (
+            (sampling_op.sampled_logprobs_forward, (logits, target, args, backend)),
+            (sampling_op.sampled_logprobs_backward,
+             (logits, target, torch.rand(6, generator=g) + 3.0, torch.randn(6, generator=g),
+              coef, args, backend))):
+        eager = op(*arguments)
+        eager = eager if isinstance(eager, tuple) else (eager,)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            faked = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                         for a in arguments))
+        faked = faked if isinstance(faked, tuple) else (faked,)
+        assert [(tuple(t.shape), t.dtype) for t in faked] == [
+            (tuple(t.shape), t.dtype) for t in eager]

@@ -7,7 +7,9 @@ custom op (its schema: the declared tensors, then the fields of its params class
 ``primitive_name(*tensors, params, [compute_grad,] backend)``. Each op is functional (it
 allocates the gradient it returns) and dispatches on ``backend`` to the module named in
 ``kernels/registry.py``. The in-place-gradient paths call the backend modules directly instead
-(an op may not return an alias of its input).
+(an op may not return an alias of its input). An optional primitive's op
+(:func:`optional_primitive_op`, the sampler's) is generated the same way by its op's file, with
+that file's kernels: a backend without the primitive falls back to chunked torch there.
 
 :func:`traceable_op` makes these ops (and the fused head's walks, ``ops/head.py``'s
 ``head_walk``):
@@ -41,7 +43,7 @@ import torch
 from torch import Tensor
 
 from .memory import cached_empty
-from .primitives import ALWAYS, NONE, OPTIONAL, PRIMITIVES, args_of
+from .primitives import ALWAYS, NONE, OPTIONAL, PRIMITIVES, args_of, declared
 from .registry import backend_module
 
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
@@ -211,8 +213,8 @@ def _run(primitive, module, tensors, params, compute_grad, new_grad):
 def _fake(primitive, tensors, params, compute_grad):
     first = tensors[0]
     n_rows = tensors[primitive_target_index(primitive)].numel()
-    rows = tuple(first.new_empty(length, dtype=torch.float32)
-                 for length in primitive.outputs(params, n_rows))
+    rows = tuple(first.new_empty(length, dtype=primitive.output_dtype(i))
+                 for i, length in enumerate(primitive.outputs(params, n_rows)))
     if primitive.gradient == ALWAYS:
         return first.new_empty(first.shape)
     if primitive.gradient == OPTIONAL:
@@ -230,10 +232,11 @@ def _grad_like(logits):
 
 class _Generated:
     """A primitive's custom op, its Triton twin (defined on first traced use) and its
-    eager wrapper."""
+    eager wrapper. ``kernels(backend)`` gives the module whose function of the primitive's
+    name runs; ``triton_twin``: whether traced triton calls get a ``triton_op`` twin."""
 
-    def __init__(self, primitive):
-        self.primitive = primitive
+    def __init__(self, primitive, kernels=backend_module, triton_twin=True):
+        self.primitive, self.kernels, self.triton_twin = primitive, kernels, triton_twin
         self.n_tensors = len(primitive.tensors)
         self.field_names = [name for name, _, _ in _schema_fields(primitive)]
         self.runtime_floats = [i for i, (_, _, runtime) in enumerate(_schema_fields(primitive))
@@ -266,7 +269,7 @@ class _Generated:
 
     def _op_body(self, *args):
         tensors, params, compute_grad, (backend,) = self._split(args, True)
-        return _run(self.primitive, backend_module(backend), tensors, params, compute_grad,
+        return _run(self.primitive, self.kernels(backend), tensors, params, compute_grad,
                     _grad_like)
 
     def _fake_body(self, *args):
@@ -281,7 +284,7 @@ class _Generated:
         them); it takes the floats as Python floats."""
         def twin_body(*args):
             tensors, params, compute_grad, _ = self._split(args, False)
-            return _run(self.primitive, backend_module("triton"), tensors, params,
+            return _run(self.primitive, self.kernels("triton"), tensors, params,
                         compute_grad, torch.empty_like)
         entry = self._make_entry(_signature(self.primitive, False, False), twin_body)
         return torch.library.triton_op(f"astrai_kernels::triton_{self.primitive.name}", entry,
@@ -294,11 +297,12 @@ class _Generated:
         compute_grad = args[self.n_tensors + 1] if self.optional else None
         backend = args[-1]
         if runs_eagerly(tensors):
-            return _run(self.primitive, backend_module(backend), tensors,
+            return _run(self.primitive, self.kernels(backend), tensors,
                         args_of(params, self.primitive.params), compute_grad, _grad_like)
         values = [getattr(params, name) for name in self.field_names]
         flags = (compute_grad,) if self.optional else ()
-        if backend == "triton" and TRITON_OPS and _triton_twins_defined():
+        if (backend == "triton" and self.triton_twin and TRITON_OPS
+                and _triton_twins_defined()):
             return _TRITON_TWINS[self.primitive.name](*tensors, *values, *flags)
         for i in self.runtime_floats:
             values[i] = float_arg(values[i])
@@ -323,7 +327,8 @@ def _triton_twins_defined():
     Triton); True."""
     if not _TRITON_TWINS:
         _TRITON_TWINS.update({name: generated.define_twin()
-                              for name, generated in _GENERATED.items()})
+                              for name, generated in _GENERATED.items()
+                              if generated.triton_twin})
     return True
 
 
@@ -332,6 +337,17 @@ def _triton_twins_defined():
 _triton_twins_defined._dynamo_marked_constant = True
 
 _GENERATED = {name: _Generated(primitive) for name, primitive in PRIMITIVES.items()}
+
+
+def optional_primitive_op(name, kernels):
+    """The custom op, fake and eager wrapper of the optional primitive ``name``
+    (``kernels/primitives.py``), run by ``kernels(backend)``: the op's file passes its own,
+    which falls back to chunked torch on a backend without the primitive. No Triton twin:
+    traced, a triton call runs through the opaque op."""
+    generated = _Generated(declared(name), kernels, triton_twin=False)
+    _GENERATED[name] = generated
+    return generated
+
 logprobs_forward = _GENERATED["logprobs_forward"]
 logprobs_backward = _GENERATED["logprobs_backward"]
 cross_entropy_forward = _GENERATED["cross_entropy_forward"]

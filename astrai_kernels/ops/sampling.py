@@ -36,14 +36,13 @@ backend runs this path on its device. ``backend="reference"`` runs
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 from torch import Tensor
 
 from .. import reference
-from ..kernels.library import traceable_op
-from ..kernels.memory import cached_empty
+from ..kernels.library import optional_primitive_op
 from ..kernels.primitives import SAMPLING_PRIMITIVES, SamplingArgs
 from ..kernels.registry import backend_module, resolve_backend
 from ._common import (
@@ -346,37 +345,14 @@ def sampling_kernels(backend: str):
     return module if hasattr(module, "sampled_logprobs_forward") else CHUNKED_TORCH_SAMPLING
 
 
-@traceable_op("sampled_logprobs_forward", params={"args": SamplingArgs})
-def sampled_logprobs_forward(logits_rows: Tensor, target: Tensor, args: SamplingArgs,
-                             backend: str
-                             ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(logp, lse_kept, threshold, log_kept_mass, support_size, in_support)`` per row of the
-    ``[A, B, V]`` logits (``threshold`` in the encoding of the path that made it, read back by
-    :func:`sampled_logprobs_backward` with the same ``backend``)."""
-    return tuple(sampling_kernels(backend).sampled_logprobs_forward(logits_rows, target, args))
-
-
-@sampled_logprobs_forward.register_fake
-def _(logits_rows, target, args, backend):
-    return tuple(logits_rows.new_empty(target.numel(), dtype=dtype)
-                 for dtype in ROW_OUTPUT_DTYPES)
-
-
-@traceable_op("sampled_logprobs_backward", params={"args": SamplingArgs})
-def sampled_logprobs_backward(logits_rows: Tensor, target: Tensor, lse_kept: Tensor,
-                              threshold: Tensor, coef: Tensor, args: SamplingArgs,
-                              backend: str) -> Tensor:
-    """The logits' gradient ``[A, B, V]`` for the per-row ``coef = g / T`` (0 outside K)."""
-    # the caching allocator's buffer: a fresh [N, V] one costs a page fault per 4 KiB
-    grad = cached_empty(logits_rows.shape, logits_rows.dtype, logits_rows.device)
-    sampling_kernels(backend).sampled_logprobs_backward(logits_rows, target, lse_kept,
-                                                        threshold, coef, args, grad)
-    return grad
-
-
-@sampled_logprobs_backward.register_fake
-def _(logits_rows, target, lse_kept, threshold, coef, args, backend):
-    return logits_rows.new_empty(logits_rows.shape)
+#: ``(logits_rows [A, B, V], target, args: SamplingArgs, backend)`` -> ``(logp, lse_kept,
+#: threshold, log_kept_mass, support_size, in_support)`` per row (``threshold`` in the encoding
+#: of the path that made it, read back by the backward with the same ``backend``)
+sampled_logprobs_forward = optional_primitive_op("sampled_logprobs_forward", sampling_kernels)
+#: ``(logits_rows, target, lse_kept, threshold, coef, args, backend)`` -> the logits' gradient
+#: for the per-row ``coef = g / T`` (0 outside K)
+sampled_logprobs_backward = optional_primitive_op("sampled_logprobs_backward",
+                                                  sampling_kernels)
 
 
 def _backward_coef(grad_logp, lse_kept, in_support, temperature):
