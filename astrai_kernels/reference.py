@@ -85,7 +85,7 @@ def sampled_token_logprobs(logits: Tensor, target: Tensor, temperature: float = 
     the renormalised kept tokens, a token iff the mass of strictly larger ``s`` is below
     ``top_p``. ``logp = s_y - logsumexp`` over the kept tokens, ``-inf`` outside them;
     ``log_kept_mass`` is the log of their mass under ``softmax(s)``. Ignored rows give 0, 0,
-    0 and False."""
+    0 and False; a row holding NaN or +inf (or only -inf) gives NaN, NaN, ``V`` and True."""
     valid = target != ignore_index
     s = torch.where(valid.unsqueeze(-1), logits, 0.0) / temperature
     vocab = s.shape[-1]
@@ -111,7 +111,14 @@ def sampled_token_logprobs(logits: Tensor, target: Tensor, temperature: float = 
     logp = torch.where(in_support, s.gather(-1, safe).squeeze(-1) - lse_kept,
                        torch.where(valid, -math.inf, 0.0))
     log_kept_mass = torch.where(valid, lse_kept - torch.logsumexp(s, -1), 0.0).detach()
-    return logp, log_kept_mass, torch.where(valid, kept.sum(-1), 0), in_support
+    support_size = torch.where(valid, kept.sum(-1), 0)
+    # a row holding NaN or +inf (or only -inf) has no distribution: the plain log-softmax's NaN,
+    # every token counted, never a filter's -inf that would hide it
+    undefined = valid & ~torch.isfinite(s.amax(-1))
+    plain = torch.log_softmax(s, -1).gather(-1, safe).squeeze(-1)
+    return (torch.where(undefined, plain, logp),
+            torch.where(undefined, math.nan, log_kept_mass),
+            torch.where(undefined, vocab, support_size), in_support | undefined)
 
 
 def _divide_or_zero(total: Tensor, count: Tensor) -> Tensor:

@@ -621,12 +621,12 @@ def _non_finite_rows(vocab):
 @pytest.mark.parametrize("settings", LONG_SETTINGS, ids=lambda s: "-".join(
     f"{k}={v}" for k, v in s.items()))
 @pytest.mark.parametrize("vocab", [VOCAB, LONG_VOCAB])
-@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("backend", ["cpp", "torch", "reference"])
 def test_rows_with_nan_or_inf_are_nan_as_in_the_plain_op(vocab, settings, backend):
     """A row holding NaN or +inf (or only -inf) has no distribution: the plain op gives NaN
     log-probs and a NaN gradient there, and so does the sampling path (in_support, every token
     counted), the cpp kernel and the torch path alike, whatever its filters; it never hangs,
-    and the other rows are untouched."""
+    and the other rows are untouched. The float64 spec (``backend="reference"``) says so too."""
     params = ak.SamplingParams(temperature=0.8, **settings)
     rows, target, bad = _non_finite_rows(vocab)
     x, x_plain = (rows.clone().requires_grad_(True) for _ in range(2))
