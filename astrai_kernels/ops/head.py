@@ -369,6 +369,84 @@ def _head_names(prefix: str) -> _HeadNames:
     return _HeadNames(*(prefix + name for name in _HeadNames._fields))
 
 
+class _HeadWalk:
+    """A primitive's fused-head walk (see :func:`head_walk`): its schema, its body, its fake."""
+
+    def __init__(self, primitive, extra: Optional[ChunkExtra], kernels):
+        self.primitive, self.extra, self.kernels = primitive, extra, kernels
+        self.heads = [_head_names("" if i == 0 else f"{name}_")
+                      for i, (name, _) in enumerate(primitive.tensors[:primitive.logits])]
+        self.row_names = [name for name, _ in primitive.tensors[primitive.logits:]]
+        schema = []
+        for head in self.heads:
+            schema += [(head.hidden, Tensor), (head.weight, Tensor),
+                       (head.bias, Optional[Tensor])]
+        schema += list(primitive.tensors[primitive.logits:])
+        schema += [("args", primitive.params), ("needs_hidden", bool), ("needs_weight", bool),
+                   ("needs_bias", bool), ("chunk_size", Optional[int]), ("backend", str)]
+        for head in self.heads:
+            schema += [(head.logit_scale, float), (head.softcap, float)]
+        if extra is not None:
+            schema.append((extra.argument, int))
+        self.names = [name for name, _ in schema]
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        self.signature = inspect.Signature(
+            [inspect.Parameter(name, kind, annotation=annotation) for name, annotation in schema],
+            return_annotation=Tuple[(Tensor,) * (primitive.n_outputs + (extra is not None) + 3)])
+        self.floats = [name for head in self.heads for name in (head.logit_scale, head.softcap)]
+
+    def layout(self, values):
+        """``(call, needs, writes_grad)`` of the schema's values."""
+        call = dict(zip(self.names, values))
+        needs = (call["needs_hidden"], call["needs_weight"], call["needs_bias"])
+        gradient = self.primitive.gradient
+        writes_grad = gradient == ALWAYS or (gradient == OPTIONAL and any(needs))
+        return call, needs if writes_grad else (False,) * 3, writes_grad
+
+    def outputs(self, call):
+        """New per-row outputs (and the extra's ``[k, N]``)."""
+        hidden, primitive = call["hidden"], self.primitive
+        n_rows, device = hidden.shape[0], hidden.device
+        rows = tuple(torch.empty(length, dtype=primitive.output_dtype(i), device=device)
+                     for i, length in enumerate(primitive.outputs(call["args"], n_rows)))
+        if self.extra is None:
+            return rows
+        size = self.extra.size(call[self.extra.argument])
+        return (*rows, torch.empty((size, n_rows), dtype=torch.float32, device=device))
+
+    def walk(self, *values):
+        call, needs, writes_grad = self.layout(values)
+        primitive, extra = self.primitive, self.extra
+        first = ChunkedHead(call["hidden"], call["weight"], call["bias"], call["chunk_size"],
+                            needs, call["logit_scale"], call["softcap"])
+        walked = [first] + [ChunkedHead(call[head.hidden], call[head.weight], call[head.bias],
+                                        first.chunk, (False,) * 3, call[head.logit_scale],
+                                        call[head.softcap]) for head in self.heads[1:]]
+        kernel = getattr(self.kernels(call["backend"]), primitive.name)
+        args, n_rows = call["args"], call["hidden"].shape[0]
+        results = self.outputs(call)
+        for chunks in zip(*(head.chunks() for head in walked)):
+            start, stop, logits = chunks[0]
+            rows = {name: _chunk_rows(call[name], start, stop, n_rows) for name in self.row_names}
+            grad = () if primitive.gradient == NONE else (logits if writes_grad else None,)
+            values = kernel(logits, *(chunk[2] for chunk in chunks[1:]), *rows.values(), args,
+                            *grad)
+            for out, value in zip(results[:primitive.n_outputs], values or ()):
+                if out.numel():
+                    out[start:stop] = value
+            if extra is not None and results[-1].shape[0]:
+                results[-1][:, start:stop] = extra.compute(logits[0], rows, args,
+                                                           call[extra.argument])
+            if writes_grad:
+                first.fold(start, stop, logits)
+        return (*results, *first.gradients())
+
+    def fake(self, *values):
+        call, needs, _ = self.layout(values)
+        return (*self.outputs(call),
+                *fake_head_gradients(call["hidden"], call["weight"], *needs))
+
+
 def head_walk(primitive_name: str, extra: Optional[ChunkExtra] = None,
               kernels: Callable[[str], object] = backend_module):
     """The fused-head walk of the primitive ``primitive_name`` (``kernels/primitives.py``),
@@ -385,83 +463,21 @@ def head_walk(primitive_name: str, extra: Optional[ChunkExtra] = None,
     single gradient scale, None) passes whole. ``kernels(backend)`` gives the module whose
     function of the primitive's name runs (an optional primitive's op passes its own, which
     falls back to chunked torch on a backend without it)."""
-    primitive = declared(primitive_name)
-    heads = [_head_names("" if i == 0 else f"{name}_")
-             for i, (name, _) in enumerate(primitive.tensors[:primitive.logits])]
-    row_names = [name for name, _ in primitive.tensors[primitive.logits:]]
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    schema = []
-    for head in heads:
-        schema += [(head.hidden, Tensor), (head.weight, Tensor), (head.bias, Optional[Tensor])]
-    schema += list(primitive.tensors[primitive.logits:])
-    schema += [("args", primitive.params), ("needs_hidden", bool), ("needs_weight", bool),
-               ("needs_bias", bool), ("chunk_size", Optional[int]), ("backend", str)]
-    for head in heads:
-        schema += [(head.logit_scale, float), (head.softcap, float)]
-    if extra is not None:
-        schema.append((extra.argument, int))
-    names = [name for name, _ in schema]
-    n_results = primitive.n_outputs + (extra is not None) + 3
-
-    def layout(values):
-        """``(call, needs, writes_grad)`` of the schema's values."""
-        call = dict(zip(names, values))
-        needs = (call["needs_hidden"], call["needs_weight"], call["needs_bias"])
-        writes_grad = primitive.gradient == ALWAYS or (primitive.gradient == OPTIONAL
-                                                       and any(needs))
-        return call, needs if writes_grad else (False,) * 3, writes_grad
-
-    def outputs(call):
-        hidden, args = call["hidden"], call["args"]
-        n_rows = hidden.shape[0]
-        rows = tuple(torch.empty(length, dtype=primitive.output_dtype(i), device=hidden.device)
-                     for i, length in enumerate(primitive.outputs(args, n_rows)))
-        if extra is None:
-            return rows
-        size = extra.size(call[extra.argument])
-        return (*rows, torch.empty((size, n_rows), dtype=torch.float32, device=hidden.device))
+    generated = _HeadWalk(declared(primitive_name), extra, kernels)
 
     def walk(*values):
-        call, needs, writes_grad = layout(values)
-        first = ChunkedHead(call["hidden"], call["weight"], call["bias"], call["chunk_size"],
-                            needs, call["logit_scale"], call["softcap"])
-        walked = [first] + [ChunkedHead(call[head.hidden], call[head.weight], call[head.bias],
-                                        first.chunk, (False,) * 3, call[head.logit_scale],
-                                        call[head.softcap]) for head in heads[1:]]
-        kernel = getattr(kernels(call["backend"]), primitive.name)
-        args, n_rows = call["args"], call["hidden"].shape[0]
-        results = outputs(call)
-        row_outputs = results[:primitive.n_outputs]
-        for chunks in zip(*(head.chunks() for head in walked)):
-            start, stop, logits = chunks[0]
-            rows = {name: _chunk_rows(call[name], start, stop, n_rows) for name in row_names}
-            grad = () if primitive.gradient == NONE else (logits if writes_grad else None,)
-            values = kernel(logits, *(chunk[2] for chunk in chunks[1:]), *rows.values(), args,
-                            *grad)
-            for out, value in zip(row_outputs, values or ()):
-                if out.numel():
-                    out[start:stop] = value
-            if extra is not None and results[-1].shape[0]:
-                results[-1][:, start:stop] = extra.compute(logits[0], rows, args,
-                                                           call[extra.argument])
-            if writes_grad:
-                first.fold(start, stop, logits)
-        return (*results, *first.gradients())
+        return generated.walk(*values)
 
     def fake(*values):
-        call, needs, _ = layout(values)
-        return (*outputs(call), *fake_head_gradients(call["hidden"], call["weight"], *needs))
+        return generated.fake(*values)
 
-    walk.__signature__ = inspect.Signature(
-        [inspect.Parameter(name, kind, annotation=annotation) for name, annotation in schema],
-        return_annotation=Tuple[(Tensor,) * n_results])
-    walk.__name__ = f"linear_{primitive.name}"
+    walk.__signature__ = fake.__signature__ = generated.signature
+    walk.__name__ = f"linear_{primitive_name}"
     walk.__doc__ = head_walk.__doc__
-    floats = [name for head in heads for name in (head.logit_scale, head.softcap)]
-    op = traceable_op(walk.__name__, floats=floats, params={"args": primitive.params})(walk)
-    fake.__signature__ = walk.__signature__
+    op = traceable_op(walk.__name__, floats=generated.floats,
+                      params={"args": generated.primitive.params})(walk)
     op.register_fake(fake)
-    HEAD_WALKS[primitive.name] = op
+    HEAD_WALKS[primitive_name] = op
     return op
 
 
@@ -474,6 +490,7 @@ def _chunk_rows(values, start, stop, n_rows):
     if values is None or values.dim() == 0 or values.shape[0] != n_rows:
         return values
     return values[start:stop]
+
 
 class AttachHeadGrads(torch.autograd.Function):
     """Give ``value`` the forward-computed gradients w.r.t. ``hidden``, ``weight``, ``bias``.
