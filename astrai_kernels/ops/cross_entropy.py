@@ -8,6 +8,9 @@ counted row. With ``reduction`` ``mean`` or
 once; backward only rescales it. ``inplace_backward=True`` writes that gradient over the
 logits during the forward (their values are destroyed). ``reduction="none"`` recomputes in
 the backward with the per-row upstream gradient.
+
+``linear_cross_entropy``: the same from the hidden states and the LM head, never the logits:
+``ops/head.py``'s walk of the ``cross_entropy_forward`` primitive over row chunks.
 """
 
 from __future__ import annotations
@@ -274,8 +277,6 @@ CROSS_ENTROPY = Door(cross_entropy, ("logits", "target", "normalizer"), _check, 
                      _reference, _vocab_parallel, dtensor.cross_entropy)
 
 
-# The fused head's form: ``linear_cross_entropy`` (ops/head.py walks the chunks)
-
 # named by the error of a double backward (refuse_double_backward)
 CE_EQUIVALENT = ("torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight, "
                  "bias).float(), target, ...)")
@@ -283,7 +284,7 @@ CE_EQUIVALENT = ("torch.nn.functional.cross_entropy(torch.nn.functional.linear(h
 _HEAD_WALK = head_walk("cross_entropy_forward")
 
 
-def _head_walk(hidden_rows, weight, bias, target_flat, params, chunk_size, grad_scale=None,
+def _walk(hidden_rows, weight, bias, target_flat, params, chunk_size, grad_scale=None,
                needs=(False, False, False)):
     """``(loss, grad_hidden, grad_weight, grad_bias)`` from one walk: the rows' losses and,
     with ``grad_scale``, the gradients of their scaled sum (the kernels apply the transform)."""
@@ -297,7 +298,7 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, params, chunk_size):
-        loss = _head_walk(hidden, weight, bias, target, params, chunk_size)[0]
+        loss = _walk(hidden, weight, bias, target, params, chunk_size)[0]
         ctx.save_for_backward(hidden, weight, bias, target)
         ctx.params, ctx.chunk_size = params, chunk_size
         return loss
@@ -306,7 +307,7 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
     def backward(ctx, grad_rows):
         refuse_double_backward("linear_cross_entropy", CE_EQUIVALENT)
         hidden, weight, bias, target = ctx.saved_tensors
-        _, grad_hidden, grad_weight, grad_bias = _head_walk(
+        _, grad_hidden, grad_weight, grad_bias = _walk(
             hidden, weight, bias, target, ctx.params, ctx.chunk_size,
             grad_rows.float().contiguous(), tuple(ctx.needs_input_grad[:3]))
         return (grad_or_none(grad_hidden), grad_or_none(grad_weight), grad_or_none(grad_bias),
@@ -359,12 +360,12 @@ def _local_linear(call, checked: Checked):
             loss = _LinearCrossEntropyRows.apply(hidden_rows, weight, bias, target_flat,
                                                  params, chunk_size)
         else:
-            loss = _head_walk(hidden_rows, weight, bias, target_flat, params, chunk_size)[0]
+            loss = _walk(hidden_rows, weight, bias, target_flat, params, chunk_size)[0]
         return loss.view(target.shape)
     scale = loss_grad_scale(target_flat, params, normalizer_t)
     needs = head_needs(hidden, weight, bias) if torch.is_grad_enabled() else (False,) * 3
     with torch.no_grad():
-        loss, grad_hidden, grad_weight, grad_bias = _head_walk(
+        loss, grad_hidden, grad_weight, grad_bias = _walk(
             hidden_rows, weight, bias, target_flat, params, chunk_size,
             scale if any(needs) else None, needs)
         value = reduce_loss(loss, scale, params)

@@ -13,6 +13,10 @@ does) so no ratio overflows.
 
 Masked tokens are selected away (``torch.where``), never multiplied by 0: their targets,
 logits, advantages and old/reference log-probs may hold anything, inf and NaN included.
+
+``linear_grpo_loss``: the same from the hidden states and the LM head, never the logits
+(``ops/head.py``'s walk of the ``grpo_forward`` primitive, or ``linear_token_logprobs``). Both
+forms check their call with ``ops/grpo_plan.py``'s ``plan``.
 """
 
 import dataclasses
@@ -490,8 +494,6 @@ GRPO_LOSS = Door(grpo_loss, ("logits", "target", "advantages", "mask", "old_logp
                              "sampling_logprobs"),
                  _check_call, _local, _reference, _vocab_parallel, _dtensor)
 
-
-# The fused head's form: ``linear_grpo_loss``
 
 _HEAD_WALK = head_walk("grpo_forward")
 

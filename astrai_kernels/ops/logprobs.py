@@ -6,6 +6,10 @@ and zero gradient.
 The forward keeps one float32 ``lse`` (and entropy) per row; the backward recomputes
 ``p`` tile by tile and writes the gradient once, into the logits' buffer when
 ``inplace_backward=True`` (which destroys the logits: use it when nothing else needs them).
+
+``linear_token_logprobs``: the same from the hidden states and the LM head, never the logits:
+``ops/head.py``'s walks of the ``logprobs_forward`` / ``logprobs_backward`` primitives (and the
+sampler's, with ``sampling=``) over row chunks.
 """
 
 from __future__ import annotations
@@ -474,8 +478,6 @@ def _local_columns(logits, target, params: LogprobsParams):
     logp = logp.view(target.shape)
     return (logp, entropy.view(target.shape[:-1])) if params.with_entropy else logp
 
-
-# The fused head's form: ``linear_token_logprobs``
 
 # named by the error of a double backward (refuse_double_backward)
 LOGPROBS_EQUIVALENT = ("torch.log_softmax(torch.nn.functional.linear(hidden, weight, bias)"
