@@ -144,3 +144,40 @@ def test_a_walk_writes_the_gradients_asked_for_in_the_inputs_dtype():
                                                    False, 2, "torch", 1.0, 0.0)
     assert grad_hidden.numel() == 0 and grad_bias.numel() == 0
     assert grad_weight.shape == weight.shape
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_the_generated_walks_compile_fullgraph(backend):
+    """The walks the other compile tests do not reach (the rows' backward walk, the statistics
+    extra, the sampler's walks) traced by ``torch.compile(fullgraph=True)`` through their
+    generated ops and fakes: values and gradients equal the eager call's."""
+    import astrai_kernels as ak
+
+    g = torch.Generator().manual_seed(3)
+    hidden, weight, bias = (torch.randn(N, H, generator=g), torch.randn(V, H, generator=g),
+                            torch.randn(V, generator=g))
+    target, _ = _rows()
+    sampling = ak.SamplingParams(temperature=0.8, top_k=8, top_p=0.95)  # filters every row
+
+    def step(h, w, b):
+        rows = ak.linear_cross_entropy(h, w, target, bias=b, reduction="none", chunk_size=2,
+                                       backend=backend)
+        logp, entropy, stats = ak.linear_token_logprobs(
+            h, w, target, bias=b, temperature=0.7, return_entropy=True, softcap=5.0,
+            statistics=("log_sum_sq_probs", "is_top1"), chunk_size=2, backend=backend)
+        sampled = ak.linear_token_logprobs(h, w, target, bias=b, sampling=sampling,
+                                           logit_scale=0.5, chunk_size=2, backend=backend)
+        kept = torch.isfinite(sampled)  # a target outside the support: -inf
+        total = ((rows * torch.linspace(0.5, 1.5, N)).sum() + logp.sum() + 0.1 * entropy.sum()
+                 + torch.where(kept, sampled, 0.0).sum())
+        return total, stats["log_sum_sq_probs"], stats["is_top1"]
+
+    leaves = [[t.clone().requires_grad_(True) for t in (hidden, weight, bias)] for _ in range(2)]
+    expected = step(*leaves[0])
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*leaves[1])
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
+    expected[0].backward()
+    got[0].backward()
+    for a, b in zip(leaves[1], leaves[0]):
+        torch.testing.assert_close(a.grad, b.grad)
