@@ -17,6 +17,7 @@ from astrai_kernels.kernels.primitives import (
     PRIMITIVES,
     SAMPLING_PRIMITIVES,
     SHARD_PRIMITIVE,
+    TOPK_DISTILL_PRIMITIVES,
     Backend,
     CrossEntropyArgs,
     DistillArgs,
@@ -30,6 +31,7 @@ from astrai_kernels.kernels.primitives import (
 )
 from astrai_kernels.kernels.triton import backend as triton_backend
 from astrai_kernels.ops import sampling as sampling_op
+from astrai_kernels.ops import topk_distill  # noqa: F401  (makes the top-k primitive's op)
 from astrai_kernels.ops.cross_entropy import CrossEntropyParams
 
 MODULES = {"torch": torch_backend, "cpp": cpp_backend, "triton": triton_backend}
@@ -80,7 +82,8 @@ def test_declarations_state_the_protocol(primitive):
     assert _protocol_parameters(protocol, primitive.name) == expected
 
 
-@pytest.mark.parametrize("name", sorted(PRIMITIVES) + sorted(SAMPLING_PRIMITIVES))
+@pytest.mark.parametrize("name", sorted(PRIMITIVES) + sorted(SAMPLING_PRIMITIVES)
+                         + sorted(TOPK_DISTILL_PRIMITIVES))
 def test_generated_schema_follows_the_declaration(name):
     primitive = declared(name)
     schema = _library._GENERATED[name].op._opoverload._schema

@@ -1047,3 +1047,48 @@ def test_cpp_kernel_refuses_a_live_id_out_of_range():
     with pytest.raises(ValueError, match="row 0 has live id 7"):
         cpp_backend.topk_distill_forward(logits, ids, torch.zeros(2, 2), live,
                                          torch.ones(2, dtype=torch.bool), None, args, None)
+
+
+@pytest.mark.parametrize("reduction", ["batchmean", "none"])
+@pytest.mark.parametrize("objective, keywords", [
+    ("trl_jsd", {"beta": 0.3}), ("trl_jsd", {"beta": 0.0, "tail": False}),
+    ("verl_forward_kl", {}), ("axolotl_kd", {"normalize_topk": False})],
+    ids=["trl_jsd-tail", "trl_jsd-no_tail", "verl_forward_kl", "axolotl_kd"])
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_torch_compile_fullgraph(backend, objective, keywords, reduction):
+    """``torch.compile(fullgraph=True)`` traces the op: its id check is a device assert there,
+    and the cpp kernel is a custom op (``kernels/library.py``'s ``optional_primitive_op``, its
+    fake stating ``coef [N, K]``). Values and gradients equal the eager call's."""
+    torch._dynamo.reset()  # each case compiles step anew (16 cases: above the recompile limit)
+    g = torch.Generator().manual_seed(21)
+    vocab, k = 37, 5
+    logits = torch.randn(2, 3, vocab, generator=g) * 2.0
+    ids = torch.randint(0, vocab, (2, 3, k), generator=g)
+    teacher = torch.log_softmax(torch.randn(2, 3, k, generator=g), -1)
+    teacher[0, 1, 2] = -math.inf  # a slot the server did not fill
+    labels = torch.tensor([[1, 2, -100], [3, 4, 5]])
+
+    def step(x):
+        loss = ak.topk_distill_loss(x, ids, teacher, labels, objective=objective,
+                                    reduction=reduction, backend=backend, **keywords)
+        return loss.sum() if reduction == "none" else loss
+
+    eager, traced = (logits.clone().requires_grad_(True) for _ in range(2))
+    expected = step(eager)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(traced)
+    torch.testing.assert_close(got, expected)
+    expected.backward()
+    got.backward()
+    torch.testing.assert_close(traced.grad, eager.grad)
+
+
+def test_torch_compile_refuses_an_id_out_of_range_at_run_time():
+    """Traced, the check of the ids that count cannot raise a ``ValueError`` before the graph
+    runs; the device assert it becomes stops the call."""
+    logits = torch.randn(4, 11)
+    ids = torch.tensor([[0, 3], [1, 11], [2, 4], [5, 6]])
+    teacher = torch.log_softmax(torch.randn(4, 2), -1)
+    step = torch.compile(lambda x: ak.topk_distill_loss(x, ids, teacher, backend="torch"),
+                         fullgraph=True, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="support_ids holds values outside"):
+        step(logits)

@@ -8,8 +8,9 @@ custom op (its schema: the declared tensors, then the fields of its params class
 allocates the gradient it returns) and dispatches on ``backend`` to the module named in
 ``kernels/registry.py``. The in-place-gradient paths call the backend modules directly instead
 (an op may not return an alias of its input). An optional primitive's op
-(:func:`optional_primitive_op`, the sampler's) is generated the same way by its op's file, with
-that file's kernels: a backend without the primitive falls back to chunked torch there.
+(:func:`optional_primitive_op`: the sampler's, top-k distillation's) is generated the same way by
+its op's file, with that file's kernels (the sampler's fall back to chunked torch on a backend
+without the primitive).
 
 :func:`traceable_op` makes these ops (and the fused head's walks, ``ops/head.py``'s
 ``head_walk``):
@@ -37,7 +38,7 @@ triton call, not at import.
 
 import inspect
 from dataclasses import fields
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -166,7 +167,9 @@ def _class_fields(cls):
     (a float is passed as a tensor unless its metadata marks it static)."""
     out = []
     for f in fields(cls):
-        kind = {"float": float, "int": int, "bool": bool, "str": str}[str(f.type)]
+        kind = {"float": float, "int": int, "bool": bool, "str": str,
+                "Optional[float]": Optional[float]}[str(f.type)]
+        # an optional float (None: off) stays a Python float: a value compiles once
         out.append((f.name, kind, kind is float and not f.metadata.get("static")))
     return out
 
@@ -212,9 +215,13 @@ def _run(primitive, module, tensors, params, compute_grad, new_grad):
 
 def _fake(primitive, tensors, params, compute_grad):
     first = tensors[0]
-    n_rows = tensors[primitive_target_index(primitive)].numel()
-    rows = tuple(first.new_empty(length, dtype=primitive.output_dtype(i))
-                 for i, length in enumerate(primitive.outputs(params, n_rows)))
+    if primitive.output_shapes is not None:
+        shapes = primitive.output_shapes(params, tensors)
+    else:
+        n_rows = tensors[primitive_target_index(primitive)].numel()
+        shapes = primitive.outputs(params, n_rows)
+    rows = tuple(first.new_empty(shape, dtype=primitive.output_dtype(i))
+                 for i, shape in enumerate(shapes))
     if primitive.gradient == ALWAYS:
         return first.new_empty(first.shape)
     if primitive.gradient == OPTIONAL:

@@ -289,7 +289,9 @@ class Primitive:
     params class, the lengths of its per-row outputs given the params and N, and whether it
     writes the gradient of its first tensor (``grad`` is then its last argument). The outputs
     are float32 unless ``output_dtypes`` gives each one's dtype. The first ``logits`` tensors
-    are logits views (the rest are per-row): the fused head computes those from a head each."""
+    are logits views (the rest are per-row): the fused head computes those from a head each.
+    ``output_shapes`` (params, tensors) -> each output's shape, for a primitive whose outputs
+    are not all per-row (``outputs`` then only counts them)."""
     name: str
     tensors: Tuple[Tuple[str, object], ...]
     params: type
@@ -297,6 +299,7 @@ class Primitive:
     gradient: str = NONE
     output_dtypes: Optional[Tuple[torch.dtype, ...]] = None
     logits: int = 1
+    output_shapes: Optional[Callable[[object, tuple], Tuple[Tuple[int, ...], ...]]] = None
 
     @property
     def n_outputs(self) -> int:
@@ -360,12 +363,19 @@ SAMPLING_PRIMITIVES = {p.name: p for p in (
 )}
 
 
-#: the optional primitive of the top-k distillation loss, eager only (no custom op)
+def _topk_output_shapes(params, tensors):
+    """``(loss, row_max, sums)`` per row and ``coef [N, K]``, from ``support_ids [N, K]``."""
+    n_rows, k = tensors[1].shape
+    return (n_rows,), (n_rows,), (n_rows,), (n_rows, k)
+
+
+#: the optional primitive of the top-k distillation loss (``ops/topk_distill.py`` makes its
+#: custom op)
 TOPK_DISTILL_PRIMITIVES = {p.name: p for p in (
     Primitive("topk_distill_forward",
               (("logits", _T), ("support_ids", _T), ("teacher", _T), ("live", _T),
                ("counted", _T), ("grad_scale", _OT)), TopkDistillArgs,
-              _rows(3), OPTIONAL),  # and coef [N, K]
+              _rows(4), OPTIONAL, output_shapes=_topk_output_shapes),
 )}
 
 

@@ -40,8 +40,8 @@ import torch
 from torch import Tensor
 
 from .. import reference
+from ..kernels.library import optional_primitive_op
 from ..kernels.memory import cached_empty
-from ..kernels.primitives import TopkDistillArgs, args_of
 from ..kernels.registry import (
     BACKENDS,
     ENV_VAR,
@@ -122,7 +122,7 @@ class SupportRows(NamedTuple):
 
 def topk_backend(backend):
     """``"reference"``, or ``"torch"`` for every kernel backend: the op's own routes (a backend
-    with the optional kernel, ``_topk_kernels``, serves the rows inside them)."""
+    with the optional kernel, ``_kernel_backend``, serves the rows inside them)."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     if backend == "auto":
@@ -240,12 +240,18 @@ def checked_inputs(student, support_ids, teacher_logprobs, labels, support_mask,
     if support_mask is not None:
         live &= support_mask.reshape(-1, k)
     bad = live & ((ids < 0) | (ids >= vocab))
-    if ids.numel() and bool(bad.any()):
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        # a data-dependent branch would break the graph; assert on the device instead
+        torch._assert_async(~bad.any(), f"support_ids holds values outside [0, {vocab}) at "
+                                        f"entries that count")
+    elif ids.numel() and bool(bad.any()):
         raise ValueError(f"support_ids holds {ids[bad][0].item()}, outside [0, {vocab}), at an "
                          f"entry that counts")
+    # traced, the rows that do not count are masked whether or not there are any
+    any_ignored = compiling or (bool((~counted).any()) if counted.numel() else False)
     rows = SupportRows(ids=torch.where(live, ids, 0).long(), teacher=teacher, live=live,
-                       counted=counted, any_ignored=bool((~counted).any()) if counted.numel()
-                       else False, has_labels=labels is not None)
+                       counted=counted, any_ignored=any_ignored, has_labels=labels is not None)
     return params, rows
 
 
@@ -460,29 +466,31 @@ def _work_buffer(logits_rows, grad, tail):
     return torch.empty(step, vocab, dtype=torch.float32, device=logits_rows.device)
 
 
-def _topk_kernels(backend, device):
-    """The kernel module of ``backend`` on ``device`` when it has the optional primitive
+def _kernel_backend(backend, device):
+    """The name of ``backend`` on ``device`` when its module has the optional primitive
     ``topk_distill_forward`` (``kernels/primitives.py``), else None: this module's torch ops
     serve (the torch and triton backends, or a backend that cannot serve ``device``)."""
     name = resolve_backend(backend, device) if backend == "auto" else backend
     if name not in ("cpp", "triton") or unavailable_reason(name, device) is not None:
         return None
-    module = backend_module(name)
-    return module if hasattr(module, "topk_distill_forward") else None
+    return name if hasattr(backend_module(name), "topk_distill_forward") else None
 
 
-def logits_walk(logits, rows, params, grad_rows=None, kernels=None):
+#: ``(logits_rows, support_ids, teacher, live, counted, grad_scale, args, compute_grad,
+#: backend)`` -> ``(loss, row_max, sums, coef, grad)``: the primitive as a custom op
+_KERNEL = optional_primitive_op("topk_distill_forward", backend_module)
+
+
+def logits_walk(logits, rows, params, grad_rows=None, kernel_backend=None):
     """``(losses, row_max, sums, coef, grad)`` over the rows of ``logits``; the gradient only
-    with ``grad_rows``. ``kernels``: a module from :func:`_topk_kernels` (its primitive then
-    serves every row in one call), or None."""
+    with ``grad_rows``. ``kernel_backend``: a name from :func:`_kernel_backend` (its primitive
+    then serves every row in one call), or None."""
     logits_rows = rows_view(logits)
-    if kernels is not None:
-        grad = (None if grad_rows is None
-                else cached_empty(logits_rows.shape, logits.dtype, logits.device))
-        loss, row_max, sums, coef = kernels.topk_distill_forward(
-            logits_rows, rows.ids, rows.teacher, rows.live, rows.counted, grad_rows,
-            args_of(params, TopkDistillArgs), grad)
-        return loss, row_max, sums, coef, grad
+    if kernel_backend is not None:
+        loss, row_max, sums, coef, grad = _KERNEL(
+            logits_rows, rows.ids, rows.teacher, rows.live, rows.counted, grad_rows, params,
+            grad_rows is not None, kernel_backend)
+        return loss, row_max, sums, coef, None if grad_rows is None else grad
     n_rows, k = rows.ids.shape
     loss = torch.zeros(n_rows, dtype=torch.float32, device=logits.device)
     row_max, sums = (torch.zeros_like(loss) for _ in range(2))
@@ -541,8 +549,9 @@ class _TopkDistillRows(torch.autograd.Function):
     stats and coefficients the forward kept."""
 
     @staticmethod
-    def forward(ctx, logits, rows, params, kernels):
-        loss, row_max, sums, coef, _ = logits_walk(logits, rows, params, kernels=kernels)
+    def forward(ctx, logits, rows, params, kernel_backend):
+        loss, row_max, sums, coef, _ = logits_walk(logits, rows, params,
+                                                   kernel_backend=kernel_backend)
         ctx.save_for_backward(logits, row_max, sums, coef)
         ctx.rows, ctx.params = rows, params
         return loss
@@ -651,15 +660,17 @@ def _local(call, checked: _Checked):
     reduction = params.reduction
     lead_shape = student_logits.shape[:-1]
     needs_grad = torch.is_grad_enabled() and student_logits.requires_grad
-    kernels = _topk_kernels(call["backend"], student_logits.device)
+    kernel_backend = _kernel_backend(call["backend"], student_logits.device)
     if needs_grad and reduction == "none":
-        return _TopkDistillRows.apply(student_logits, rows, params, kernels).view(lead_shape)
+        return _TopkDistillRows.apply(student_logits, rows, params,
+                                      kernel_backend).view(lead_shape)
     if not needs_grad:
-        return reduce_rows(logits_walk(student_logits, rows, params, kernels=kernels)[0], rows,
-                           params, lead_shape)
+        return reduce_rows(logits_walk(student_logits, rows, params,
+                                       kernel_backend=kernel_backend)[0],
+                           rows, params, lead_shape)
     scale = row_grad_scale(rows, params, lead_shape, student_logits.device)
     with torch.no_grad():
-        loss, *_, grad = logits_walk(student_logits, rows, params, scale, kernels)
+        loss, *_, grad = logits_walk(student_logits, rows, params, scale, kernel_backend)
         value = reduce_rows(loss, rows, params, lead_shape)
     return AttachGrad.apply(student_logits, value, grad.view(student_logits.shape),
                             "topk_distill_loss", None)
