@@ -756,7 +756,6 @@ LINEAR_TOKEN_LOGPROBS = Door(linear_token_logprobs, ("hidden", "weight", "target
 def _linear_column_walk(hidden_rows, weight, bias, target_rows, params, chunk_size, transform):
     """``(logp [N, K], entropy, lse, row_target, best)`` from one forward walk."""
     head = ChunkedHead(hidden_rows, weight, bias, chunk_size, (False,) * 3, *transform)
-    kernels = backend_module(params.backend)
     n_rows, device = hidden_rows.shape[0], hidden_rows.device
     logp = torch.empty(target_rows.shape, dtype=torch.float32, device=device)
     lse = row_floats(n_rows, device)
@@ -765,7 +764,7 @@ def _linear_column_walk(hidden_rows, weight, bias, target_rows, params, chunk_si
     best = torch.empty((n_rows, 1), dtype=torch.long, device=device)
 
     def chunk_forward(chunk_logits, chunk_row_target):
-        return kernels.logprobs_forward(chunk_logits, chunk_row_target, params)
+        return library.logprobs_forward(chunk_logits, chunk_row_target, params, params.backend)
 
     for start, stop, logits in head.chunks():
         rows = slice(start, stop)
@@ -805,10 +804,13 @@ class _LinearTokenLogprobsColumns(torch.autograd.Function):
         with_entropy = params.with_entropy
         for start, stop, logits in head.chunks():
             rows = slice(start, stop)
-            kernels.logprobs_backward(
-                logits, row_target[rows], lse[rows], entropy[rows] if with_entropy else entropy,
-                row_grad[rows], grad_entropy[rows] if with_entropy else grad_entropy, params,
-                logits)
+            chunk = (logits, row_target[rows], lse[rows],
+                     entropy[rows] if with_entropy else entropy, row_grad[rows],
+                     grad_entropy[rows] if with_entropy else grad_entropy, params)
+            if torch.compiler.is_compiling():  # traced: the functional op, copied over
+                logits.copy_(library.logprobs_backward(*chunk, params.backend))
+            else:  # written over the chunk's logits
+                kernels.logprobs_backward(*chunk, logits)
             logits[0].scatter_(1, columns[rows], values[rows].to(logits.dtype))
             head.fold(start, stop, logits)
         grads = head.gradients()
