@@ -107,6 +107,23 @@ CASE_NAMES = ["V1", "below_tile", "gpt2_vocab", "v131k", "one_row", "zero_rows",
               "all_ignored", "custom_ignore"]
 
 
+def assert_compiles_like_eager(step, *inputs):
+    """``torch.compile(step, fullgraph=True)`` (``aot_eager``) on leaf copies of ``inputs``:
+    its outputs (a loss, or a tuple led by one) and the loss's gradients of the inputs equal
+    the eager call's. Dynamo starts afresh: a test's cases would exceed its recompile limit."""
+    torch._dynamo.reset()
+    eager, traced = ([t.clone().requires_grad_(True) for t in inputs] for _ in range(2))
+    expected, got = step(*eager), torch.compile(step, fullgraph=True,
+                                                backend="aot_eager")(*traced)
+    expected, got = ((out if isinstance(out, tuple) else (out,)) for out in (expected, got))
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
+    expected[0].backward()
+    got[0].backward()
+    for a, b in zip(traced, eager):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
 def leaf(base):
     return base.detach().clone().requires_grad_(True)
 

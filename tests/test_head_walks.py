@@ -19,6 +19,8 @@ from astrai_kernels.kernels.primitives import (
 )
 from astrai_kernels.ops.head import HEAD_WALKS
 
+from cases import assert_compiles_like_eager
+
 N, V, H = 5, 11, 4
 
 
@@ -172,12 +174,4 @@ def test_the_generated_walks_compile_fullgraph(backend):
                  + torch.where(kept, sampled, 0.0).sum())
         return total, stats["log_sum_sq_probs"], stats["is_top1"]
 
-    leaves = [[t.clone().requires_grad_(True) for t in (hidden, weight, bias)] for _ in range(2)]
-    expected = step(*leaves[0])
-    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*leaves[1])
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b)
-    expected[0].backward()
-    got[0].backward()
-    for a, b in zip(leaves[1], leaves[0]):
-        torch.testing.assert_close(a.grad, b.grad)
+    assert_compiles_like_eager(step, hidden, weight, bias)

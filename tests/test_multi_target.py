@@ -10,7 +10,7 @@ import astrai_kernels as ak
 from astrai_kernels import reference
 from astrai_kernels.testing import assert_close
 
-from cases import KERNEL_BACKENDS, leaf, reference_and_naive
+from cases import KERNEL_BACKENDS, assert_compiles_like_eager, leaf, reference_and_naive
 
 BACKENDS = KERNEL_BACKENDS + ["reference"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -270,7 +270,6 @@ def test_both_forms_compile_fullgraph(backend, with_entropy):
     """``target [..., K]`` traced by ``torch.compile(fullgraph=True)``, the logits op and the
     fused head (whose backward runs the functional op when traced and copies it over the
     chunk): values and gradients equal the eager calls'."""
-    torch._dynamo.reset()
     g = torch.Generator().manual_seed(31)
     vocab, k, hidden_size = 23, 3, 8
     hidden, weight = torch.randn(2, 3, hidden_size, generator=g), torch.randn(vocab, hidden_size,
@@ -288,11 +287,4 @@ def test_both_forms_compile_fullgraph(backend, with_entropy):
             return fused[0].sum() + fused[1].sum() + plain[0].sum() + 0.5 * plain[1].sum()
         return fused.sum() + plain.sum()
 
-    eager, traced = ([t.clone().requires_grad_(True) for t in (hidden, weight)] for _ in range(2))
-    expected = step(*eager)
-    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*traced)
-    torch.testing.assert_close(got, expected)
-    expected.backward()
-    got.backward()
-    for a, b in zip(traced, eager):
-        torch.testing.assert_close(a.grad, b.grad)
+    assert_compiles_like_eager(step, hidden, weight)

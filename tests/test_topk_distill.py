@@ -21,6 +21,8 @@ from astrai_kernels.ops import head as head_op
 from astrai_kernels.ops.topk_distill import server_top1_support
 from astrai_kernels.testing import assert_close, assert_head_gradient_close
 
+from cases import assert_compiles_like_eager
+
 pytest.importorskip("trl", reason="trl is not installed (pip install -e '.[trl]')")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from trl.experimental.server_distillation.server_distillation_trainer import (  # noqa: E402
@@ -1059,7 +1061,6 @@ def test_torch_compile_fullgraph(backend, objective, keywords, reduction):
     """``torch.compile(fullgraph=True)`` traces the op: its id check is a device assert there,
     and the cpp kernel is a custom op (``kernels/library.py``'s ``optional_primitive_op``, its
     fake stating ``coef [N, K]``). Values and gradients equal the eager call's."""
-    torch._dynamo.reset()  # each case compiles step anew (16 cases: above the recompile limit)
     g = torch.Generator().manual_seed(21)
     vocab, k = 37, 5
     logits = torch.randn(2, 3, vocab, generator=g) * 2.0
@@ -1073,13 +1074,7 @@ def test_torch_compile_fullgraph(backend, objective, keywords, reduction):
                                     reduction=reduction, backend=backend, **keywords)
         return loss.sum() if reduction == "none" else loss
 
-    eager, traced = (logits.clone().requires_grad_(True) for _ in range(2))
-    expected = step(eager)
-    got = torch.compile(step, fullgraph=True, backend="aot_eager")(traced)
-    torch.testing.assert_close(got, expected)
-    expected.backward()
-    got.backward()
-    torch.testing.assert_close(traced.grad, eager.grad)
+    assert_compiles_like_eager(step, logits)
 
 
 def test_torch_compile_refuses_an_id_out_of_range_at_run_time():
@@ -1098,7 +1093,6 @@ def test_torch_compile_refuses_an_id_out_of_range_at_run_time():
 def test_linear_form_compiles_fullgraph(backend):
     """``linear_topk_distill_loss`` traced whole (its chunk walk included): values and the
     head's gradients equal the eager call's."""
-    torch._dynamo.reset()
     g = torch.Generator().manual_seed(22)
     vocab, k, hidden_size = 29, 4, 8
     hidden, weight = torch.randn(2, 3, hidden_size, generator=g), torch.randn(vocab, hidden_size,
@@ -1110,11 +1104,4 @@ def test_linear_form_compiles_fullgraph(backend):
         return ak.linear_topk_distill_loss(h, w, ids, teacher, beta=0.3, chunk_size=2,
                                            backend=backend)
 
-    eager, traced = ([t.clone().requires_grad_(True) for t in (hidden, weight)] for _ in range(2))
-    expected = step(*eager)
-    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*traced)
-    torch.testing.assert_close(got, expected)
-    expected.backward()
-    got.backward()
-    for a, b in zip(traced, eager):
-        torch.testing.assert_close(a.grad, b.grad)
+    assert_compiles_like_eager(step, hidden, weight)
