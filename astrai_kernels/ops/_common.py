@@ -30,10 +30,12 @@ def check_logits(logits, name="logits", allow_empty_vocab=False):
 
 class LogitsShape(NamedTuple):
     """What the checks read of the logits, which the fused head and a vocabulary shard never
-    hold whole: the rows' shape, the (whole) vocabulary and the device."""
+    hold whole: the rows' shape, the (whole) vocabulary, the device, and the argument that holds
+    the rows (``logits``, or ``hidden`` for the fused head), which an error names."""
     lead: Tuple[int, ...]
     vocab: int
     device: torch.device
+    rows_name: str = "logits"
 
     @classmethod
     def of(cls, logits: torch.Tensor) -> "LogitsShape":
@@ -42,7 +44,37 @@ class LogitsShape(NamedTuple):
     @classmethod
     def of_head(cls, hidden: torch.Tensor, weight: torch.Tensor) -> "LogitsShape":
         """The logits ``hidden @ weight.T`` would have."""
-        return cls(tuple(hidden.shape[:-1]), weight.shape[0], hidden.device)
+        return cls(tuple(hidden.shape[:-1]), weight.shape[0], hidden.device, "hidden")
+
+
+def _slice_text(name, dim, piece):
+    """``name[:, :-1]``: ``piece`` along ``dim``, every dim before it whole."""
+    return f"{name}[{':, ' * dim}{piece}]"
+
+
+def target_shape_hint(target_shape, logits: LogitsShape, name="target"):
+    """How to fix a ``target`` whose shape is not the logits' rows, where the shapes show it:
+    torch's class-second layout, or targets one position off along one dim (the next-token
+    shift); "" where they show nothing."""
+    target_shape, lead = tuple(target_shape), logits.lead
+    full = lead + (logits.vocab,)
+    if logits.rows_name == "logits" and len(full) >= 3 and full[:1] + full[2:] == target_shape:
+        return (": this looks like F.cross_entropy's [N, V, ...] layout: pass "
+                "logits.movedim(1, -1) (here the classes are the last dim)")
+    if len(target_shape) != len(lead):
+        return ""
+    differ = [d for d, (a, b) in enumerate(zip(lead, target_shape)) if a != b]
+    if len(differ) != 1:
+        return ""
+    dim = differ[0]
+    rows = logits.rows_name
+    if lead[dim] == target_shape[dim] + 1:
+        return (f": one position more in {rows} than in {name} along dim {dim}; for next-token "
+                f"targets drop the last position, shift: {_slice_text(rows, dim, ':-1')}")
+    if lead[dim] + 1 == target_shape[dim]:
+        return (f": one position more in {name} than in {rows} along dim {dim}; for next-token "
+                f"targets drop the first token, shift: {_slice_text(name, dim, '1:')}")
+    return ""
 
 
 def check_target(target, logits: LogitsShape, ignore_index=None, name="target", where=None):
@@ -53,10 +85,15 @@ def check_target(target, logits: LogitsShape, ignore_index=None, name="target", 
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(target).__name__}")
     if target.dtype not in INDEX_DTYPES:
+        if target.is_floating_point() and tuple(target.shape) == logits.lead + (logits.vocab,):
+            raise TypeError(f"{name} must be int32 or int64 class indices, got {target.dtype} "
+                            f"with the logits' shape [..., V]: probability (soft) targets are "
+                            f"not supported")
         raise TypeError(f"{name} must be int32 or int64, got {target.dtype}")
     if tuple(target.shape) != logits.lead:
         raise ValueError(f"{name} must have shape {logits.lead} (logits' shape "
-                         f"without V), got {tuple(target.shape)}")
+                         f"without V), got {tuple(target.shape)}"
+                         f"{target_shape_hint(target.shape, logits, name)}")
     if target.device != logits.device:
         raise ValueError(f"{name} is on {target.device} but logits are on {logits.device}")
     vocab = logits.vocab
