@@ -619,6 +619,18 @@ Isa parse_isa(const std::string& name) {
   throw py::value_error("isa must be 'generic', 'avx2' or 'avx512', got '" + name + "'");
 }
 
+// The gradient cache (kernels/memory.py) leases a block through a storage whose data pointer's
+// deleter gives the block back. Resizable with torch's CPU allocator, as torch.empty's storage
+// is, a resize allocates the new bytes there, copies what fits and destroys the old data
+// pointer: the block goes back to the cache and the storage owns torch memory from then on.
+void make_storage_resizable(const Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu(), "make_storage_resizable: t must be a CPU tensor, got ",
+              t.device());
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  storage->set_allocator(at::getCPUAllocator());
+  storage->set_resizable(true);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -634,6 +646,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sampled_logprobs_forward", &sampled_logprobs_forward);
   m.def("sampled_logprobs_backward", &sampled_logprobs_backward);
   m.def("topk_distill_forward", &topk_distill_forward);
+  m.def("make_storage_resizable", &make_storage_resizable, py::arg("t"),
+        "Make t's storage (a fresh gradient-cache lease) resizable with torch's CPU allocator.");
   m.attr("LOG_RATIO_CLAMP") = kLogRatioClamp;  // held equal to kernels/primitives.py's by a test
   m.attr("TOPK_TAIL_LOG_SUM_MAX") = kTopkTailLogSumMax;  // and this to reference.py's
   m.def("_log", &elementwise<log_fn>, "log_with_offset(x, 0) elementwise (for tests)");

@@ -1,5 +1,8 @@
-"""The CPU gradient cache (``astrai_kernels.kernels.memory``): reuse, limits, and that an op whose
-gradient lands on a reused (dirty) block gives the same result as on fresh memory."""
+"""The CPU gradient cache (``astrai_kernels.kernels.memory``): reuse, limits, that an op whose
+gradient lands on a reused (dirty) block gives the same result as on fresh memory, and that its
+storages resize as torch's do."""
+
+import math
 
 import pytest
 import torch
@@ -342,3 +345,146 @@ def test_a_buffer_from_a_larger_block_carries_only_its_own_bytes(cache_limit):
     saved = io.BytesIO()
     torch.save(grad, saved)
     assert len(saved.getvalue()) < request + (64 << 10)
+
+
+# Cached storages resize as torch.empty's do (issue 45): the new bytes come from torch's CPU
+# allocator and the block goes back to the cache. Each test runs the same steps on a plain
+# torch.empty gradient and requires the same outcome. (Torch crashes on reading a tensor whose
+# storage was freed, so none is read before its storage is regrown.)
+
+def _block_of(shape, dtype=torch.float32):
+    return -(-(math.prod(shape) * dtype.itemsize) // memory.HUGE_PAGE) * memory.HUGE_PAGE
+
+
+def _cached_and_plain(shape):
+    """A cache-leased tensor and a torch.empty one of ``shape`` (float32)."""
+    cache = memory._gradient_cache()
+    leased = cache.leased
+    cached = memory.cached_empty(shape, torch.float32, "cpu")
+    assert cache.leased == leased + 1  # it came from the cache
+    return {"cached": cached, "plain": torch.empty(shape)}
+
+
+def test_freeing_a_cached_storage_gives_its_block_back(cache_limit):
+    shape = _shape(torch.float32)
+    nbytes, block = math.prod(shape) * 4, _block_of(shape)
+    cache = memory._gradient_cache()
+    source = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    grads = _cached_and_plain(shape)
+    address = grads["cached"].data_ptr()
+    for grad in grads.values():
+        storage = grad.untyped_storage()
+        storage.resize_(0)
+        assert storage.nbytes() == 0 and storage.resizable() and grad.shape == shape
+    assert cache.leased == 0 and memory.gradient_cache_free_bytes() == block
+    again = memory.cached_empty(shape, torch.float32, "cpu").fill_(7.0)
+    assert again.data_ptr() == address  # the freed storage's block, handed out once
+    for grad in grads.values():  # FSDP's regrow: resize the storage back, set_, copy_
+        storage = grad.untyped_storage()
+        storage.resize_(nbytes)
+        grad.set_(storage, 0, shape).copy_(source)
+        assert storage.resizable() and torch.equal(grad, source)
+    assert grads["cached"].data_ptr() != address  # torch memory now, not the leased-again block
+    assert torch.equal(again, torch.full(shape, 7.0))
+    assert cache.cached_bytes() == block and cache.leased == 1
+
+
+def test_growing_a_cached_gradient_moves_it_off_its_block(cache_limit):
+    rows, cache = ROWS[torch.float32], memory._gradient_cache()
+    shape, grown = _shape(torch.float32), _shape(torch.float32, rows + 8)
+    source = torch.randn(grown, generator=torch.Generator().manual_seed(0))
+    grads = _cached_and_plain(shape)
+    address = grads["cached"].data_ptr()
+    for grad in grads.values():
+        grad.copy_(source[:rows])
+        grad.resize_(grown)
+        assert grad.untyped_storage().nbytes() == math.prod(grown) * 4
+        assert torch.equal(grad[:rows], source[:rows])  # what fits is copied
+        grad[rows:].copy_(source[rows:])
+    assert torch.equal(grads["cached"], grads["plain"])
+    assert cache.leased == 0 and memory.gradient_cache_free_bytes() == _block_of(shape)
+    again = memory.cached_empty(shape, torch.float32, "cpu").fill_(7.0)
+    assert again.data_ptr() == address
+    assert torch.equal(grads["cached"], source)  # the block's new user does not write into it
+    storage = grads["cached"].untyped_storage()
+    storage.resize_(0)  # torch memory: nothing comes back to the cache
+    assert cache.leased == 1 and memory.gradient_cache_free_bytes() == 0
+    del again
+    assert cache.leased == 0
+
+
+def test_a_resize_within_the_storage_keeps_the_block(cache_limit):
+    """A tensor resize that fits the storage, or a view, leaves the storage on its block: the
+    block stays leased until the storage's data leaves it."""
+    shape = _shape(torch.float32)
+    cache = memory._gradient_cache()
+    grad = memory.cached_empty(shape, torch.float32, "cpu").fill_(1.0)
+    address = grad.data_ptr()
+    grad.resize_(2, VOCAB)
+    view = grad[1:]
+    del grad
+    other = memory.cached_empty(shape, torch.float32, "cpu").fill_(2.0)
+    assert other.data_ptr() != address and bool((view == 1.0).all())
+    view.untyped_storage().resize_(0)
+    assert cache.leased == 1 and memory.gradient_cache_free_bytes() == _block_of(shape)
+    del view, other
+    assert cache.leased == 0
+
+
+def test_resizing_leases_leaks_no_block(cache_limit):
+    """Steps that free, regrow and grow their gradients keep one block and lease none after."""
+    shape = _shape(torch.float32)
+    cache = memory._gradient_cache()
+    for step in range(6):
+        grad = memory.cached_empty(shape, torch.float32, "cpu").fill_(float(step))
+        if step % 2:
+            grad.untyped_storage().resize_(0)
+            grad.untyped_storage().resize_(math.prod(shape) * 4)
+        else:
+            grad.resize_(shape[0] + 1, VOCAB)
+        assert cache.leased == 0 and cache.cached_bytes() == _block_of(shape)
+        del grad
+    memory.release_gradient_cache()
+    assert cache.cached_bytes() == 0 and cache.free == []
+
+
+def _head_weight_grad():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(8192, 256, generator=gen).requires_grad_()  # 8 MiB of fp32 gradient
+    hidden = torch.randn(16, 256, generator=gen)
+    ak.linear_cross_entropy(hidden, weight, torch.randint(0, 8192, (16,), generator=gen)).backward()
+    return weight.grad
+
+
+def _logits_grad():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(_shape(torch.float32), generator=gen).requires_grad_()
+    target = torch.randint(0, VOCAB, (ROWS[torch.float32],), generator=gen)
+    ak.cross_entropy(logits, target).backward()
+    return logits.grad
+
+
+@pytest.mark.parametrize("gradient", [_logits_grad, _head_weight_grad], ids=["logits", "head"])
+def test_an_op_gradient_frees_and_grows_as_torchs(cache_limit, gradient):
+    """The issue's reproduction: resize_(0) and a growing resize_ on an op's cached gradient."""
+    grad = gradient()
+    expected, cache = grad.clone(), memory._gradient_cache()
+    shape, nbytes = grad.shape, grad.untyped_storage().nbytes()
+    assert cache.leased == 1 and nbytes >= memory.MIN_BYTES
+    grad.resize_(shape[0] + 1, shape[1])
+    assert torch.equal(grad[:-1], expected) and cache.leased == 0
+    storage = grad.untyped_storage()
+    storage.resize_(0)
+    storage.resize_(nbytes)
+    grad.set_(storage, 0, shape).copy_(expected)
+    assert torch.equal(grad, expected) and cache.leased == 0
+
+
+def test_without_the_extension_buffers_are_plain(cache_limit, monkeypatch):
+    """Where the cpp extension is not built no storage could be made resizable: the cache sits
+    out and every buffer is a torch.empty of its own."""
+    monkeypatch.setattr(memory, "_storage_maker", lambda: None)
+    grad = memory.cached_empty(_shape(torch.float32), torch.float32, "cpu")
+    assert grad.untyped_storage().resizable() and memory._gradient_cache().cached_bytes() == 0
+    grad.resize_(ROWS[torch.float32] + 1, VOCAB)
+    del grad

@@ -12,9 +12,14 @@ The cache removes that pass from a training loop, as PyTorch's CUDA caching allo
 GPUs. It owns blocks of memory; a buffer of at least :data:`MIN_BYTES` gets a storage of its
 own, sized to the request, whose data lies in a block and whose deleter gives the block back.
 So a block returns only when the last user of that storage is gone: tensors, views, a
-``UntypedStorage`` the user kept, a NumPy array on it; a storage moved to shared memory for
-another process (``share_memory_``) leaves the block at once, with its data copied out. The
-free list sits under a lock held through the claim, so two threads never get one block.
+``UntypedStorage`` the user kept, a NumPy array on it; or when the storage's data leaves it: a
+storage moved to shared memory for another process (``share_memory_``) leaves the block at once,
+with its data copied out, and so does a resize. The storage is resizable as ``torch.empty``'s
+is (the cpp backend's extension marks it so, with torch's CPU allocator): ``resize_(0)`` and a
+growing ``resize_`` allocate the new bytes with torch's allocator, copy what fits and free the
+block through the deleter, as torch frees its own. The cache serves only where that extension
+is built; elsewhere a buffer is a plain ``torch.empty`` on huge pages. The free list sits under
+a lock held through the claim, so two threads never get one block.
 
 Release rules, which keep what the cache holds between steps to what the previous step held:
 
@@ -200,17 +205,20 @@ class GradientCache:
             self.leased += 1
             return block
 
-    def lease(self, block, nbytes, shape, dtype):
+    def lease(self, block, nbytes, shape, dtype, make_storage_resizable):
         """A tensor on a storage of its own, ``nbytes`` long, on ``block``'s memory; the block
-        comes back when that storage is destroyed."""
+        comes back when that storage is destroyed or its data leaves the block (a resize)."""
         try:
             view = block.array[:nbytes]
             weakref.finalize(view, self._give_back, block).atexit = False
         except BaseException:
             self._give_back(block)
             raise
-        # The storage holds ``view`` (torch.from_numpy keeps its array) and only that.
-        storage = torch.from_numpy(view).untyped_storage()
+        # The storage's data pointer holds ``view`` (torch.from_numpy keeps its array) and only
+        # that; a resize replaces the data pointer, dropping ``view``.
+        flat = torch.from_numpy(view)
+        make_storage_resizable(flat)
+        storage = flat.untyped_storage()
         # A tensor on that storage, not a view of a uint8 tensor: no ``_base`` for autograd or
         # torch.library to see.
         return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
@@ -258,6 +266,22 @@ def gradient_cache_free_bytes():
     return _gradient_cache().free_bytes() if _cache is not None else 0
 
 
+_make_storage_resizable = None
+
+
+def _storage_maker():
+    """The cpp extension's ``make_storage_resizable`` when the extension is loaded or built
+    (never building it), else None: without it a cached storage could not be resized."""
+    global _make_storage_resizable
+    if _make_storage_resizable is None:
+        from .cpp import backend
+
+        extension = backend.extension_if_built()
+        if extension is not None:
+            _make_storage_resizable = extension.make_storage_resizable
+    return _make_storage_resizable
+
+
 def _tracing():
     """Under a dispatch mode (fake tensors, tracing) or torch.compile a "buffer" is not memory:
     it must not enter, or come from, the cache."""
@@ -272,8 +296,9 @@ def cached_empty(shape, dtype, device):
     if device.type != "cpu" or nbytes < MIN_BYTES or _tracing():
         return torch.empty(shape, dtype=dtype, device=device)
     cache = _gradient_cache()
-    if cache.enabled:
-        return cache.lease(cache.take(nbytes), nbytes, shape, dtype)
+    make_storage_resizable = _storage_maker() if cache.enabled else None
+    if make_storage_resizable is not None:
+        return cache.lease(cache.take(nbytes), nbytes, shape, dtype, make_storage_resizable)
     grad = torch.empty(shape, dtype=dtype, device=device)
     _advise_huge_pages(grad, nbytes)
     return grad

@@ -54,6 +54,7 @@ SOURCES = ("common.h", "distill.cpp", "cross_entropy.cpp", "grpo.cpp", "logprobs
 _LOCK = threading.Lock()
 _EXTENSION = None
 _BUILD_ERROR = None  # the message of a failed build, kept so it is not retried in this process
+_LOOKED_FOR_BUILD = False  # extension_if_built looked for a complete build on disk
 _WARNED = False
 
 
@@ -192,6 +193,27 @@ def load_extension(verbose=False):
             f"the cpp backend cannot be used: build directory {build_dir} {read_only} and "
             f"{failure}; set {BUILD_DIR_ENV} to a writable directory to build it there")
         raise type(_BUILD_ERROR)(str(_BUILD_ERROR))
+
+
+def extension_if_built():
+    """The extension when it is loaded, or imported now from a complete build of these sources
+    (looked for once per process); None when only a build would give it. Never builds: the
+    gradient cache (kernels/memory.py) asks on its first allocation, whatever the backend."""
+    global _EXTENSION, _LOOKED_FOR_BUILD
+    if _EXTENSION is not None or _LOOKED_FOR_BUILD:
+        return _EXTENSION
+    with _LOCK:
+        if _EXTENSION is None and not _LOOKED_FOR_BUILD:
+            _LOOKED_FOR_BUILD = True
+            src = source_dir()
+            library = (None if src is None
+                       else _complete_library(build_directory(), _extension_name(src)))
+            if library is not None:
+                try:
+                    _EXTENSION = _import_library(_extension_name(src), library)
+                except ImportError:
+                    pass
+    return _EXTENSION
 
 
 def cached_library():
