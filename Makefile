@@ -28,8 +28,12 @@ NEWEST_TORCH_SPEC ?= torch==2.15.0
 NEWEST_TRITON_SPEC ?= triton==3.9.0
 NEWEST_PINS = "$(NEWEST_TORCH_SPEC)" "$(NEWEST_TRITON_SPEC)"
 PINNED_EXTRAS ?= test,plot,transformers,trl
+# verl 0.9.1 pins transformers<5.11 (the transformers and trl extras need 5.24+), so the verl
+# integration's tests run in a venv of their own (`make test-verl`) on .venv's torch: the cpp
+# backend's build, keyed by the torch version and the sources, is the one .venv built.
+VERL_VENV ?= .venv-verl
 
-.PHONY: setup test test-oldest test-newest bench bench-check bench-pytest lint compile-check verify clean
+.PHONY: setup test test-oldest test-newest test-verl bench bench-check bench-pytest lint compile-check verify clean
 
 setup: $(STAMP)
 
@@ -80,6 +84,18 @@ test-oldest: $(OLDEST_VENV)/.astrai-kernels-installed
 test-newest: $(NEWEST_VENV)/.astrai-kernels-installed
 	$(call test_pinned,$(NEWEST_VENV))
 
+$(VERL_VENV)/.astrai-kernels-installed: pyproject.toml Makefile
+	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VERL_VENV)/bin/python -m pip install -q $(TORCH_CPU_PIP_ARGS) "$(TORCH_CPU_SPEC)"
+	$(VERL_VENV)/bin/python -m pip install -q $(TORCH_CPU_PIP_ARGS) -e ".[test,verl]" \
+	  "$(TORCH_CPU_SPEC)"
+	touch $(VERL_VENV)/.astrai-kernels-installed
+
+# only the verl integration's modules (the rest of the suite runs in .venv)
+test-verl: $(VERL_VENV)/.astrai-kernels-installed
+	$(VERL_VENV)/bin/python -m pytest tests/test_integration_verl*.py -q
+
 # The tables of docs/benchmarks.md are rewritten from this run's JSON only when every case ran:
 # a run cut by its deadline leaves them alone (`make bench DOC_TABLES_ARGS=--partial` writes them).
 DOC_TABLES_ARGS ?=
@@ -107,4 +123,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check astrai_kernels tests bench
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) $(NEWEST_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) $(NEWEST_VENV) $(VERL_VENV) build *.egg-info .pytest_cache

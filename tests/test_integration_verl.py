@@ -1,0 +1,299 @@
+"""astrai_kernels.integrations.verl: the fused head verl's forwards call, and its top-K
+distillation, against float64 and verl's own ``torch`` fused backend, on tiny models built
+from configs (no download). The engine end to end: test_integration_verl_engine.py."""
+
+import copy
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+
+import verl_cpu  # noqa: E402,F401  (the CPU platform, before verl's engine is imported)
+from verl.models.transformers import dense_common, monkey_patch  # noqa: E402
+from verl.trainer.distillation.fsdp import losses as verl_distillation  # noqa: E402
+from verl.utils.experimental import torch_functional  # noqa: E402
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: E402
+
+from astrai_kernels.integrations import verl as akv  # noqa: E402
+from astrai_kernels.integrations.verl import distillation, forward  # noqa: E402
+from astrai_kernels.testing import compare_elementwise  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+CHUNK = 5  # rows per chunk: every call below walks several chunks
+ORIGINALS = {(owner, name): owner.__dict__[name] for owner, name in (
+    (monkey_patch, "patch_forward_with_backends"), (torch_functional, "FusedLinearForPPO"),
+    (FSDPEngineWithLMHead, "prepare_model_inputs"),
+    (FSDPEngineWithLMHead, "prepare_model_outputs"),
+    (verl_distillation, "compute_forward_kl_topk"))}
+
+
+@pytest.fixture
+def installed():
+    akv.install(chunk_size=CHUNK)
+    yield
+    akv.uninstall()
+
+
+def make_model(arch, dtype=torch.float32, seed=0):
+    """A tiny causal LM: qwen2 (untied), gemma2 (final logit soft-cap), cohere (logit scale),
+    granite (logits scaling)."""
+    from transformers import (
+        CohereConfig,
+        CohereForCausalLM,
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        GraniteConfig,
+        GraniteForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    configs = {
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(vocab_size=131)),
+        "gemma2": (Gemma2ForCausalLM, Gemma2Config,
+                   dict(vocab_size=103, head_dim=8, final_logit_softcapping=3.0)),
+        "cohere": (CohereForCausalLM, CohereConfig,
+                   dict(vocab_size=89, logit_scale=0.5, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2)),
+        "granite": (GraniteForCausalLM, GraniteConfig, dict(vocab_size=83, logits_scaling=2.0)),
+    }
+    model_class, config_class, extra = configs[arch]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{**SMALL, **extra}, attn_implementation="eager"))
+    if arch == "gemma2":
+        with torch.no_grad():  # logits as large as the cap, so the cap is active
+            model.get_output_embeddings().weight.mul_(40.0)
+    return model.to(dtype).train()
+
+
+def yardstick(naive, expected):
+    """The naive values of the tolerance model through a whole network (as
+    tests/test_integration_trl.py): float64 plus the naive path's largest error on the tensor,
+    on every entry; its error on one entry can vanish by chance where ours need not."""
+    naive, expected = naive.double(), expected.double()
+    return expected + (naive - expected).abs().max()
+
+
+def batch(vocab, layout, seed=1):
+    """``(model inputs, shift_labels or None, temperature)``: ``padded`` is two sequences of
+    11 (the forward rolls the labels, one temperature per sequence); ``packed`` the engine's
+    remove-padding layout ``[1, total_nnz]`` with its rolled labels and one temperature per
+    token."""
+    generator = torch.Generator().manual_seed(seed)
+    if layout == "padded":
+        input_ids = torch.randint(0, vocab, (2, 11), generator=generator)
+        return dict(input_ids=input_ids), None, torch.tensor([0.7, 1.3])
+    lengths = (7, 9, 6)
+    input_ids = torch.randint(0, vocab, (1, sum(lengths)), generator=generator)
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    temperature = torch.cat([torch.full((n,), t) for n, t in zip(lengths, (0.6, 1.0, 1.4))])
+    return (dict(input_ids=input_ids, position_ids=position_ids),
+            torch.roll(input_ids, -1, -1), temperature.unsqueeze(0))
+
+
+def fields_from_logits(logits, labels, temperature):
+    """log-probs, entropy and sum of squared probabilities of ``labels`` under
+    ``softmax(logits / temperature)``, in the logits' precision (float32 at least)."""
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    temperature = torch.as_tensor(temperature, dtype=logits.dtype)
+    if temperature.dim() == 1:
+        temperature = temperature.unsqueeze(-1)
+    log_p = torch.log_softmax(logits / temperature.unsqueeze(-1), -1)
+    return {"log_probs": log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1),
+            "entropy": -(log_p.exp() * log_p).sum(-1),
+            "sum_pi_squared": (2 * log_p).exp().sum(-1).detach()}
+
+
+def run(model, inputs, shift_labels, temperature, how):
+    """The fields and every parameter's gradient of ``sum(w1 * log_probs + w2 * entropy)``:
+    ``how`` is ``"ours"`` (the forward install gives), ``"verl_torch"`` (verl's own) or
+    ``"logits"`` (the model's own forward, then the softmax of its logits)."""
+    model.zero_grad(set_to_none=True)
+    labels = torch.roll(inputs["input_ids"], -1, -1) if shift_labels is None else shift_labels
+    if how == "logits":
+        fields = fields_from_logits(model(**inputs).logits, labels, temperature)
+    else:
+        verl_forward = dense_common.forward_with_torch_backend
+        model._verl_fused_kernels_backend = "astrai" if how == "ours" else "torch"
+        call = (forward.make_forward(verl_forward, {"backend": "auto", "chunk_size": CHUNK})
+                if how == "ours" else verl_forward)
+        extra = {"calculate_sum_pi_squared": True} if how == "ours" else {}
+        output = call(model, **inputs, shift_labels=shift_labels, temperature=temperature,
+                      return_dict=True, **extra)
+        fields = {"log_probs": output.log_probs, "entropy": output.entropy.float()}
+        if how == "ours":
+            fields["sum_pi_squared"] = output.sum_pi_squared
+    generator = torch.Generator().manual_seed(7)
+    weights = [torch.rand(labels.shape, generator=generator, dtype=torch.float64)
+               for _ in range(2)]
+    objective = sum((w.to(fields[name].dtype) * fields[name]).sum()
+                    for w, name in zip(weights, ("log_probs", "entropy")))
+    objective.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()
+             if p.grad is not None}
+    return {name: value.detach() for name, value in fields.items()}, grads
+
+
+def check(actual, expected, naive, dtype, what):
+    result = compare_elementwise(actual, expected, yardstick(naive, expected), dtype=dtype,
+                                 name=what)
+    assert result.ok, result.message()
+
+
+@pytest.mark.parametrize("arch, layout, dtype", [
+    *[("qwen2", layout, dtype) for layout in ("padded", "packed")
+      for dtype in (torch.float32, torch.bfloat16)],
+    *[(arch, "padded", torch.float32) for arch in ("gemma2", "cohere", "granite")]],
+    ids=lambda value: {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(value, value))
+def test_fields_and_every_gradient_against_float64(arch, layout, dtype, installed):
+    """log_probs, entropy, sum_pi_squared and every parameter's gradient of our forward
+    against the model's own float64 run, within the naive path's error in the model's dtype
+    (its own logits, then the softmax); temperatures per sequence and per token, several
+    chunks."""
+    model = make_model(arch, dtype)
+    model64 = copy.deepcopy(model).double()
+    inputs, shift_labels, temperature = batch(model.config.vocab_size, layout)
+    expected, expected_grads = run(model64, inputs, shift_labels, temperature, "logits")
+    naive, naive_grads = run(copy.deepcopy(model), inputs, shift_labels, temperature, "logits")
+    ours, grads = run(model, inputs, shift_labels, temperature, "ours")
+    for name in expected:
+        assert ours[name].dtype == torch.float32, name
+        check(ours[name], expected[name], naive[name], dtype, name)
+    assert set(grads) == set(expected_grads)
+    for name in expected_grads:
+        check(grads[name], expected_grads[name], naive_grads[name], dtype, f"grad {name}")
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_agrees_with_verls_torch_backend(layout, installed):
+    """Where verl's ``torch`` backend serves the call (one float temperature, no logit
+    transform): ours within its float32 error of float64, on every field and gradient."""
+    model = make_model("qwen2")
+    inputs, shift_labels, _ = batch(model.config.vocab_size, layout)
+    expected, expected_grads = run(copy.deepcopy(model).double(), inputs, shift_labels, 0.8,
+                                   "logits")
+    theirs, their_grads = run(copy.deepcopy(model), inputs, shift_labels, 0.8, "verl_torch")
+    ours, grads = run(model, inputs, shift_labels, 0.8, "ours")
+    for name in theirs:
+        check(ours[name], expected[name], theirs[name], torch.float32, name)
+    for name in expected_grads:
+        check(grads[name], expected_grads[name], their_grads[name], torch.float32, name)
+
+
+def test_apply_monkey_patch_serves_astrai_and_leaves_other_backends(installed, monkeypatch):
+    from transformers import Qwen2ForCausalLM
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "forward", Qwen2ForCausalLM.forward)
+    model = make_model("qwen2")
+    monkey_patch.apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True,
+                                    fused_kernels_backend="astrai")
+    assert forward.is_astrai_forward(type(model).forward)
+    assert model._verl_fused_kernels_backend == "astrai"
+    inputs, _, _ = batch(model.config.vocab_size, "padded")
+    output = model(**inputs, temperature=0.9, return_dict=True, calculate_sum_pi_squared=True)
+    assert type(output).__name__ == "CausalLMOutputForPPO"
+    assert isinstance(output, dense_common.CausalLMOutputForPPO)
+    assert output.sum_pi_squared.shape == output.log_probs.shape == (2, 11)
+    monkey_patch.apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True,
+                                    fused_kernels_backend="torch")
+    assert type(model).forward is dense_common.forward_with_torch_backend
+    layer = torch_functional.FusedLinearForPPO(impl_backend="torch")
+    assert isinstance(layer, ORIGINALS[(torch_functional, "FusedLinearForPPO")])
+    with pytest.raises(ValueError, match="Unsupported FusedLinearForPPO backend"):
+        torch_functional.FusedLinearForPPO(impl_backend="tritonx")
+
+
+def test_install_and_uninstall_are_idempotent():
+    for _ in range(2):
+        akv.install()
+    assert akv.is_installed()
+    for (owner, name), original in ORIGINALS.items():
+        assert owner.__dict__[name] is not original, name
+    akv.install(chunk_size=3)  # other options: replaced, not stacked
+    for _ in range(2):
+        akv.uninstall()
+    assert not akv.is_installed()
+    for (owner, name), original in ORIGINALS.items():
+        assert owner.__dict__[name] is original, name
+    with pytest.raises(ValueError, match="backend"):
+        akv.install(backend="cuda")
+    with pytest.raises(ValueError, match="chunk_size"):
+        akv.install(chunk_size=0)
+    assert not akv.is_installed()
+
+
+def test_temperature_shapes_are_checked(installed):
+    model = make_model("qwen2")
+    inputs, _, _ = batch(model.config.vocab_size, "padded")
+    for bad, error in ((torch.ones(3), ValueError), (torch.tensor([1.0, -1.0]), ValueError),
+                       (torch.ones(2, dtype=torch.long), TypeError)):
+        with pytest.raises(error, match="temperature"):
+            run(model, inputs, None, bad, "ours")
+
+
+def _teacher(vocab, rows, k, generator):
+    """A teacher's top-k log-probs and ids ``[rows, k]``, some below verl's clamp."""
+    logits = torch.randn(rows, vocab, generator=generator, dtype=torch.float64) * 4
+    log_p = torch.log_softmax(logits, -1)
+    values, ids = log_p.topk(k, -1)
+    return values.float(), ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_topk_distillation_matches_verls_per_token(dtype, installed):
+    """verl's ``compute_forward_kl_topk`` (now ours) against verl's own function in float64,
+    every per-token output and the student logits' gradient, within verl's own error in the
+    logits' dtype; the overlap counts equal."""
+    generator = torch.Generator().manual_seed(3)
+    lengths, vocab, k = (5, 8, 4), 67, 6
+    rows = sum(lengths)
+    logits = (torch.randn(1, rows, vocab, generator=generator) * 5).to(dtype)
+    teacher_log_probs, teacher_ids = _teacher(vocab, rows, k, generator)
+    # a few tokens where the student's top k is the teacher's, so the overlap is full there
+    logits[0, :3].scatter_(-1, teacher_ids[:3], 40.0)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    nested = [torch.nested.nested_tensor_from_jagged(t, offsets)
+              for t in (teacher_log_probs, teacher_ids)]
+    config = types.SimpleNamespace(distillation_loss=types.SimpleNamespace(
+        log_prob_min_clamp=-10.0, use_chunked_topk=False))
+    weights = torch.rand(1, rows, generator=generator, dtype=torch.float64)
+
+    def outputs(function, student):
+        student = student.detach().requires_grad_(True)
+        result = function(student, *nested, config, "thd")
+        (weights.to(result["distillation_losses"].dtype)
+         * result["distillation_losses"]).sum().backward()
+        return {name: value.detach() for name, value in result.items()}, student.grad
+
+    original = ORIGINALS[(verl_distillation, "compute_forward_kl_topk")]
+    assert verl_distillation.compute_forward_kl_topk is distillation.compute_forward_kl_topk
+    expected, expected_grad = outputs(original, logits.double())
+    naive, naive_grad = outputs(original, logits)
+    ours, grad = outputs(distillation.compute_forward_kl_topk, logits)
+    assert bool((expected["student_mass"] < 1).all())
+    student_at_ids = torch.log_softmax(logits.double(), -1)[0].gather(-1, teacher_ids)
+    assert bool((student_at_ids < -10).any() and (student_at_ids > -10).any())  # the clamp acts
+    assert torch.equal(ours["overlap_count"], expected["overlap_count"])
+    assert bool((ours["overlap_count"] == k).any() and (ours["overlap_count"] < k).any())
+    for name in ("distillation_losses", "student_mass", "teacher_mass",
+                 "overlap_token_advantage"):
+        assert ours[name].shape == (1, rows), name
+        check(ours[name], expected[name], naive[name], dtype, name)
+    check(grad, expected_grad, naive_grad, dtype, "grad student_logits")
+    assert grad.dtype == dtype
+
+
+def test_sum_pi_squared_has_no_gradient(installed):
+    """``sum_pi_squared`` is a statistic of the walk (no gradient); the other fields have one."""
+    model = make_model("qwen2")
+    inputs, _, _ = batch(model.config.vocab_size, "padded")
+    out = forward.make_forward(dense_common.forward_with_torch_backend, {"backend": "auto",
+                                                                         "chunk_size": None})(
+        model, **inputs, return_dict=True, calculate_sum_pi_squared=True)
+    assert not out.sum_pi_squared.requires_grad
+    assert out.log_probs.requires_grad and out.entropy.requires_grad
