@@ -297,3 +297,27 @@ def test_sum_pi_squared_has_no_gradient(installed):
         model, **inputs, return_dict=True, calculate_sum_pi_squared=True)
     assert not out.sum_pi_squared.requires_grad
     assert out.log_probs.requires_grad and out.entropy.requires_grad
+
+
+def test_docs_recipe_runs(monkeypatch):
+    """The ```py blocks of docs/verl.md run as shown, in order."""
+    import os
+    import re
+
+    from transformers import Qwen2ForCausalLM
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "forward", Qwen2ForCausalLM.forward)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "docs", "verl.md")).read()
+    blocks = re.findall(r"```py\n(.*?)```", text, re.S)
+    assert len(blocks) == 2
+    namespace = {}
+    for block in blocks:
+        exec(compile(block, "docs/verl.md", "exec"), namespace)
+    out, topk = namespace["out"], namespace["topk"]
+    assert out.sum_pi_squared.shape == out.log_probs.shape == (1, 16)
+    assert namespace["model"].lm_head.weight.grad is not None
+    assert set(topk) == {"distillation_losses", "student_mass", "teacher_mass",
+                         "overlap_count", "overlap_token_advantage"}
+    assert namespace["student_logits"].grad is not None
+    assert not akv.is_installed()
