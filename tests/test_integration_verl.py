@@ -300,7 +300,8 @@ def test_sum_pi_squared_has_no_gradient(installed):
 
 
 def test_docs_recipe_runs(monkeypatch):
-    """The ```py blocks of docs/verl.md run as shown, in order."""
+    """The ```py blocks of docs/verl.md run as shown, each alone (in a namespace of its own,
+    as tests/test_readme.py runs the other pages' blocks)."""
     import os
     import re
 
@@ -311,13 +312,13 @@ def test_docs_recipe_runs(monkeypatch):
     text = open(os.path.join(root, "docs", "verl.md")).read()
     blocks = re.findall(r"```py\n(.*?)```", text, re.S)
     assert len(blocks) == 2
-    namespace = {}
-    for block in blocks:
+    head, distill = ({"__name__": "__main__"} for _ in blocks)
+    for block, namespace in zip(blocks, (head, distill)):
         exec(compile(block, "docs/verl.md", "exec"), namespace)
-    out, topk = namespace["out"], namespace["topk"]
+        assert not akv.is_installed()
+    out = head["out"]
     assert out.sum_pi_squared.shape == out.log_probs.shape == (1, 16)
-    assert namespace["model"].lm_head.weight.grad is not None
-    assert set(topk) == {"distillation_losses", "student_mass", "teacher_mass",
-                         "overlap_count", "overlap_token_advantage"}
-    assert namespace["student_logits"].grad is not None
-    assert not akv.is_installed()
+    assert head["model"].lm_head.weight.grad is not None
+    assert set(distill["topk"]) == {"distillation_losses", "student_mass", "teacher_mass",
+                                    "overlap_count", "overlap_token_advantage"}
+    assert distill["student_logits"].grad is not None
