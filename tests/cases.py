@@ -358,3 +358,21 @@ def shard_grad_float64(logits, target, lse, alpha, beta, gamma, delta, temperatu
     ignored = (target == ignore_index)[:, None]
     return (torch.where(ignored, 0.0, grad).reshape(logits.shape),
             torch.where(ignored, 0.0, scale).reshape(logits.shape))
+
+
+def scale_a_logits_gradient_entry(monkeypatch, factor=1.01):
+    """A deliberately wrong gradient: the fused head folds one entry of the loss's logit
+    gradient, the largest of every walk's first chunk, scaled by ``factor``. Tests of the
+    model row of the tolerance table show it still fails them. (An entry of 1e-5 of the
+    largest, scaled so, moves the gradients by less than float32's own noise: no bound can.)"""
+    from astrai_kernels.ops import head
+
+    fold = head.ChunkedHead.fold
+
+    def scaled_fold(self, start, stop, grad_logits):
+        if start == 0:
+            entries = grad_logits.view(-1)
+            entries[entries.abs().argmax()] *= factor
+        return fold(self, start, stop, grad_logits)
+
+    monkeypatch.setattr(head.ChunkedHead, "fold", scaled_fold)

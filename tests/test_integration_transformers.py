@@ -12,7 +12,13 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from astrai_kernels.integrations import transformers as akt  # noqa: E402
-from astrai_kernels.testing import assert_close_elementwise  # noqa: E402
+from astrai_kernels.testing import (  # noqa: E402
+    assert_close_elementwise,
+    assert_model_gradient_close,
+    compare_model_gradient,
+)
+
+from cases import scale_a_logits_gradient_entry  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -66,15 +72,6 @@ def batch(vocab, seed=1, size=3, length=11):
     return input_ids, attention_mask, labels
 
 
-def row_scale(expected):
-    """The magnitude of the terms that form a parameter gradient's entry: the largest |entry|
-    of its row. An entry of a weight's gradient sums the same upstream gradients and inputs as
-    the rest of its row, so a cancellation that makes one entry small leaves it with the
-    rounding of terms as large as the row's."""
-    expected = expected.detach().double().abs()
-    return expected.amax(-1, keepdim=True).expand_as(expected)
-
-
 def loss_and_grads(model, inputs):
     model.zero_grad(set_to_none=True)
     out = model(**inputs)
@@ -98,8 +95,7 @@ def test_patched_loss_and_every_gradient_match_the_model(arch):
     assert_close_elementwise(out.loss, expected_out.loss, naive=naive_out.loss, name="loss")
     assert set(grads) == set(expected) == set(naive)
     for name in expected:
-        assert_close_elementwise(grads[name], expected[name], naive=naive[name],
-                                 scale=row_scale(expected[name]), name=name)
+        assert_model_gradient_close(grads[name], expected[name], naive[name], name=name)
     if arch == "qwen2":
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
@@ -210,6 +206,21 @@ def test_patch_refuses_what_it_cannot_serve():
         akt.unpatch(model)
 
 
+def test_a_wrong_logits_gradient_entry_fails(monkeypatch):
+    """The gradients' bound (the model row of the table) still sees one entry of the loss's
+    logit gradient scaled by 1.01."""
+    model = make_model("llama")
+    input_ids, attention_mask, labels = batch(model.config.vocab_size)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    _, expected = loss_and_grads(copy.deepcopy(model).double(), inputs)
+    _, naive = loss_and_grads(model, inputs)
+    scale_a_logits_gradient_entry(monkeypatch)
+    _, grads = loss_and_grads(akt.patch(model), inputs)
+    failed = [name for name in expected
+              if not compare_model_gradient(grads[name], expected[name], naive[name]).ok]
+    assert "lm_head.weight" in failed, failed
+
+
 def test_adamw_run_gives_the_same_loss_curve():
     def curve(model, steps=6):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -315,8 +326,8 @@ def test_token_logprobs_match_the_model_logits(arch):
     naive_grads = grads_of(model, naive.sum() + naive_entropy.sum())
     assert set(grads) == set(expected_grads)
     for name in expected_grads:
-        assert_close_elementwise(grads[name], expected_grads[name], naive=naive_grads[name],
-                                 scale=row_scale(expected_grads[name]), name=name)
+        assert_model_gradient_close(grads[name], expected_grads[name], naive_grads[name],
+                                    name=name)
     with torch.no_grad():  # old / reference models: forward only
         again = akt.token_logprobs(model, input_ids, attention_mask, temperature=temperature)
     assert not again.requires_grad

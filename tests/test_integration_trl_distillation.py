@@ -42,6 +42,8 @@ from astrai_kernels import reference  # noqa: E402
 from astrai_kernels.integrations import trl as ak_trl  # noqa: E402
 from astrai_kernels.testing import compare_elementwise  # noqa: E402
 
+from cases import scale_a_logits_gradient_entry  # noqa: E402
+
 # student, teacher, and the config: JSD from a tied teacher head to a soft-capped student,
 # forward KL from a teacher with a logit scale, reverse KL from a soft-capped teacher to a
 # scaled student at T > 1, LoRA on the student
@@ -133,6 +135,15 @@ def test_distillation_trainer_matches_trl(case, monkeypatch, tmp_path):
     assert ak_trl.is_installed(trainer) and ak_trl.served_models(trainer) == []
     ak_trl.uninstall(trainer)
     assert "_compute_loss" not in trainer.__dict__ and not ak_trl.is_installed(trainer)
+
+
+def test_a_wrong_logits_gradient_entry_fails(monkeypatch, tmp_path):
+    """The gradients' bound (the model row of the table) still sees one entry of the loss's
+    logit gradient scaled by 1.01 (the case whose bound was one noise sample on an Intel Xeon)."""
+    scale_a_logits_gradient_entry(monkeypatch)
+    _, _, _, results = _check_against_trl("forward kl", monkeypatch, str(tmp_path))
+    assert any(not result.ok for name, result in results if " grad " in name), \
+        [result.message() for _, result in results if not result.ok]
 
 
 @pytest.mark.parametrize("case, broken", [("jsd", "wrong beta"),

@@ -13,6 +13,8 @@ importance-sampling ratios, tool masks, padded completions, several accumulation
 """
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -32,7 +34,9 @@ from test_integration_trl import (  # noqa: E402
 import astrai_kernels as ak  # noqa: E402
 import astrai_kernels.ops.grpo as grpo_ops  # noqa: E402
 from astrai_kernels.integrations import trl as ak_trl  # noqa: E402
-from astrai_kernels.testing import compare_elementwise  # noqa: E402
+from astrai_kernels.testing import compare_elementwise, compare_model_gradient  # noqa: E402
+
+from cases import scale_a_logits_gradient_entry, subprocess_env  # noqa: E402
 
 #: a smaller first step than the other trainers' tests: the second step's completions are
 #: sampled from the updated policy, and a larger step lets a last-bit difference of the first
@@ -237,6 +241,38 @@ def test_fused_loss_compute_loss_off_policy(loss_type, overrides, vllm, tmp_path
     gradient, off-policy, with a tool mask, padded completions and 3 accumulation steps; with
     vLLM's importance-sampling correction where given (each of TRL's modes and bounds; ours
     forms the ratios in the loss from the sampler's log-probs)."""
+    failed = _like_trl_failures(*_compute_loss_runs(loss_type, overrides, vllm, tmp_path))
+    assert not failed, "\n".join(failed[:5])
+
+
+@pytest.mark.parametrize("loss_type, overrides, vllm", [
+    ("grpo", {}, "sequence_mask"),
+    ("luspo", {"importance_sampling_level": "sequence"}, "sequence_mask")])
+def test_a_wrong_logits_gradient_entry_fails(loss_type, overrides, vllm, monkeypatch, tmp_path):
+    """The bound of the gradients (the model row) still sees one entry of the loss's logit
+    gradient scaled by 1.01 (the two cases whose bound was one noise sample on an Intel Xeon)."""
+    scale_a_logits_gradient_entry(monkeypatch)
+    failed = _like_trl_failures(*_compute_loss_runs(loss_type, overrides,
+                                                    (vllm, None, 3.0), tmp_path))
+    assert any(message.startswith("grad ") for message in failed), failed
+
+
+@pytest.mark.parametrize("gemm_setting", ["MKL_CBWR=COMPATIBLE", "MKL_ENABLE_INSTRUCTIONS=AVX2"])
+def test_the_gradients_bound_holds_under_other_gemm_orders(gemm_setting):
+    """The cases whose bound was one noise sample (on an Intel Xeon, MKL's AVX-512 GEMMs) pass
+    with MKL's GEMMs made to sum in other orders (a child process: MKL reads these at start)."""
+    name, value = gemm_setting.split("=")
+    cases = [f"{__file__}::test_fused_loss_compute_loss_off_policy[{case}]" for case in (
+        "grpo-defaults-sequence_mask-None-3.0",
+        "luspo-importance_sampling_level=sequence-sequence_mask-None-3.0")]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          *cases], env=subprocess_env(**{name: value}), capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-3000:] + run.stderr
+
+
+def _compute_loss_runs(loss_type, overrides, vllm, tmp_path):
+    """``(actual, expected, naive)``: ``(loss, grads, metrics)`` of one ``_compute_loss`` each."""
     config = dict(loss_type=loss_type, beta=0.05, gradient_accumulation_steps=3, epsilon=0.02,
                   **overrides)
     trainers = [_grpo_trainer(tmp_path / str(i), dtype, **config)
@@ -263,12 +299,13 @@ def test_fused_loss_compute_loss_off_policy(loss_type, overrides, vllm, tmp_path
     expected = run(expected_trainer, torch.float64)
     naive, actual = run(naive_trainer, torch.float32), run(ours, torch.float32)
     assert set(actual[2]) == set(expected[2])
-    _assert_like_trl(actual, expected, naive)
+    return actual, expected, naive
 
 
-def _assert_like_trl(actual, expected, naive):
-    """``(loss, grads, metrics)`` of a step: the loss, TRL's metrics (``expected``'s names) and
-    every gradient per element against the float64 run, allowed the float32 run's error."""
+def _like_trl_failures(actual, expected, naive):
+    """The failed comparisons of ``(loss, grads, metrics)`` of a step: the loss, TRL's metrics
+    (``expected``'s names) and every gradient per element against the float64 run, allowed the
+    float32 run's error (the gradients on the table's model row)."""
     keys = sorted(expected[2])
 
     def vec(metrics):
@@ -276,11 +313,12 @@ def _assert_like_trl(actual, expected, naive):
 
     checks = [("loss", actual[0], expected[0], naive[0]),
               ("metrics", vec(actual[2]), vec(expected[2]), vec(naive[2]))]
-    checks += [(f"grad {n}", actual[1][n], expected[1][n], naive[1][n]) for n in expected[1]]
-    for name, got, want, base in checks:
-        result = compare_elementwise(got, want, _yardstick(base, want), dtype=torch.float32,
-                                     name=name)
-        assert result.ok, result.message()
+    results = [compare_elementwise(got, want, _yardstick(base, want), dtype=torch.float32,
+                                   name=name) for name, got, want, base in checks]
+    results += [compare_model_gradient(actual[1][n], expected[1][n], naive[1][n],
+                                       dtype=torch.float32, name=f"grad {n}")
+                for n in expected[1]]
+    return [result.message() for result in results if not result.ok]
 
 
 def test_fused_loss_refusals(monkeypatch, tmp_path):

@@ -40,10 +40,15 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from test_integration_transformers import loss_and_grads, make_model, row_scale  # noqa: E402
+from test_integration_transformers import loss_and_grads, make_model  # noqa: E402
 
 from astrai_kernels.integrations import transformers as akt  # noqa: E402
-from astrai_kernels.testing import assert_close_elementwise, compare_elementwise  # noqa: E402
+from astrai_kernels.testing import (  # noqa: E402
+    assert_close_elementwise,
+    assert_model_gradient_close,
+    compare_elementwise,
+    compare_model_gradient,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LENGTHS = (5, 9, 7)
@@ -107,14 +112,14 @@ def _check(actual_out, actual_grads, expected_out, expected, naive_out, naive, w
                              name=f"{what} loss")
     assert set(actual_grads) == set(expected) == set(naive)
     for name in expected:
-        assert_close_elementwise(actual_grads[name], expected[name], naive=naive[name],
-                                 scale=row_scale(expected[name]), name=f"{what} {name}")
+        assert_model_gradient_close(actual_grads[name], expected[name], naive[name],
+                                    name=f"{what} {name}")
 
 
 def _failures(actual_out, actual_grads, expected_out, expected, naive_out, naive):
     results = [compare_elementwise(actual_out.loss, expected_out.loss, naive_out.loss)]
-    results += [compare_elementwise(actual_grads[name], expected[name], naive[name],
-                                    scale=row_scale(expected[name])) for name in expected]
+    results += [compare_model_gradient(actual_grads[name], expected[name], naive[name])
+                for name in expected]
     return [result for result in results if not result.ok]
 
 
@@ -230,8 +235,8 @@ def test_token_logprobs_on_a_packed_row_match_the_padded_batch():
                                  name=f"packed {name}")
     grads = grads_of(model, logp, entropy)
     for name in expected_grads:
-        assert_close_elementwise(grads[name], expected_grads[name], naive=naive_grads[name],
-                                 scale=row_scale(expected_grads[name]), name=name)
+        assert_model_gradient_close(grads[name], expected_grads[name], naive_grads[name],
+                                    name=name)
 
 
 # -- TRL: SFTTrainer with padding_free / packing ----------------------------------------------

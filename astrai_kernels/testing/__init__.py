@@ -7,11 +7,14 @@ from .tolerances import (
     assert_close,
     assert_close_elementwise,
     assert_head_gradient_close,
+    assert_model_gradient_close,
     compare,
     compare_elementwise,
+    compare_model_gradient,
     softmax_grad_scale,
 )
 
 __all__ = ["TOLERANCES", "Comparison", "TinyCausalLM", "ToyRolloutRunner", "assert_close",
-           "assert_close_elementwise", "assert_head_gradient_close", "compare",
-           "compare_elementwise", "softmax_grad_scale"]
+           "assert_close_elementwise", "assert_head_gradient_close",
+           "assert_model_gradient_close", "compare", "compare_elementwise",
+           "compare_model_gradient", "softmax_grad_scale"]
