@@ -17,6 +17,7 @@ from astrai_kernels.testing import (
     assert_close_elementwise,
     compare,
     compare_elementwise,
+    compare_model_gradient,
     softmax_grad_scale,
 )
 
@@ -193,3 +194,26 @@ def test_table_covers_every_result_dtype():
     with pytest.raises(ValueError, match="no tolerance"):
         compare_elementwise(torch.zeros(2, dtype=torch.int64), torch.zeros(2),
                             dtype=torch.int64)
+
+
+def test_model_row_allows_the_gemm_order_and_no_more():
+    """The model row (a parameter's gradient through a float32 model): another summation
+    order's noise (3x the naive run's, at 1e-6 of the largest entry) passes; one entry moved
+    by 1e-4 of the largest entry, a small entry doubled, or a tensor scaled by 1 + 1e-4 fails."""
+    g = torch.Generator().manual_seed(0)
+    expected = torch.randn(32, 16, generator=g, dtype=torch.float64)
+    largest = expected.abs().max()
+    naive = expected + 1e-7 * largest * torch.randn(32, 16, generator=g, dtype=torch.float64)
+    other_order = expected + 1e-6 * largest * torch.randn(32, 16, generator=g,
+                                                          dtype=torch.float64)
+    assert compare_model_gradient(other_order.float(), expected, naive.float()).ok
+    moved = expected.clone()
+    moved[3, 5] += 1e-4 * largest
+    small = expected.abs().argmin()
+    doubled = expected.clone().view(-1)
+    doubled[small] = 2 * doubled[small] + 1e-3 * largest
+    for wrong in (moved, doubled.view(32, 16), expected * (1 + 1e-4)):
+        result = compare_model_gradient(wrong.float(), expected, naive.float())
+        assert not result.ok and result.failed >= 1
+    with pytest.raises(ValueError, match="naive shape"):
+        compare_model_gradient(expected.float(), expected, naive[:3].float())
