@@ -89,3 +89,20 @@ def test_per_sample_temperature_sum_pi_squared_and_untied_fsdp2(model_paths):
                 assert result["changed"] == result["parameters"], (rank, case)
                 assert set(result["values"]) == {"log_probs", "entropy", "sum_pi_squared"}
                 _check_values(result)
+
+
+def test_fsdp2_ranks_get_the_one_process_values_and_gradients():
+    """verl's ``apply_fsdp2`` on 2 gloo ranks, tied and untied embeddings (untied, ``lm_head``
+    is sharded on its own): each rank's log-probs and entropy and every parameter's gathered
+    gradient equal the one-process float64 run's within the float32 path's error. Untied,
+    verl's own ``torch`` backend fails on the same model (the weight it reads was never
+    gathered)."""
+    per_rank = spawn_ranks(verl_cpu.fsdp2_worker, 2, ((True, False),), timeout=300.0)
+    for rank, by_tie in enumerate(per_rank):
+        for tie, outcomes in by_tie.items():
+            where = f"rank {rank}, tie_word_embeddings={tie}"
+            assert outcomes["values"] is None, f"{where}:\n{outcomes['values']}"
+            assert outcomes["grads"] is None, f"{where}:\n{outcomes['grads']}"
+        untied = by_tie["False"]
+        assert untied["lm_head_separate"], rank
+        assert "mixed torch.Tensor and DTensor" in untied["verl_torch_error"], rank

@@ -285,3 +285,99 @@ def _scalar(value):
     while isinstance(value, (list, tuple)):
         value = value[0]
     return getattr(value, "value", value)
+
+
+def _head_fields(model, input_ids, temperature, how):
+    """log-probs and entropy of the next tokens: ``"ours"`` through the patched forward,
+    ``"logits"`` from the decoder and ``lm_head`` called as modules (the naive path)."""
+    labels = torch.roll(input_ids, -1, -1)
+    if how == "ours":
+        output = model(input_ids=input_ids, temperature=temperature, return_dict=True)
+        return output.log_probs, output.entropy
+    logits = model.lm_head(model.model(input_ids=input_ids)[0])
+    logits = logits / temperature.to(logits.dtype).reshape(-1, 1, 1)
+    log_p = torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), -1)
+    return (log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1),
+            -(log_p.exp() * log_p).sum(-1))
+
+
+def _objective(fields, generator_seed):
+    generator = torch.Generator().manual_seed(generator_seed)
+    return sum((torch.rand(f.shape, generator=generator, dtype=torch.float64).to(f.dtype) * f)
+               .sum() for f in fields)
+
+
+def fsdp2_worker(rank: int, world_size: int, ties):
+    """:func:`fsdp2_case` for each of ``ties``, by ``str(tie)``."""
+    return {str(tie): fsdp2_case(rank, world_size, tie) for tie in ties}
+
+
+def fsdp2_case(rank: int, world_size: int, tie: bool):
+    """verl's ``apply_fsdp2`` wrapping of a tiny Qwen2 (its decoder layers, and with untied
+    embeddings ``embed_tokens`` and ``lm_head`` each on their own, then the root), the
+    ``astrai`` forward on this rank's sequences: returns, per case, None or why it failed, of
+    the comparisons of this rank's values and every parameter's gathered gradient with the
+    one-process float64 run over every rank's sequences (the naive path: the same in
+    float32, logits formed)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Qwen2ForCausalLM
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+    from verl.utils.fsdp_utils import apply_fsdp2
+
+    from astrai_kernels.integrations import verl as akv
+    from astrai_kernels.testing import compare_elementwise
+    from astrai_kernels.testing.multiprocess import case_outcome
+
+    torch.manual_seed(0)
+    config = tiny_qwen2_config(tie, vocab=97)
+    config._attn_implementation = "eager"
+    model = Qwen2ForCausalLM(config).train()
+    generator = torch.Generator().manual_seed(11)
+    input_ids = torch.randint(0, 97, (world_size, 2, 9), generator=generator)
+    temperature = torch.tensor([[0.7, 1.2], [0.9, 1.4]])[:world_size]
+
+    def one_process(dtype):
+        copied = copy.deepcopy(model).to(dtype)
+        fields = [_head_fields(copied, input_ids[r], temperature[r], "logits")
+                  for r in range(world_size)]
+        # FSDP2 averages the ranks' gradients
+        (sum(_objective(f, r) for r, f in enumerate(fields)) / world_size).backward()
+        return fields[rank], {n: p.grad for n, p in copied.named_parameters()}
+
+    (expected, expected_grads), (naive, naive_grads) = one_process(torch.float64), \
+        one_process(torch.float32)
+    akv.install(chunk_size=5)  # again after an untied case uninstalled
+    apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True,
+                       fused_kernels_backend="astrai")
+    apply_fsdp2(model, {"mesh": init_device_mesh("cpu", (world_size,)),
+                        "reshard_after_forward": True}, {})
+    outcomes = {}
+
+    def check(actual, want, base, name):
+        want, base = want.detach(), base.detach()
+        base = want + (base - want).abs().max()  # the yardstick of test_integration_verl.py
+        result = compare_elementwise(actual.detach(), want, base, dtype=torch.float32,
+                                     name=name)
+        assert result.ok, result.message()
+
+    fields = _head_fields(model, input_ids[rank], temperature[rank], "ours")
+    _objective(fields, rank).backward()
+    outcomes["values"] = case_outcome(lambda: [check(a, e, n, name) for a, e, n, name in zip(
+        fields, expected, naive, ("log_probs", "entropy"))])
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    outcomes["grads"] = case_outcome(lambda: [
+        check(grads[name], expected_grads[name], naive_grads[name], f"grad {name}")
+        for name in expected_grads])
+    outcomes["lm_head_separate"] = not tie and type(model.lm_head).__name__.startswith("FSDP")
+    if not tie:
+        # verl's own torch backend reads the sharded weight without lm_head's call
+        model._verl_fused_kernels_backend = "torch"
+        akv.uninstall()
+        try:
+            model(input_ids=input_ids[rank], temperature=1.0, return_dict=True)
+            outcomes["verl_torch_error"] = None
+        except RuntimeError as error:
+            outcomes["verl_torch_error"] = str(error)
+    return outcomes
