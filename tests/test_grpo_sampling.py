@@ -10,12 +10,15 @@ the processed distribution (its log-softmax over the kept entries is ``s_y - lse
 element against that float64 run, allowed twice the float32 run of the same oracle's own error.
 """
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import astrai_kernels as ak
 from astrai_kernels import reference
+from astrai_kernels.ops.grpo_options import ROLLOUT_IS_MODES, ROLLOUT_RS_OPTIONS
 from astrai_kernels.testing import assert_close, assert_close_elementwise
 
 from cases import KERNEL_BACKENDS
@@ -115,6 +118,127 @@ def test_linear_grpo_loss_under_the_samplers_distribution(backend):
                                  scale=exact_leaf.grad.abs().amax(-1, keepdim=True)
                                  .expand_as(exact_leaf.grad))
     assert metrics["mask/out_of_support"] > 0
+
+
+#: the sampled tokens outside the support in :func:`_corrected_inputs`, and one inside it
+#: whose sampler log-prob is far from the old one (its sequence rejected, its weight cut)
+OUTSIDE = ((0, 1), (1, 4))
+FAR = (2, 2)
+
+
+@functools.lru_cache(maxsize=1)
+def _corrected_inputs():
+    """:func:`_inputs` with targets drawn from the sampler's support but at :data:`OUTSIDE`,
+    and the sampler's log-probs: ``old`` plus a drift of about 0.15 per token, ``d = old -
+    sampling = 3`` at the tokens outside the support (a log-ratio that alone rejects its
+    sequence or moves its sequence weight when counted) and ``d = -5`` at :data:`FAR`.
+    ``(logits, target, mask, advantages, old, ref, sampling, kept)``, ``kept`` the support
+    ``[B, T, V]`` (read only: cached)."""
+    logits, _, mask, advantages, old, ref = _inputs()
+    kept = _kept(logits.double(), SAMPLING)
+    g = torch.Generator().manual_seed(9)
+    target = torch.multinomial(kept.reshape(-1, VOCAB).double(), 1, generator=g)
+    target = target.view(BATCH, LENGTH)
+    for position in OUTSIDE:
+        target[position] = int(torch.where(kept[position], 1e9, logits[position]).argmin())
+    in_support = kept.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    drift = 0.15 * torch.randn(BATCH, LENGTH, generator=g)
+    sampling = torch.where(in_support, old + drift, old - 3.0)
+    sampling[FAR] = old[FAR] + 5.0
+    return logits, target, mask, advantages, old, ref, sampling, kept
+
+
+#: every rollout_is mode and rollout_rs option (thresholds the in-support tokens pass, the
+#: out-of-support log-ratio does not), and both at once
+CORRECTIONS = {
+    **{mode: dict(rollout_is=mode, rollout_is_min=0.5, rollout_is_max=2.0)
+       for mode in ROLLOUT_IS_MODES},
+    **{option: dict(rollout_rs=option,
+                    rollout_rs_threshold=2.0 if option.endswith("k1") else 0.5)
+       for option in ROLLOUT_RS_OPTIONS},
+    "is_and_rs": dict(rollout_is="sequence_truncate", rollout_is_max=2.0,
+                      rollout_rs="seq_sum_k1", rollout_rs_threshold=2.0),
+}
+
+
+def _check_correction_reads_the_support(op, inputs, correction, with_old, backend,
+                                        options=None):
+    """``op`` (``ak.grpo_loss`` or a ``linear_grpo_loss`` whose input is the logits) against
+    the float64 spec on the logits outside the support at -inf, with the tokens outside it
+    masked by the caller (the loss and every metric: ``rollout_corr/*``, ``sampling/*``, the
+    GRPO ones), and against the op itself with the caller masking them (loss, metrics and
+    gradient equal)."""
+    logits, target, mask, advantages, old, ref, sampling, kept = inputs
+    in_support = kept.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    options = dict(loss_type="bnpo", beta=0.04) if options is None else options
+    old = old if with_old else None
+    keywords = dict(old_logprobs=old, ref_logprobs=ref, sampling_logprobs=sampling,
+                    **options, **correction)
+    results = {}
+    for name, leaf, op_mask in (("support", logits.clone(), mask),
+                                ("caller", logits.clone(), mask * in_support)):
+        leaf.requires_grad_(True)
+        loss, metrics = op(leaf, target, advantages, mask=op_mask, sampling=SAMPLING,
+                           backend=backend, **keywords)
+        loss.backward()
+        results[name] = loss.detach(), metrics, leaf.grad
+    spec = {}
+    for dtype in (torch.float64, torch.float32):
+        truncated = torch.where(kept, logits.to(dtype), float("-inf"))
+        spec[dtype] = reference.grpo_loss(
+            truncated, target, advantages.to(dtype), (mask != 0) & in_support,
+            None if old is None else old.to(dtype), ref.to(dtype),
+            temperature=SAMPLING.temperature, sampling_logprobs=sampling.to(dtype),
+            **options, **correction)
+    (exact, exact_metrics), (naive, naive_metrics) = spec[torch.float64], spec[torch.float32]
+    loss, metrics, grad = results["support"]
+    assert_close(loss, exact, "value", torch.float32, "loss", naive=naive)
+    outside = ((mask != 0) & ~in_support).sum() / (mask != 0).sum()
+    assert ((mask != 0) & ~in_support).sum() == len(OUTSIDE)
+    assert set(metrics) == set(exact_metrics) | {"mask/out_of_support"}
+    torch.testing.assert_close(metrics["mask/out_of_support"], outside.float())
+    for key in exact_metrics:
+        assert_close(metrics[key], exact_metrics[key], "value", torch.float32, key,
+                     naive=naive_metrics[key])
+    caller_loss, caller_metrics, caller_grad = results["caller"]
+    torch.testing.assert_close(loss, caller_loss)
+    torch.testing.assert_close(grad, caller_grad)
+    for key in exact_metrics:
+        torch.testing.assert_close(metrics[key], caller_metrics[key], msg=key)
+
+
+def _identity_head_op(hidden, *args, **keywords):
+    """``linear_grpo_loss`` through an identity head: the hidden states are the logits."""
+    return ak.linear_grpo_loss(hidden, torch.eye(hidden.shape[-1]), *args, chunk_size=4,
+                               **keywords)
+
+
+@pytest.mark.parametrize("with_old", [True, False], ids=["old", "on_policy"])
+@pytest.mark.parametrize("correction", list(CORRECTIONS))
+def test_rollout_correction_reads_the_mask_without_the_tokens_outside_the_support(
+        correction, with_old):
+    """Issue 45 item 1: a token outside the sampler's support leaves the mask before the
+    rollout correction reads it, with ``old_logprobs`` given as without: every correction mode
+    and metric equals the spec's and the op's own with the caller masking that token."""
+    _check_correction_reads_the_support(ak.grpo_loss, _corrected_inputs(),
+                                        CORRECTIONS[correction], with_old, "cpp")
+
+
+@pytest.mark.parametrize("with_old", [True, False], ids=["old", "on_policy"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "reference"])
+def test_rollout_correction_reads_the_support_on_every_backend(backend, with_old):
+    _check_correction_reads_the_support(ak.grpo_loss, _corrected_inputs(),
+                                        CORRECTIONS["is_and_rs"], with_old, backend,
+                                        options=dict(loss_type="grpo"))
+
+
+@pytest.mark.parametrize("with_old", [True, False], ids=["old", "on_policy"])
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_linear_rollout_correction_reads_the_support(backend, with_old):
+    """``linear_grpo_loss`` (what ``integrations.trl.install(..., score_support="sampler")``
+    calls) on hidden states that are the logits themselves (an identity head)."""
+    _check_correction_reads_the_support(_identity_head_op, _corrected_inputs(),
+                                        CORRECTIONS["is_and_rs"], with_old, backend)
 
 
 def test_a_filter_off_scores_as_the_plain_op():

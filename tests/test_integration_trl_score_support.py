@@ -141,14 +141,17 @@ def _spec_logps(trainer):
     trainer._get_per_token_logps_and_entropies = types.MethodType(logps_and_entropies, trainer)
 
 
-@pytest.mark.parametrize("vllm", [None, ("token_truncate", None, 3.0)],
-                         ids=["transformers", "vllm-token_truncate"])
+@pytest.mark.parametrize("vllm", [None, ("token_truncate", None, 3.0),
+                                  ("sequence_truncate", 0.5, 2.0), ("sequence_mask", 0.2, 5.0)],
+                         ids=["transformers", "vllm-token_truncate", "vllm-sequence_truncate",
+                              "vllm-sequence_mask"])
 def test_fused_loss_with_score_support_matches_trl_on_the_spec(vllm, tmp_path):
     """One ``_compute_loss`` with score_support against TRL's on the spec's log-probs: loss,
     TRL's metrics and every gradient, off-policy (old log-probs moved so ratios clip), with a
     KL term, a tool mask, one sampled token outside the current support and one outside the
     old one (ours masks both and counts them in ``sampling/out_of_support``; the oracle's
-    inputs mask them)."""
+    inputs mask them). vLLM's sequence-level correction reads the mask without them too (the
+    oracle's ratio is TRL's on its mask; issue 45 item 1)."""
     config = dict(loss_type="dapo", beta=0.05, epsilon=0.02, gradient_accumulation_steps=2)
     trainers = [_trainer(tmp_path / str(i), dtype, **config)
                 for i, dtype in enumerate((torch.float64, torch.float32, torch.float32))]

@@ -431,8 +431,9 @@ def from_logprobs(logprobs_of: Callable[[Tensor, bool], Tuple[Tensor, Optional[T
     ``logprobs_of(masked_target, with_entropy)`` gives the differentiable token log-probs (and
     entropies, or None) from logits or the fused head. GSPO's ratio
     ``r_b = exp(masked mean of logp - old)`` is one per sequence, its gradient reaching every
-    unmasked token of the sequence. A rollout correction waiting for ``old = logp`` is
-    computed here, before anything reads the mask."""
+    unmasked token of the sequence. A rollout correction waiting for the token log-probs
+    (``old = logp``, or the sampler's support: its tokens leave the mask first) is computed
+    here, before anything reads the mask."""
     masked_target = torch.where(checked.inputs.scored, target, torch.full_like(target, -100))
     logp, entropy = logprobs_of(masked_target,
                                 checked.params.options.needs_entropy or checked.token_values)

@@ -215,7 +215,8 @@ class GRPOPlan:
     weight: Tensor
     #: ``return_token_values``: the call also returns each token's log-prob and entropy
     token_values: bool = False
-    #: the rollout correction waits for the token log-probs (``old_logprobs=None``: old = logp)
+    #: the rollout correction waits for the token log-probs: as ``old`` (``old_logprobs=None``)
+    #: or, with ``sampling=``, for the support (the correction reads the mask without it)
     correction_pending: bool = False
     #: ``sampling=``: the support is known once the token log-probs are (``with_support``)
     support_pending: bool = False
@@ -276,17 +277,21 @@ def plan(logits: LogitsShape, target: Tensor, advantages: Tensor,
                        support_pending=sampling is not None, sampling=sampling)
     if not params.options.rollout_correction_on:
         return checked
-    if inputs.old is None:
+    if inputs.old is None or checked.support_pending:
         return dataclasses.replace(checked, correction_pending=True)
     return corrected(checked, inputs.old)
 
 
-def corrected(checked: GRPOPlan, old: Tensor) -> GRPOPlan:
-    """``checked`` with its rollout correction (``ops/rollout_correction.py``) from ``old``: the
+def corrected(checked: GRPOPlan, logp: Tensor) -> GRPOPlan:
+    """``checked`` with its rollout correction (``ops/rollout_correction.py``) from the call's
+    old log-probs, or from ``logp`` (the token log-probs, detached) when it has none: the
     importance weights become the call's ``importance_weights`` (where TRL multiplies its
     vLLM ratio: each token's policy term; inside phi for VESPO), the rejected tokens leave
-    the mask (verl replaces ``response_mask``), and the token weights follow the new mask."""
+    the mask (verl replaces ``response_mask``), and the token weights follow the new mask.
+    Under ``sampling=`` it comes after ``with_support``: the mask it reads is without the
+    tokens outside the support."""
     inputs, params = checked.inputs, checked.params
+    old = logp if inputs.old is None else inputs.old
     correction = rollout_correction.rollout_correction(old, inputs.sampling, inputs.scored,
                                                        params.options)
     positive, options = inputs.weights_positive, params.options
@@ -298,8 +303,10 @@ def corrected(checked: GRPOPlan, old: Tensor) -> GRPOPlan:
     inputs = dataclasses.replace(inputs, valid=correction.kept, importance_weights=weights,
                                  weights_positive=positive)
     weight = token_weights(inputs.valid, params.options, inputs.normalizer)
+    # ``mask/out_of_support`` (``with_support``) stays beside the correction's metrics
+    metrics = {**(checked.correction_metrics or {}), **correction.metrics}
     return dataclasses.replace(checked, inputs=inputs, weight=weight, correction_pending=False,
-                               correction_metrics=correction.metrics)
+                               correction_metrics=metrics)
 
 
 def check_sampling(sampling, options: GRPOOptions, token_values: bool,
