@@ -376,7 +376,12 @@ def rollout_correction(old: Tensor, sampling: Tensor, valid: Tensor, options: GR
     k1 = ``-s`` kept in ``[log lower, log upper]`` (lower = ``1/upper`` by default), k2 =
     ``s^2/2``, k3 = ``e^s - 1 - s`` kept ``<= upper``; per token or the sequence's sum, mean or
     max. verl's masked means divide by ``count + 1e-8``. Metrics: TRL's ``sampling/*``,
-    verl's ``rollout_corr/*``; all 0 when no token is unmasked.
+    verl's ``rollout_corr/*``; all 0 when no token is unmasked. A token whose ``old -
+    sampling`` is infinite enters the weights and the rejection as TRL's ``nan_to_num`` makes
+    it (float's largest value), but is left out of the mismatch metrics (verl's
+    ``compute_offpolicy_metrics``, TRL's ``sampling_logp_difference``) and counted in
+    ``rollout_corr/infinite_log_ratio_count`` and ``sampling/sampling_logp_difference/
+    non_finite_count`` (the latter with the NaN ones TRL leaves out).
     """
     o = options
     dtype = old.dtype
@@ -392,12 +397,21 @@ def rollout_correction(old: Tensor, sampling: Tensor, valid: Tensor, options: GR
 
     d = torch.where(valid, torch.nan_to_num(old - sampling, nan=0.0), 0.0)
     d_seq = d.sum(-1, keepdim=True)
+    finite = valid & ~torch.isinf(old - sampling)
+    f = finite.to(dtype)
+
+    def finite_mean(x: Tensor) -> Tensor:
+        return torch.where(finite, x, 0.0).sum() / (f.sum() + 1e-8)
+
+    d_finite = torch.where(finite, d, 0.0)
+    d_finite_seq = d_finite.sum(-1)
     metrics = {
-        "rollout_corr/kl": masked_mean(-d),
-        "rollout_corr/k3_kl": masked_mean(torch.exp(d) - d - 1),
-        "rollout_corr/log_ppl_diff": (-d_seq[:, 0] / (m.sum(-1) + 1e-8)).mean(),
-        "rollout_corr/chi2_token": masked_mean(torch.exp(d.clamp(-20, 20)) ** 2) - 1,
-        "rollout_corr/chi2_seq": torch.exp(2 * d_seq.clamp(-20, 20)).mean() - 1,
+        "rollout_corr/kl": finite_mean(-d),
+        "rollout_corr/k3_kl": finite_mean(torch.exp(d_finite) - d_finite - 1),
+        "rollout_corr/log_ppl_diff": (-d_finite_seq / (f.sum(-1) + 1e-8)).mean(),
+        "rollout_corr/chi2_token": finite_mean(torch.exp(d.clamp(-20, 20)) ** 2) - 1,
+        "rollout_corr/chi2_seq": torch.exp(2 * d_finite_seq.clamp(-20, 20)).mean() - 1,
+        "rollout_corr/infinite_log_ratio_count": (valid & ~finite).sum().to(dtype),
     }
     weights = None
     if o.rollout_is is not None:
@@ -410,11 +424,13 @@ def rollout_correction(old: Tensor, sampling: Tensor, valid: Tensor, options: GR
             high = math.inf if o.rollout_is_max is None else o.rollout_is_max
             rho = rho.masked_fill((rho < low) | (rho > high), 0.0)
         delta = (old - sampling).abs()
-        delta = delta[valid & ~torch.isnan(delta)]
+        unscored = (valid & ~torch.isfinite(delta)).sum().to(dtype)
+        delta = delta[valid & torch.isfinite(delta)]
         low_ratio, mean_ratio, high_ratio = stats(rho[valid] if token_level else rho[:, 0])
         metrics.update({
             "sampling/sampling_logp_difference/mean": stats(delta)[1],
             "sampling/sampling_logp_difference/max": stats(delta)[2],
+            "sampling/sampling_logp_difference/non_finite_count": unscored,
             "sampling/importance_sampling_ratio/min": low_ratio,
             "sampling/importance_sampling_ratio/mean": mean_ratio,
             "sampling/importance_sampling_ratio/max": high_ratio,
@@ -754,6 +770,12 @@ def _axolotl_kd_topk_rows(student_logprobs: Tensor, teacher_logprobs: Tensor, li
 TOPK_OBJECTIVES = ("trl_jsd", "verl_forward_kl", "axolotl_kd")
 
 
+def _with_nan_rows(rows: Tensor, nan_rows: Tensor) -> Tensor:
+    """``rows`` times NaN where ``nan_rows``, times 1 elsewhere (a ``where`` of ``rows * nan``
+    would send ``0 * nan`` into the other rows' gradients)."""
+    return rows * torch.where(nan_rows, math.nan, 1.0).to(rows.dtype)
+
+
 def topk_distill_loss(student: Tensor, support_ids: Tensor, teacher_logprobs: Tensor,
                       labels: Optional[Tensor] = None, beta: float = 0.0,
                       temperature: float = 1.0, tail: bool = True,
@@ -770,7 +792,9 @@ def topk_distill_loss(student: Tensor, support_ids: Tensor, teacher_logprobs: Te
     entries include the teacher's -inf ones when it clamps (they count at the clamp).
 
     ``a_k = log_softmax(student / T)`` at ``support_ids``, ``b_k = teacher_logprobs``; an entry
-    is live where ``support_mask`` (all True when None) holds and ``b_k > -inf``. ``tail``: both
+    is live where ``support_mask`` (all True when None) holds and ``b_k != -inf``. A live ``b_k``
+    that is NaN makes its row's loss NaN (times NaN: its gradient NaN too), whatever the
+    objective's ``nan_to_num`` would have made of it. ``tail``: both
     get a (K+1)-th bucket ``log(1 - sum_live exp)`` (``log(sum)`` clamped at -1e-7); else both
     are renormalised over the live entries. Then TRL's masked ``_jsd_divergence`` per entry:
     ``beta = 0``: ``q (b - a)``; ``beta = 1``: ``p (a - b)``; else, with ``m = log(max((1 -
@@ -785,12 +809,11 @@ def topk_distill_loss(student: Tensor, support_ids: Tensor, teacher_logprobs: Te
                else labels.reshape(-1) != -100)
     if objective not in TOPK_OBJECTIVES:
         raise ValueError(f"objective must be one of {TOPK_OBJECTIVES}, got {objective!r}")
-    if objective == "verl_forward_kl" and log_prob_min_clamp is not None:
-        live = ~teacher.isnan() & counted.unsqueeze(-1)
-    else:
-        live = (teacher > -math.inf) & counted.unsqueeze(-1)
+    clamped = objective == "verl_forward_kl" and log_prob_min_clamp is not None
+    live = ((teacher != -math.inf) | clamped) & counted.unsqueeze(-1)
     if support_mask is not None:
         live = live & support_mask.reshape(-1, k)
+    nan_rows = (live & teacher.isnan()).any(-1)
     ids = torch.where(live, support_ids.reshape(-1, k), 0).long()
     s = torch.where(counted.unsqueeze(-1), s, 0.0)
     a = torch.where(live, torch.log_softmax(s / temperature, -1).gather(-1, ids), -math.inf)
@@ -798,12 +821,14 @@ def topk_distill_loss(student: Tensor, support_ids: Tensor, teacher_logprobs: Te
     if objective == "verl_forward_kl":
         rows = _verl_forward_kl_topk_rows(torch.where(live, a, 0.0), torch.where(live, b, 0.0),
                                           live, log_prob_min_clamp, loss_max_clamp)
-        return _reduce_topk_rows(torch.where(counted, rows, 0.0), counted, labels, student,
-                                 reduction)
+        rows = torch.where(counted, rows, 0.0)
+        return _reduce_topk_rows(_with_nan_rows(rows, nan_rows), counted, labels,
+                                 student, reduction)
     if objective == "axolotl_kd":
         rows = _axolotl_kd_topk_rows(a, teacher, live, beta, normalize_topk, temperature)
-        return _reduce_topk_rows(torch.where(counted, rows, 0.0), counted, labels, student,
-                                 reduction)
+        rows = torch.where(counted, rows, 0.0)
+        return _reduce_topk_rows(_with_nan_rows(rows, nan_rows), counted, labels,
+                                 student, reduction)
     if tail:
         a, b = _with_tail_bucket(a), _with_tail_bucket(b)
         live = torch.cat([live, torch.ones_like(live[:, :1])], -1)
@@ -824,7 +849,8 @@ def topk_distill_loss(student: Tensor, support_ids: Tensor, teacher_logprobs: Te
                     + (1 - beta) * (p * (a - m)).nan_to_num(nan=0.0, posinf=math.inf,
                                                             neginf=-math.inf))
     rows = torch.where(counted, elements.sum(-1), 0.0)
-    return _reduce_topk_rows(rows, counted, labels, student, reduction)
+    return _reduce_topk_rows(_with_nan_rows(rows, nan_rows), counted, labels,
+                             student, reduction)
 
 
 def _reduce_topk_rows(rows: Tensor, counted: Tensor, labels: Optional[Tensor], student: Tensor,

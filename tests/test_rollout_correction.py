@@ -628,12 +628,12 @@ def test_importance_sampling_and_rejection_together():
 # ------------------------------------------------------------------ the spec, other forms
 
 
-def _spec(data, kwargs):
-    x = data["base"][:, :-1].double()
-    spec_kwargs = {k: (v.double() if isinstance(v, torch.Tensor) else v)
+def _spec(data, kwargs, dtype=torch.float64):
+    x = data["base"][:, :-1].to(dtype)
+    spec_kwargs = {k: (v.to(dtype) if isinstance(v, torch.Tensor) else v)
                    for k, v in kwargs.items()}
     return reference.grpo_loss(x, torch.where(data["mask"] > 0, data["target"], 0),
-                               data["advantages"].double(), data["mask"], **spec_kwargs)
+                               data["advantages"].to(dtype), data["mask"], **spec_kwargs)
 
 
 def test_the_spec_matches_the_sources_in_float64():
@@ -663,6 +663,68 @@ def test_the_spec_matches_the_sources_in_float64():
         for key, value in {**expected_trl_metrics, **expected_metrics}.items():
             torch.testing.assert_close(metrics[key], value.detach().double(), rtol=1e-12,
                                        atol=1e-12, msg=f"{name} {key}")
+
+
+#: an unmasked token the sampler gave no mass (``d = +inf``) and one the trainer did (``-inf``)
+INFINITE = {(0, 1): "sampling", (2, 3): "old"}
+INFINITE_CASES = {
+    "token": dict(rollout_is="token_truncate", rollout_is_max=1.25, rollout_rs="token_k3",
+                  rollout_rs_threshold=2.0),
+    "sequence": dict(rollout_is="sequence_truncate", rollout_is_min=0.5, rollout_is_max=2.0,
+                     rollout_rs="seq_mean_k1", rollout_rs_threshold=3.0),
+}
+MISMATCH_METRICS = ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/log_ppl_diff",
+                    "rollout_corr/chi2_token", "rollout_corr/chi2_seq")
+
+
+@pytest.mark.parametrize("case", list(INFINITE_CASES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_infinite_log_ratio_is_left_out_of_the_mismatch_metrics_and_counted(backend, case):
+    """Issue 45 item 4: a ``-inf`` sampler log-prob (``d = +inf``) or old log-prob (``-inf``)
+    on an unmasked token keeps the loss and its gradient finite (TRL's ``nan_to_num``: the
+    weight truncated or masked, the rejection's statistic clamped at 20). The mismatch
+    metrics (verl's ``compute_offpolicy_metrics``, TRL's ``sampling_logp_difference``) are
+    the sources' over the other tokens, NaN counting as ``d = 0`` (TRL's rule; TRL's
+    difference leaves it out), and count the tokens they leave out:
+    ``rollout_corr/infinite_log_ratio_count`` the two, ``sampling/sampling_logp_difference/
+    non_finite_count`` the two and the NaN. Every metric equals the float64 spec's."""
+    data = _data()
+    for position, name in INFINITE.items():
+        assert data["mask"][position] > 0
+        data[name][position] = float("-inf")
+    kwargs = _tensors(data, INFINITE_CASES[case])
+    x = data["base"].clone().requires_grad_(True)
+    loss, metrics = _call(data, backend, kwargs, x)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+    (_, exact), (_, naive) = (_spec(data, kwargs, dtype) for dtype in (torch.float64,
+                                                                       torch.float32))
+    assert set(metrics) == set(exact)
+    for key in exact:
+        assert torch.isfinite(metrics[key]), key
+        assert_close(metrics[key], exact[key], "value", torch.float32, key, naive=naive[key])
+    assert float(metrics["rollout_corr/infinite_log_ratio_count"]) == len(INFINITE)
+    unscored = len(INFINITE) + 1  # and TRL's NaN
+    assert float(metrics["sampling/sampling_logp_difference/non_finite_count"]) == unscored
+    finite_mask = data["mask"].clone()
+    for position in INFINITE:
+        finite_mask[position] = 0.0
+    sources = []
+    for dtype in (torch.float64, torch.float32):
+        valid = finite_mask > 0
+        old = torch.where(valid, data["old"].to(dtype), 0.0)
+        sampling = torch.where(valid, data["sampling"].to(dtype), 0.0)
+        sampling_scored = torch.where(torch.isnan(sampling), old, sampling)
+        verl = verl_offpolicy_metrics(old, sampling_scored, finite_mask.to(dtype))
+        _, trl = trl_vllm_importance_sampling(old, sampling, finite_mask.to(dtype),
+                                              kwargs["rollout_is"])
+        sources.append({**verl, **{key: value for key, value in trl.items()
+                                   if "sampling_logp_difference" in key}})
+    for key in sources[0]:
+        assert_close(metrics[key], sources[0][key], "value", torch.float32, key,
+                     naive=sources[1][key])
+    assert set(sources[0]) == set(MISMATCH_METRICS) | {
+        "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -229,6 +229,89 @@ def test_rows_not_counted_may_hold_anything(tail, reduction):
     assert loss.item() == 0.0 and torch.equal(y.grad, torch.zeros_like(y.grad))
 
 
+NAN_OPTIONS = [dict(), dict(tail=False), dict(beta=0.5), dict(objective="verl_forward_kl"),
+               dict(objective="verl_forward_kl", log_prob_min_clamp=None, loss_max_clamp=None),
+               dict(objective="axolotl_kd", normalize_topk=True)]
+NAN_IDS = ["fkl-tail", "fkl", "jsd-tail", "verl", "verl-unclamped", "axolotl-norm"]
+NAN_ROW = (1, 2)
+
+
+def _nan_teacher_batch():
+    """:func:`server_batch` with a NaN teacher log-prob on a filled entry of a counted row."""
+    logits, ids, teacher, labels, _ = server_batch(torch.float32, seed=23)
+    labels[NAN_ROW] = 4
+    poisoned = teacher.clone()
+    poisoned[NAN_ROW + (1,)] = math.nan
+    return logits, ids, teacher, poisoned, labels
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+@pytest.mark.parametrize("options", NAN_OPTIONS, ids=NAN_IDS)
+@pytest.mark.parametrize("backend", ["cpp", "torch", "triton", "reference"])
+def test_a_nan_teacher_logprob_reaches_the_loss(backend, options, reduction):
+    """Issue 45 item 4: a NaN teacher log-prob on an entry that counts makes its row's loss
+    NaN (so the summed loss) and puts NaN in its row's gradient, on every backend, as torch's
+    arithmetic (and ``distill_loss``) carries a NaN: it never vanishes as a -inf (a slot the
+    server did not fill) does. The other rows are those of the call with that row not
+    counted."""
+    logits, ids, teacher, poisoned, labels = _nan_teacher_batch()
+    x = logits.clone().requires_grad_(True)
+    loss = ak.topk_distill_loss(x, ids, poisoned, labels, reduction=reduction, backend=backend,
+                                **options)
+    loss.sum().backward()
+    skipped = labels.clone()
+    skipped[NAN_ROW] = -100
+    y = logits.clone().requires_grad_(True)
+    expected = ak.topk_distill_loss(y, ids, teacher, skipped, reduction=reduction,
+                                    backend=backend, **options)
+    expected.sum().backward()
+    others = torch.ones_like(labels, dtype=torch.bool)
+    others[NAN_ROW] = False
+    if reduction == "none":
+        assert loss[NAN_ROW].isnan()
+        torch.testing.assert_close(loss.detach()[others], expected.detach()[others])
+    else:
+        assert loss.isnan()
+    assert x.grad[NAN_ROW].isnan().any()
+    torch.testing.assert_close(x.grad[others], y.grad[others])
+
+
+@pytest.mark.parametrize("options", NAN_OPTIONS, ids=NAN_IDS)
+def test_a_nan_teacher_logprob_that_does_not_count_is_not_read(options):
+    """Where the support mask drops the NaN's entry, or the labels its row, the loss is the
+    one without it."""
+    logits, ids, teacher, poisoned, labels = _nan_teacher_batch()
+    dropped = torch.ones_like(ids, dtype=torch.bool)
+    dropped[NAN_ROW + (1,)] = False
+    skipped = labels.clone()
+    skipped[NAN_ROW] = -100
+    for keywords in (dict(labels=labels, support_mask=dropped), dict(labels=skipped)):
+        loss = ak.topk_distill_loss(logits, ids, poisoned, **keywords, **options)
+        clean = ak.topk_distill_loss(logits, ids, teacher, **keywords, **options)
+        assert torch.isfinite(loss)
+        torch.testing.assert_close(loss, clean)
+
+
+@pytest.mark.parametrize("reduction", ["batchmean", "none"])
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_linear_form_carries_a_nan_teacher_logprob(backend, reduction):
+    """``linear_topk_distill_loss``: the NaN row's loss and the head's gradients are NaN (the
+    row's hidden state, the weight), the other rows' hidden-state gradients finite."""
+    h, w, b = _head(torch.float32, n_rows=10)
+    _, ids, _, poisoned, labels = _nan_teacher_batch()
+    leaves = [t.clone().requires_grad_(True) for t in (h, w, b)]
+    loss = ak.linear_topk_distill_loss(leaves[0], leaves[1], ids, poisoned, labels,
+                                       bias=leaves[2], reduction=reduction, chunk_size=4,
+                                       backend=backend)
+    loss.sum().backward()
+    assert loss.sum().isnan() and (reduction == "batchmean" or loss[NAN_ROW].isnan())
+    others = torch.ones_like(labels, dtype=torch.bool)
+    others[NAN_ROW] = False
+    grad_hidden = leaves[0].grad
+    assert grad_hidden[NAN_ROW].isnan().any() and torch.isfinite(grad_hidden[others]).all()
+    assert leaves[1].grad.isnan().any()
+
+
 def test_reference_backend_routes_to_the_spec():
     logits, ids, teacher, labels, _ = server_batch(torch.float32, seed=10)
     x = logits.clone().requires_grad_(True)

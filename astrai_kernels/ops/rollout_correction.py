@@ -14,6 +14,14 @@ what vLLM reported for the sampled tokens), computed in ``grpo_loss``'s pass.
 
 Nothing here carries a gradient: the weights depend on ``old`` and ``sampling`` only. Float32
 throughout; metrics are detached 0-d tensors (no host sync), 0 for an empty batch.
+
+A token whose ``old - sampling`` is infinite (a ``-inf`` log-prob on one side: one policy gives
+the sampled token no mass) keeps TRL's arithmetic in the weights and the rejection
+(``nan_to_num`` turns the infinity into float32's largest value: truncated, masked or
+rejected), but has no finite mismatch to average: the mismatch metrics (``rollout_corr/kl``,
+``k3_kl``, ``log_ppl_diff``, ``chi2_*``; ``sampling/sampling_logp_difference/*``) leave it out
+and count it (``rollout_corr/infinite_log_ratio_count``,
+``sampling/sampling_logp_difference/non_finite_count``).
 """
 
 import math
@@ -74,7 +82,7 @@ def rollout_correction(old: Tensor, sampling: Tensor, valid: Tensor,
         old, sampling = old.detach().float(), sampling.detach().float()
         # TRL: NaN (a token vLLM could not score) gives d = 0, a ratio of exactly 1
         log_ratio = torch.where(valid, torch.nan_to_num(old - sampling, nan=0.0), 0.0)
-        metrics = _mismatch_metrics(log_ratio, valid)
+        metrics = _mismatch_metrics(log_ratio, valid, valid & ~torch.isinf(old - sampling))
         weights = None
         if options.rollout_is is not None:
             weights, is_metrics = _importance_weights(old, sampling, log_ratio, valid, options)
@@ -103,16 +111,19 @@ def _importance_weights(old: Tensor, sampling: Tensor, log_ratio: Tensor, valid:
         low_value = -math.inf if low is None else low
         high_value = math.inf if high is None else high
         ratio = torch.where((raw < low_value) | (raw > high_value), 0.0, raw)
-    # TRL's metrics: |old - sampling| over unmasked, non-NaN tokens; the ratio over unmasked
-    # tokens (token modes) or over every sequence (sequence modes)
+    # TRL's metrics: |old - sampling| over unmasked, finite ones (TRL leaves NaN out; an
+    # infinity is left out and counted); the ratio over unmasked tokens (token modes) or over
+    # every sequence (sequence modes)
     delta = (old - sampling).abs()
-    scored = valid & ~torch.isnan(delta)
+    scored = valid & torch.isfinite(delta)
     ratios = (ratio, valid) if token_level else (ratio, torch.ones_like(ratio, dtype=torch.bool))
     metrics = {
         "sampling/sampling_logp_difference/mean": _masked_mean(delta, scored).where(
             scored.any(), 0.0),
         "sampling/sampling_logp_difference/max": _masked_max(delta, scored).where(
             scored.any(), 0.0),
+        "sampling/sampling_logp_difference/non_finite_count": (valid & ~scored).sum().to(
+            torch.float32),
         "sampling/importance_sampling_ratio/min": _masked_min(*ratios).where(
             ratios[1].any(), 0.0),
         "sampling/importance_sampling_ratio/mean": (
@@ -194,19 +205,22 @@ def _rejection(log_ratio: Tensor, valid: Tensor, options: GRPOOptions):
         "rollout_corr/rollout_rs_seq_masked_fraction": rejected.any(-1).float().mean()}
 
 
-def _mismatch_metrics(log_ratio: Tensor, valid: Tensor) -> Dict[str, Tensor]:
+def _mismatch_metrics(log_ratio: Tensor, valid: Tensor, finite: Tensor) -> Dict[str, Tensor]:
     """verl ``compute_offpolicy_metrics`` (``d = log pi_old - log pi_sampler``): ``kl`` =
     mean(-d), ``k3_kl`` = mean(e^d - d - 1), ``log_ppl_diff`` = mean over sequences of
     -(sum_t d) / n, ``chi2_token`` = mean(e^(2 clamp(d))) - 1, ``chi2_seq`` = mean over
-    sequences of e^(2 clamp(sum_t d)) - 1 (clamps at +-20)."""
+    sequences of e^(2 clamp(sum_t d)) - 1 (clamps at +-20), over the ``finite`` tokens (the
+    unmasked ones whose ``d`` is not infinite); ``infinite_log_ratio_count``: the others."""
+    log_ratio = torch.where(finite, log_ratio, 0.0)
     per_sequence = log_ratio.sum(-1)
-    lengths = valid.sum(-1).to(torch.float32)
+    lengths = finite.sum(-1).to(torch.float32)
     safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     return {
-        "rollout_corr/kl": _masked_mean(-log_ratio, valid),
-        "rollout_corr/k3_kl": _masked_mean(torch.exp(log_ratio) - log_ratio - 1.0, valid),
+        "rollout_corr/kl": _masked_mean(-log_ratio, finite),
+        "rollout_corr/k3_kl": _masked_mean(torch.exp(log_ratio) - log_ratio - 1.0, finite),
         "rollout_corr/log_ppl_diff": (-per_sequence / (lengths + MASKED_MEAN_EPS)).mean(),
-        "rollout_corr/chi2_token": _masked_mean(torch.exp(safe).square(), valid) - 1.0,
+        "rollout_corr/chi2_token": _masked_mean(torch.exp(safe).square(), finite) - 1.0,
         "rollout_corr/chi2_seq": torch.exp(
             2.0 * per_sequence.clamp(-SAFETY_BOUND, SAFETY_BOUND)).mean() - 1.0,
+        "rollout_corr/infinite_log_ratio_count": (valid & ~finite).sum().to(torch.float32),
     }

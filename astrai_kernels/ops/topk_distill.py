@@ -107,17 +107,27 @@ class TopkDistillParams:
 class SupportRows(NamedTuple):
     """The flattened per-row inputs: ``ids`` ``[N, K]`` int64 (dropped entries at id 0),
     ``teacher`` ``[N, K]`` float32, ``live`` ``[N, K]`` (entries that count), ``counted``
-    ``[N]`` (rows that count), ``any_ignored`` (some row does not count), ``has_labels``."""
+    ``[N]`` (rows that count), ``any_ignored`` (some row does not count), ``has_labels``,
+    ``nan_rows`` ``[N]`` (rows with a NaN teacher log-prob on an entry that counts: their loss
+    and gradient are NaN)."""
     ids: Tensor
     teacher: Tensor
     live: Tensor
     counted: Tensor
     any_ignored: bool
     has_labels: bool
+    nan_rows: Tensor
 
     def part(self, start, stop):
         return self._replace(ids=self.ids[start:stop], teacher=self.teacher[start:stop],
-                             live=self.live[start:stop], counted=self.counted[start:stop])
+                             live=self.live[start:stop], counted=self.counted[start:stop],
+                             nan_rows=self.nan_rows[start:stop])
+
+    def with_nan(self, values):
+        """``values`` ``[n]`` (row losses or their upstream gradients) with NaN on the rows
+        whose teacher holds a NaN that counts, as torch's arithmetic would carry it (the
+        divergences' ``nan_to_num`` of ``0 * inf`` would otherwise drop it)."""
+        return torch.where(self.nan_rows, math.nan, values)
 
 
 def topk_backend(backend):
@@ -232,13 +242,13 @@ def checked_inputs(student, support_ids, teacher_logprobs, labels, support_mask,
     counted = (torch.ones(ids.shape[0], dtype=torch.bool, device=device) if labels is None
                else labels.reshape(-1) != IGNORE_INDEX)
     # TRL's forward path drops the entries the server did not fill (-inf), as a mask does;
-    # verl's clamp turns a -inf teacher entry into one at the clamp, which counts
-    if params.objective == "verl_forward_kl" and params.log_prob_min_clamp is not None:
-        live = ~teacher.isnan() & counted.unsqueeze(1)
-    else:
-        live = (teacher > -torch.inf) & counted.unsqueeze(1)
+    # verl's clamp turns a -inf teacher entry into one at the clamp, which counts. A NaN
+    # counts: it makes its row NaN (``nan_rows``), never vanishes as a -inf does
+    clamped = params.objective == "verl_forward_kl" and params.log_prob_min_clamp is not None
+    live = ((teacher != -torch.inf) | clamped) & counted.unsqueeze(1)
     if support_mask is not None:
         live &= support_mask.reshape(-1, k)
+    nan_rows = (live & teacher.isnan()).any(1)
     bad = live & ((ids < 0) | (ids >= vocab))
     compiling = torch.compiler.is_compiling()
     if compiling:
@@ -251,7 +261,8 @@ def checked_inputs(student, support_ids, teacher_logprobs, labels, support_mask,
     # traced, the rows that do not count are masked whether or not there are any
     any_ignored = compiling or (bool((~counted).any()) if counted.numel() else False)
     rows = SupportRows(ids=torch.where(live, ids, 0).long(), teacher=teacher, live=live,
-                       counted=counted, any_ignored=any_ignored, has_labels=labels is not None)
+                       counted=counted, any_ignored=any_ignored, has_labels=labels is not None,
+                       nan_rows=nan_rows)
     return params, rows
 
 
@@ -490,7 +501,7 @@ def logits_walk(logits, rows, params, grad_rows=None, kernel_backend=None):
         loss, row_max, sums, coef, grad = _KERNEL(
             logits_rows, rows.ids, rows.teacher, rows.live, rows.counted, grad_rows, params,
             grad_rows is not None, kernel_backend)
-        return loss, row_max, sums, coef, None if grad_rows is None else grad
+        return rows.with_nan(loss), row_max, sums, coef, None if grad_rows is None else grad
     n_rows, k = rows.ids.shape
     loss = torch.zeros(n_rows, dtype=torch.float32, device=logits.device)
     row_max, sums = (torch.zeros_like(loss) for _ in range(2))
@@ -506,7 +517,7 @@ def logits_walk(logits, rows, params, grad_rows=None, kernel_backend=None):
             logits_rows[a, b0:b1], rows.part(start, stop), params, chunk_work, upstream, out)
         if params.full_softmax:
             row_max[start:stop], sums[start:stop] = chunk_max, chunk_sums
-    return loss, row_max, sums, coef, grad
+    return rows.with_nan(loss), row_max, sums, coef, grad
 
 
 def logits_backward_walk(logits, rows, params, row_max, sums, coef, grad_rows):
@@ -561,7 +572,7 @@ class _TopkDistillRows(torch.autograd.Function):
         refuse_double_backward("topk_distill_loss", None)
         logits, row_max, sums, coef = ctx.saved_tensors
         grad = logits_backward_walk(logits, ctx.rows, ctx.params, row_max, sums, coef,
-                                    grad_rows.reshape(-1).float().contiguous())
+                                    ctx.rows.with_nan(grad_rows.reshape(-1).float()))
         return grad.view(logits.shape), None, None, None
 
 
@@ -586,7 +597,9 @@ def topk_distill_loss(
     ``softmax(student_logits / T)`` and a teacher known only by its log-probs
     ``teacher_logprobs [..., K]`` at ``support_ids [..., K]``.
 
-    Entries where ``support_mask`` is False or the teacher's log-prob is -inf are dropped.
+    Entries where ``support_mask`` is False or the teacher's log-prob is -inf are dropped; a
+    NaN teacher log-prob on an entry that counts makes its row's loss (so a reduced loss) and
+    its row's gradient NaN, as torch's arithmetic would.
     ``tail=True`` (None: the default, True) adds the bucket ``log(1 - sum p)`` of the mass
     outside the support on both sides (TRL's ``_add_tail_bucket``); ``tail=False``
     renormalises both over the support.
@@ -668,7 +681,7 @@ def _local(call, checked: _Checked):
         return reduce_rows(logits_walk(student_logits, rows, params,
                                        kernel_backend=kernel_backend)[0],
                            rows, params, lead_shape)
-    scale = row_grad_scale(rows, params, lead_shape, student_logits.device)
+    scale = rows.with_nan(row_grad_scale(rows, params, lead_shape, student_logits.device))
     with torch.no_grad():
         loss, *_, grad = logits_walk(student_logits, rows, params, scale, kernel_backend)
         value = reduce_rows(loss, rows, params, lead_shape)
@@ -704,7 +717,7 @@ def _linear_walk(head, rows, params, grad_rows=None, saved=None):
                 row_max[start:stop], sums[start:stop] = chunk_max, chunk_sums
         if grad_rows is not None:
             head.fold(start, stop, chunk)
-    return loss, (row_max, sums, coef), head.gradients()
+    return rows.with_nan(loss), (row_max, sums, coef), head.gradients()
 
 
 class _LinearTopkDistillRows(torch.autograd.Function):
@@ -725,7 +738,7 @@ class _LinearTopkDistillRows(torch.autograd.Function):
         hidden, weight, bias, *saved = ctx.saved_tensors
         head = ChunkedHead(hidden, weight, bias, ctx.chunk_size, ctx.needs_input_grad[:3])
         _, _, (grad_hidden, grad_weight, grad_bias) = _linear_walk(
-            head, ctx.rows, ctx.params, grad_rows.reshape(-1).float().contiguous(), saved)
+            head, ctx.rows, ctx.params, ctx.rows.with_nan(grad_rows.reshape(-1).float()), saved)
         return (grad_or_none(grad_hidden), grad_or_none(grad_weight), grad_or_none(grad_bias),
                 None, None, None)
 
@@ -788,7 +801,7 @@ def _local_linear(call, checked: _Checked):
             loss = _linear_walk(ChunkedHead(hidden_rows, weight, bias, chunk_size), rows,
                                 params)[0]
         return loss.view(lead_shape)
-    scale = row_grad_scale(rows, params, lead_shape, hidden.device)
+    scale = rows.with_nan(row_grad_scale(rows, params, lead_shape, hidden.device))
     with torch.no_grad():
         head = ChunkedHead(hidden_rows, weight, bias, chunk_size, needs)
         loss, _, (grad_hidden, grad_weight, grad_bias) = _linear_walk(
