@@ -251,20 +251,26 @@ def format_verdicts(verdicts, machine):
     lines = [f"bounds set on: {machine}"]
     width = max(len(v.bound.label()) for v in verdicts)
     for v in verdicts:
-        ratio = f"{v.ratio:6.2f}x" if v.ratio is not None else "     - "
+        ratio = f"{_ratio(v.ratio):>7}x" if v.ratio is not None else "      - "
         tail = f"  ({v.why})" if v.why else ""
         if len(v.ratios) > 1:
-            tail += f"  (best of {len(v.ratios)}: {min(v.ratios):.2f}-{max(v.ratios):.2f}x)"
+            tail += (f"  (best of {len(v.ratios)}: {_ratio(min(v.ratios))}-"
+                     f"{_ratio(max(v.ratios))}x)")
         if v.bound.target is not None and v.ratio is not None:
             met = "met" if v.ratio <= v.bound.target else "not met"
-            tail += f"  target {v.bound.target:.2f}x {met}"
+            tail += f"  target {_ratio(v.bound.target)}x {met}"
         relation = ">" if v.status == "over" else "<="
         lines.append(f"{v.status:>6}  {v.bound.label():<{width}}  {ratio} "
-                     f"{relation} {v.bound.max_ratio:.2f}x{tail}")
+                     f"{relation} {_ratio(v.bound.max_ratio)}x{tail}")
     bad = [v for v in verdicts if v.status != "ok"]
     lines.append(f"{len(verdicts) - len(bad)} ok, {sum(v.status == 'over' for v in verdicts)} "
                  f"over, {sum(v.status == 'failed' for v in verdicts)} failed")
     return "\n".join(lines)
+
+
+def _ratio(value):
+    """Three significant digits, so that 0.0123 and 0.0149 stay apart beside a 0.014 bound."""
+    return f"{value:#.3g}"
 
 
 def run_check(path, run_case, stream=None, rounds=1, **case_options):

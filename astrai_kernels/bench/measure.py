@@ -14,14 +14,21 @@ so each peak is its own):
    ``min_repeats``); ``repeats`` in the result says how many ran. ``median_s`` is their median.
 5. ``peak_extra_bytes``: the peak over those calls above the baseline: everything the op
    allocates, the gradients included (``peak_method`` says how it was read).
-6. Logits ops, the same-run copy floor (:class:`CopyFloor`): ``dst.copy_(logits)`` of the op's
-   own logits, ``2 S`` bytes, into a buffer allocated as the gradient cache allocates the op's
-   gradient (huge pages advised before the first touch) and first touched before the peak's
-   baseline (so it adds nothing to the peak). Copies run between the op's timed calls so
-   that both sample the same moments; ``copy_s`` is their median;
-   ``floor_s = copy_s * floor_bytes / (2 S)``. The linear ops' floor is the ``gemm`` case of the
-   same shape instead (:mod:`astrai_kernels.bench.linear`; ratios in
-   :func:`astrai_kernels.bench.report.add_ratios`).
+6. Logits ops, the same-run copy floor (:class:`CopyFloor`): ``dst.copy_(src)`` of ``B`` bytes
+   (``copy_bytes``), ``2 B`` moved, into a buffer allocated as the gradient cache allocates the
+   op's gradient (huge pages advised before the first touch) and first touched before the peak's
+   baseline (so it adds nothing to the peak). ``src`` is the op's own logits (``B = S``), but
+   where they are between a quarter of the last-level cache and twice it, a buffer of twice the
+   cache: a copy that leaves the cache streams at the memory's bandwidth on every CPU, where a
+   256 MB copy on a Xeon with 480 MB of L3 ran partly from the cache and made the same kernels
+   look 10-30% slower against it than on an EPYC (32 MB of L3 per core complex). Logits well
+   inside the cache are copied in place: the op runs from the cache too. Copies run between
+   the op's timed calls so that both sample the same moments; ``copy_s`` is their median,
+   ``floor_s = copy_s * floor_bytes / (2 B)``; ``paired_copy_s[i]`` is the median of the copies
+   right after timed call ``i``, and the ratio to the floor is the median of the paired ratios
+   (:func:`astrai_kernels.bench.report.add_ratios`): a moment when the machine is slow slows
+   the call and its copies alike. The linear ops'
+   floor is the ``gemm`` case of the same shape instead (:mod:`astrai_kernels.bench.linear`).
 
 Why a median of interleaved copies: on the 2-core VM the bounds were set on, one warm copy of the
 same buffers in one process takes 14 ms or 23-32 ms (fp32, N=4096, V=32768) from one second to
@@ -86,11 +93,11 @@ def measure(case, with_copy=True):
         start_peak()
         warmup_s = call()
         peak = meter.extra()
-    times = []
+    times, paired_copies = [], []
     for _ in range(max(1, case.repeats)):
         times.append(call())
         if floor is not None:
-            floor.sample(COPIES_PER_CALL)
+            paired_copies.append(statistics.median(floor.sample(COPIES_PER_CALL)))
         if len(times) >= case.min_repeats and sum(times) + times[-1] > case.budget_s:
             break
     if cuda:
@@ -118,7 +125,7 @@ def measure(case, with_copy=True):
         result["floor_bytes"] = workload.floor_bytes
     if floor is not None:
         floor.sample(MIN_COPIES - len(floor.times))
-        result.update(floor.result())
+        result.update(floor.result(), paired_copy_s=paired_copies)
         if not cuda:
             result.update(measure_clone(workload.copy_source, max(3, case.repeats // 2)))
     return result
@@ -129,33 +136,67 @@ MIN_COPIES = 10  # the floor's median is over at least this many (the rest after
 
 
 class CopyFloor:
-    """The same-run copy floor of a logits op: ``dst.copy_(logits)``, ``2 S`` bytes (module doc,
-    step 6). ``sample(n)`` times ``n`` copies; ``result()`` gives ``copy_s`` (their median),
-    ``copy_kind`` and every ``copy_times_s``."""
+    """The same-run copy floor of a logits op: ``dst.copy_(src)`` of ``copy_bytes`` (the
+    logits, or twice the last-level cache where the logits would partly stay in it; module
+    doc, step 6).
+    ``sample(n)`` times ``n`` copies and returns their times; ``result()`` gives ``copy_s``
+    (the median of every copy), ``copy_bytes``, ``copy_kind`` and every ``copy_times_s``."""
 
-    def __init__(self, logits, cuda=False):
+    def __init__(self, logits, cuda=False, cache_bytes=None):
         import torch
 
         self.src = logits.detach()
         self.sync = torch.cuda.synchronize if cuda else (lambda: None)
         self.kind = "copy_" if cuda else "copy_ to huge pages"
+        cache_bytes = last_level_cache_bytes() if cache_bytes is None else cache_bytes
+        if not cuda and cache_bytes / 4 <= self.src.numel() * self.src.element_size() < \
+                2 * cache_bytes:
+            self.src = _huge_page_bytes(2 * cache_bytes)
+            self.src.fill_(1)
+            self.kind += ", out of the cache"
         self.dst = _gradient_like(self.src)
         self.dst.copy_(self.src)  # the first touch, untimed
         self.sync()
         self.times = []
 
     def sample(self, count):
+        times = []
         for _ in range(max(0, count)):
             start = time.perf_counter()
             self.dst.copy_(self.src)
             self.sync()
-            self.times.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
+        self.times += times
+        return times
 
     def result(self):
         if not self.times:
             raise RuntimeError("the copy floor was never sampled")
         return {"copy_s": statistics.median(self.times), "copy_kind": self.kind,
+                "copy_bytes": self.src.numel() * self.src.element_size(),
                 "copy_times_s": list(self.times)}
+
+
+def last_level_cache_bytes():
+    """The largest CPU cache this machine reports (sysfs, else sysconf; 32 MiB if neither)."""
+    sizes = []
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    for index in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+        try:
+            with open(os.path.join(root, index, "size")) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    if not sizes and hasattr(os, "sysconf"):
+        try:
+            sizes.append(int(os.sysconf("SC_LEVEL3_CACHE_SIZE")))
+        except (ValueError, OSError):
+            pass
+    return max(sizes, default=0) or 32 << 20
 
 
 def _gradient_like(src):
@@ -166,11 +207,15 @@ def _gradient_like(src):
 
     if src.device.type != "cpu":
         return torch.empty_like(src, memory_format=torch.contiguous_format)
+    nbytes = src.numel() * src.element_size()
+    return _huge_page_bytes(nbytes).view(src.dtype).view(src.shape)
+
+
+def _huge_page_bytes(nbytes):
+    """``nbytes`` of uint8 CPU memory allocated as the gradient cache allocates a block."""
     from astrai_kernels.kernels.memory import HUGE_PAGE, Block
 
-    nbytes = src.numel() * src.element_size()
-    block = Block(-(-nbytes // HUGE_PAGE) * HUGE_PAGE)
-    return block.memory[:nbytes].view(src.dtype).view(src.shape)
+    return Block(-(-nbytes // HUGE_PAGE) * HUGE_PAGE).memory[:nbytes]
 
 
 def measure_clone(logits, repeats=3):

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -62,9 +63,13 @@ def add_ratios(results):
 
 def _logits_figures(r):
     if r.get("copy_s"):
-        r["floor_s"] = r["copy_s"] * r["floor_bytes"] / (2 * r["logits_bytes"])
-        r["ratio_vs_copy"] = r["median_s"] / r["floor_s"]
-        r["copy_bandwidth_GBps"] = 2 * r["logits_bytes"] / r["copy_s"] / 1e9
+        # the floor: the op's bytes at the copy's bandwidth (a copy of B bytes moves 2 B)
+        per_copy = r["floor_bytes"] / (2 * r.get("copy_bytes", r["logits_bytes"]))
+        r["floor_s"] = r["copy_s"] * per_copy
+        paired = r.get("paired_copy_s")
+        r["ratio_vs_copy"] = (statistics.median(t / (c * per_copy) for t, c in zip(
+            r["times_s"], paired)) if paired else r["median_s"] / r["floor_s"])
+        r["copy_bandwidth_GBps"] = 2 * r.get("copy_bytes", r["logits_bytes"]) / r["copy_s"] / 1e9
         if r.get("clone_s"):
             # the floor plus the first touch of one fresh S-sized buffer (the gradient)
             r["floor_fresh_grad_s"] = r["floor_s"] + max(r["clone_s"] - r["copy_s"], 0.0)
