@@ -7,6 +7,7 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("verl")
 
@@ -322,3 +323,75 @@ def test_docs_recipe_runs(monkeypatch):
     assert set(distill["topk"]) == {"distillation_losses", "student_mass", "teacher_mass",
                                     "overlap_count", "overlap_token_advantage"}
     assert distill["student_logits"].grad is not None
+
+
+def _tiny_qwen3_vl():
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    text = dict(vocab_size=151, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2],
+                              "mrope_interleaved": True})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, in_channels=3,
+                  patch_size=2, spatial_merge_size=1, temporal_patch_size=1, out_hidden_size=32,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0])
+    torch.manual_seed(0)
+    return Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+        text_config=text, vision_config=vision, image_token_id=150, video_token_id=149,
+        vision_start_token_id=148)).train()
+
+
+def test_vision_language_family_qwen3_vl(installed, monkeypatch):
+    """A vision-language family (Qwen3-VL, text tokens, verl's 4-row position ids): verl's
+    ``apply_monkey_patch`` gives it our forward (verl's ``qwen3_vl`` forward around our head);
+    its fields and every gradient against the float64 decoder and head, within verl's own
+    ``torch`` backend's float32 error."""
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLModel
+    from verl.models.transformers import qwen3_vl
+
+    for cls in (Qwen3VLForConditionalGeneration, Qwen3VLModel):
+        monkeypatch.setattr(cls, "forward", cls.forward)
+    model = _tiny_qwen3_vl()
+    model64 = copy.deepcopy(model).double()
+    monkey_patch.apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True,
+                                    fused_kernels_backend="astrai")
+    assert forward.is_astrai_forward(type(model).forward)
+    input_ids = torch.randint(0, 140, (2, 9), generator=torch.Generator().manual_seed(2))
+    inputs = dict(input_ids=input_ids, position_ids=torch.arange(9).expand(4, 2, 9))
+    labels = torch.roll(input_ids, -1, -1)
+
+    def fields_and_grads(module, call, **extra):
+        module.zero_grad(set_to_none=True)
+        output = call(module, **inputs, temperature=0.8, return_dict=True, **extra)
+        fields = {"log_probs": output.log_probs, "entropy": output.entropy.float()}
+        _objective(fields)
+        return fields, output, {n: p.grad.clone() for n, p in module.named_parameters()
+                                if p.grad is not None}
+
+    def float64(module, **inputs_and_options):
+        hidden = module.model(input_ids, position_ids=inputs["position_ids"])[0]
+        fields = fields_from_logits(F.linear(hidden, module.lm_head.weight), labels, 0.8)
+        return types.SimpleNamespace(log_probs=fields["log_probs"], entropy=fields["entropy"],
+                                     sum_pi_squared=fields["sum_pi_squared"])
+
+    expected, expected_out, expected_grads = fields_and_grads(model64, float64)
+    model._verl_fused_kernels_backend = "torch"
+    theirs, _, their_grads = fields_and_grads(copy.deepcopy(model),
+                                              qwen3_vl.forward_with_torch_backend)
+    model._verl_fused_kernels_backend = "astrai"
+    ours, output, grads = fields_and_grads(model, type(model).forward,
+                                           calculate_sum_pi_squared=True)
+    assert type(output).__name__ == "Qwen3VLCausalLMOutputForPPO"
+    for name in ours:
+        check(ours[name], expected[name], theirs[name], torch.float32, name)
+    check(output.sum_pi_squared, expected_out.sum_pi_squared, expected_out.sum_pi_squared,
+          torch.float32, "sum_pi_squared")
+    assert set(grads) == set(expected_grads)
+    for name in expected_grads:
+        check(grads[name], expected_grads[name], their_grads[name], torch.float32, name)
+
+
+def _objective(fields):
+    generator = torch.Generator().manual_seed(7)
+    sum((torch.rand(value.shape, generator=generator, dtype=torch.float64).to(value.dtype)
+         * value).sum() for value in fields.values()).backward()
