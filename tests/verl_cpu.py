@@ -327,7 +327,7 @@ def fsdp2_case(rank: int, world_size: int, tie: bool):
     from verl.utils.fsdp_utils import apply_fsdp2
 
     from astrai_kernels.integrations import verl as akv
-    from astrai_kernels.testing import compare_elementwise
+    from astrai_kernels.testing import assert_model_gradient_close, compare_elementwise
     from astrai_kernels.testing.multiprocess import case_outcome
 
     torch.manual_seed(0)
@@ -368,7 +368,8 @@ def fsdp2_case(rank: int, world_size: int, tie: bool):
         fields, expected, naive, ("log_probs", "entropy"))])
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     outcomes["grads"] = case_outcome(lambda: [
-        check(grads[name], expected_grads[name], naive_grads[name], f"grad {name}")
+        assert_model_gradient_close(grads[name], expected_grads[name], naive_grads[name],
+                                    dtype=torch.float32, name=f"grad {name}")
         for name in expected_grads])
     outcomes["lm_head_separate"] = not tie and type(model.lm_head).__name__.startswith("FSDP")
     if not tie:

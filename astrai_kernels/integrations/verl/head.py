@@ -107,7 +107,9 @@ def token_fields(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels:
                  temperature, transform: HeadTransform, with_sum_pi_squared: bool,
                  options: Dict) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """``(log_probs, entropy, sum_pi_squared or None)`` of ``labels`` (``hidden``'s leading
-    shape), float32; one walk of the head per distinct temperature value (a scalar: one)."""
+    shape), float32. Temperatures per sequence or per token: without a bias or a soft-cap the
+    temperature divides the hidden states (one walk); otherwise one walk of the head per
+    distinct temperature value."""
     if tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"the labels' shape {tuple(labels.shape)} must be the hidden states' "
                          f"leading shape {tuple(hidden.shape[:-1])}")
@@ -129,7 +131,13 @@ def token_fields(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels:
             if value <= 0:
                 raise ValueError(f"temperature must be > 0, got {value}")
             return walk(hidden, labels, value)
-        per_row = per_row_temperature(temperature, labels).reshape(-1)
+        per_row = per_row_temperature(temperature, labels)
+        if bias is None and transform.softcap is None:
+            # logits / T = logit_scale * (hidden / T) @ weight.T: one walk at T = 1, whatever
+            # the temperatures, and the weight's gradient accumulated once in float32
+            scaled = (hidden.float() / per_row.unsqueeze(-1)).to(hidden.dtype)
+            return walk(scaled, labels, 1.0)
+        per_row = per_row.reshape(-1)
         values, group = torch.unique(per_row, return_inverse=True)
         if values.numel() == 1:
             return walk(hidden, labels, float(values[0]))
