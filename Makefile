@@ -96,12 +96,24 @@ $(VERL_VENV)/.astrai-kernels-installed: pyproject.toml Makefile
 test-verl: $(VERL_VENV)/.astrai-kernels-installed
 	$(VERL_VENV)/bin/python -m pytest tests/test_integration_verl*.py -q
 
-# The tables of docs/benchmarks.md are rewritten from this run's JSON only when every case ran:
-# a run cut by its deadline leaves them alone (`make bench DOC_TABLES_ARGS=--partial` writes them).
+# `make bench` writes only under bench/results/ (the JSON and the figure). `make bench-docs` runs
+# the same benchmark, then rewrites from that one run the tables of docs/benchmarks.md and the
+# README's "Measured (CPU)" tables, and says what it wrote; a run cut by its deadline leaves both
+# alone (`make bench-docs DOC_TABLES_ARGS=--partial` writes them, headed as partial).
+# BENCH_ARGS: more options of `astrai-kernels bench` (e.g. BENCH_ARGS="--ops cross_entropy")
+BENCH_RESULTS ?= bench/results
+BENCH_ARGS ?=
+BENCH_RUN = $(PY) -m astrai_kernels.cli bench --json $(BENCH_RESULTS)/bench.json \
+	--plot $(BENCH_RESULTS)/bench.png $(BENCH_ARGS)
 DOC_TABLES_ARGS ?=
 bench: $(STAMP)
-	$(PY) -m astrai_kernels.cli bench --json bench/results/bench.json --plot bench/results/bench.png
-	$(PY) bench/doc_tables.py bench/results/bench.json --write docs/benchmarks.md $(DOC_TABLES_ARGS)
+	$(BENCH_RUN)
+
+.PHONY: bench-docs
+bench-docs: $(STAMP)
+	commit=$$(git describe --always --dirty --abbrev=7 2>/dev/null); $(BENCH_RUN) && \
+	$(PY) bench/doc_tables.py $(BENCH_RESULTS)/bench.json --commit "$$commit" \
+	  --write docs/benchmarks.md --readme README.md $(DOC_TABLES_ARGS)
 
 # The regression guard: the cases of bench/bounds.toml against their same-run floors; exits 1 on
 # any case over its bound. Run it before a kernel change lands (not in CI: it is a benchmark).
