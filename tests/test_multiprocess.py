@@ -64,3 +64,5 @@ def test_bad_arguments():
         spawn_ranks(_rank1_raises, 0)
     with pytest.raises(ValueError, match="timeout"):
         spawn_ranks(_rank1_raises, 2, timeout=0.0)
+    with pytest.raises(ValueError, match="group_timeout"):
+        spawn_ranks(_rank1_raises, 2, group_timeout=0.0)

@@ -255,14 +255,19 @@ def _vocab_parallel(call):
     logits, target = call["logits"], call["target"]
     if check_in_range(call["logit_scale"], "logit_scale", -math.inf, math.inf) != 1.0:
         raise ValueError("logit_scale is not supported with process_group")
-    check_logits(logits, allow_empty_vocab=True)
-    layout = vocab_parallel.shard_layout(call["process_group"], logits.shape[-1], logits.device,
-                                         target, call["ignore_index"], call["check_consistency"])
-    params, normalizer_t = checked_params(
-        vocab_parallel.whole_logits(logits, layout), target, call["ignore_index"],
-        call["reduction"], call["label_smoothing"], call["z_loss"], call["softcap"],
-        call["normalizer"], call["inplace_backward"], call["backend"])
-    check_inplace(logits, params.inplace_backward)
+
+    def checks(layout):
+        check_logits(logits, allow_empty_vocab=True)
+        checked = checked_params(
+            vocab_parallel.whole_logits(logits, layout), target, call["ignore_index"],
+            call["reduction"], call["label_smoothing"], call["z_loss"], call["softcap"],
+            call["normalizer"], call["inplace_backward"], call["backend"])
+        check_inplace(logits, checked[0].inplace_backward)
+        return checked
+
+    layout, (params, normalizer_t) = vocab_parallel.agreed_layout(
+        "cross_entropy", call["process_group"], vocab_parallel.vocab_size(logits), (logits,),
+        target, call["ignore_index"], call["check_consistency"], checks)
     if params.backend == "reference":
         return vocab_parallel.on_gathered_logits(cross_entropy, call, layout)
     target_flat = flat_target(target)
@@ -381,13 +386,16 @@ def _vocab_parallel_linear(call):
     chunk_size, backend = call["chunk_size"], call["backend"]
     if check_in_range(call["logit_scale"], "logit_scale", -math.inf, math.inf) != 1.0:
         raise ValueError("logit_scale is not supported with process_group")
-    hidden_rows, layout, needs_grad = vocab_parallel.head_setup(
-        hidden, weight, bias, chunk_size, call["process_group"], target, call["ignore_index"],
-        call["check_consistency"])
-    params, normalizer_t = checked_params(
-        vocab_parallel.whole_logits(hidden, layout), target, call["ignore_index"],
-        call["reduction"], call["label_smoothing"], call["z_loss"], call["softcap"],
-        call["normalizer"], False, backend)
+
+    def checks(layout):
+        return checked_params(
+            vocab_parallel.whole_logits(hidden, layout), target, call["ignore_index"],
+            call["reduction"], call["label_smoothing"], call["z_loss"], call["softcap"],
+            call["normalizer"], False, backend)
+
+    hidden_rows, layout, needs_grad, (params, normalizer_t) = vocab_parallel.head_setup(
+        "linear_cross_entropy", call["process_group"], hidden, weight, bias, chunk_size, target,
+        call["ignore_index"], call["check_consistency"], checks)
     if params.backend == "reference":
         return vocab_parallel.on_head_logits(cross_entropy, call)
     reduction = params.reduction

@@ -38,6 +38,13 @@ placements on each mesh dimension choose the path:
   ``sequence_logprobs`` of a vocabulary shard is ``token_logprobs``' vocabulary path and a
   masked sum.
 
+Bad input on one rank raises on every rank (``ops/agreement.py``): the local op runs inside
+the ranks' agreement over the whole mesh, which a vocabulary path settles at its own checks and
+a row path when the op returns or raises, before the route's next collective. A DTensor's
+placements and shape are the same on every rank (DTensor's contract), so the checks of them
+here raise at once; a plain tensor is this rank's own, so a check of one here (its shape) is
+deferred to the agreement, and the route goes on to the same collectives as its peers.
+
 Targets follow the rows (redistributed to the rows' placements: a local slice, or an all-gather
 of integers). Results are DTensors on the same mesh: per-row ones sharded as the rows, reduced
 ones Replicate; each input's gradient has that input's placements. Anything else (Partial, the
@@ -54,12 +61,13 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from . import agreement
 from ._common import check_index
 
 
@@ -234,8 +242,10 @@ def on_full_tensors(op):
         def whole(value):
             return value.full_tensor() if isinstance(value, DTensor) else value
 
-        out = op(*(whole(value) for value in args),
-                 **{name: whole(value) for name, value in kwargs.items()})
+        args = [whole(value) for value in args]
+        kwargs = {name: whole(value) for name, value in kwargs.items()}
+        with agreement.over(op.__name__, _mesh_groups(mesh), _mesh_device(mesh)):
+            out = op(*args, **kwargs)
         return _replicated_results(out, mesh)
 
     return served
@@ -279,12 +289,18 @@ def _rows_call(op_name, logits_named, target, target_name, normalizer, others=No
                             f"{lead.ndim - 1}; {op_name} has no vocabulary-parallel path")
         row_mesh_dims.append(mesh_dim)
     local = {lead_name: lead.to_local()}
+    deferred = []
     for name, value in rest:  # the last dimension is the op's to check (V, or a hidden size)
         if not isinstance(value, torch.Tensor) or tuple(value.shape[:-1]) != tuple(
                 lead.shape[:-1]):
-            raise ValueError(f"{op_name}: {name} must have {lead_name}'s leading shape "
-                             f"{tuple(lead.shape[:-1])}, got "
-                             f"{tuple(getattr(value, 'shape', ()))}")
+            error = ValueError(f"{op_name}: {name} must have {lead_name}'s leading shape "
+                               f"{tuple(lead.shape[:-1])}, got "
+                               f"{tuple(getattr(value, 'shape', ()))}")
+            if has_dtensor(logits_named[name]):
+                raise error
+            deferred.append(error)
+            local[name] = None
+            continue
         if tuple(value.placements) != tuple(lead.placements):
             if not all(placement.is_replicate() for placement in value.placements):
                 raise ValueError(f"{op_name}: {name} has placements {tuple(value.placements)} "
@@ -296,25 +312,30 @@ def _rows_call(op_name, logits_named, target, target_name, normalizer, others=No
     row_placements = _row_placements(lead.placements, row_mesh_dims, lead.ndim)
     rows_shape = tuple(lead.shape[:-1])
     if target is not None:
-        target = _rows_of(op_name, target, mesh, row_placements, rows_shape,
-                          lead_name).to_local()
+        target = _local_rows(op_name, target, mesh, row_placements, rows_shape, lead_name,
+                             local[lead_name], deferred)
     return _LocalCall(op_name=op_name, mesh=mesh, vocab_group=None,
                       row_groups=tuple(mesh.get_group(d) for d in row_mesh_dims),
                       target=target, rows_shape=torch.Size(rows_shape),
                       row_placements=row_placements, result_placements=row_placements,
-                      plain=_plain(named)), local
+                      plain=_plain(named), deferred=deferred), local
 
 
 def _per_row_columns(call, name, value):
     """A ``[..., K]`` per-row input laid out like the rows (its local tensor); None as is."""
     if value is None:
         return None
+    plain = not has_dtensor(value)
     value = _as_dtensor(value, call.mesh)
     if not isinstance(value, torch.Tensor):
         return value  # the op's own checks name what it is
     if tuple(value.shape[:-1]) != tuple(call.rows_shape) or value.ndim != len(call.rows_shape) + 1:
-        raise ValueError(f"{call.op_name}: {name} must have shape {tuple(call.rows_shape)} + "
-                         f"(K,), got {tuple(value.shape)}")
+        error = ValueError(f"{call.op_name}: {name} must have shape {tuple(call.rows_shape)} + "
+                           f"(K,), got {tuple(value.shape)}")
+        if not plain:
+            raise error
+        call.defer(error)
+        return None  # this rank's error at the agreement is the one deferred
     return _in_row_layout(call.op_name, name, value, call.row_placements,
                           lambda placement: _is_row_shard(placement, value.ndim),
                           "Shard(d) of a row dimension").to_local()
@@ -473,8 +494,9 @@ def _sequence(call, head, head_keywords, op, token_logprobs, reduce_sequence, ma
         out = call.run(op, *head, call.target, mask, **head_keywords, **keywords)
     else:
         if not isinstance(mask, torch.Tensor) or mask.shape != call.target.shape:
-            raise ValueError(f"mask must be a tensor of target's shape "
-                             f"{tuple(call.rows_shape)}")
+            call.defer(ValueError(f"mask must be a tensor of target's shape "
+                                  f"{tuple(call.rows_shape)}"))
+            mask = torch.zeros_like(call.target, dtype=torch.bool)
         average = keywords.pop("average")
         masked_target = torch.where(mask.bool(), call.target,
                                     torch.full_like(call.target, -100))
@@ -526,15 +548,23 @@ def _per_row_input(op_name, name, value, call, full_shape=False):
     (its local tensor either way); None as is."""
     if value is None:
         return None
+    plain = not has_dtensor(value)
     value = _as_dtensor(value, call.mesh)
-    if not isinstance(value, torch.Tensor):
-        return value  # the op's own checks name what it is
     shape = tuple(call.rows_shape)
-    if tuple(value.shape) not in ((shape,) if full_shape else (shape, shape[:1])):
+    if not isinstance(value, torch.Tensor):
+        error = TypeError(f"{op_name}: {name} must be a torch.Tensor, got "
+                          f"{type(value).__name__}")
+    elif tuple(value.shape) not in ((shape,) if full_shape else (shape, shape[:1])):
         wanted = f"{shape}" if full_shape else f"{shape} or {shape[:1]}"
-        raise ValueError(f"{op_name}: {name} must have shape {wanted}, got "
-                         f"{tuple(value.shape)}")
-    return _in_row_layout(op_name, name, value, call.row_placements).to_local()
+        error = ValueError(f"{op_name}: {name} must have shape {wanted}, got "
+                           f"{tuple(value.shape)}")
+    else:
+        return _in_row_layout(op_name, name, value, call.row_placements).to_local()
+    if not plain:
+        raise error
+    call.defer(error)
+    # a stand-in: this rank's error at the agreement is the one deferred
+    return torch.zeros(call.target.shape, device=call.target.device)
 
 
 class _SumOverGroups(torch.autograd.Function):
@@ -576,19 +606,32 @@ class _LocalCall:
     bias: Optional[torch.Tensor] = None
     #: the arguments given as plain tensors, read as replicated over the mesh
     plain: Tuple[str, ...] = ()
+    #: checks of this rank's plain tensors that failed, kept for the ranks' agreement
+    deferred: list = field(default_factory=list)
+
+    def defer(self, error: Exception):
+        self.deferred.append(error)
 
     def run(self, op, *args, **kwargs):
-        """``op(*args, **kwargs)`` on the local tensors. When plain tensors were read as
-        replicated beside a vocabulary shard and the ranks find their rows differ, the error
-        names the likely cause: FSDP2's sharded parameters outside the module's forward."""
-        from .vocab_parallel import RanksDisagree
+        """``op(*args, **kwargs)`` on the local tensors, inside the ranks' agreement over the
+        mesh (``ops/agreement.py``): a vocabulary path settles it at its checks, a row path
+        when ``op`` returns or raises. A check of the route's own that failed on this rank (a
+        plain tensor that does not fit, a stand-in in its place) is this rank's error there;
+        ``op`` still runs, so this rank makes the same collectives as its peers up to it.
 
+        When plain tensors were read as replicated beside a vocabulary shard and the ranks find
+        their rows differ, the error names the likely cause: FSDP2's sharded parameters outside
+        the module's forward."""
+        deferred = self.deferred[0] if self.deferred else None
         try:
-            return op(*args, **kwargs)
-        except RanksDisagree as error:
-            if self.vocab_group is None or not self.plain:
+            with agreement.over(self.op_name, _mesh_groups(self.mesh), _mesh_device(self.mesh),
+                                deferred):
+                return op(*args, **kwargs)
+        except agreement.RanksDisagree as error:
+            if (isinstance(error, agreement.RankRefused) or self.vocab_group is None
+                    or not self.plain):
                 raise
-            raise RanksDisagree(
+            raise agreement.RanksDisagree(
                 f"{self.op_name}: {', '.join(self.plain)} "
                 f"{'is a plain tensor' if len(self.plain) == 1 else 'are plain tensors'}, "
                 f"read as replicated over the mesh beside a vocabulary-sharded DTensor "
@@ -682,12 +725,15 @@ def _logits_call(op_name, logits, target, process_group, normalizer=None, others
         else:  # Partial: a reduce-scatter onto vocabulary shards, not an all-reduce of [N, V]
             raise _unserved(op_name, "logits", logits, mesh_dim, Shard(vocab_dim), served)
     row_placements = _row_placements(logits.placements, row_mesh_dims, logits.ndim)
-    target = _rows_of(op_name, target, mesh, row_placements, tuple(logits.shape[:-1]), "logits")
+    rows_shape = tuple(logits.shape[:-1])
+    local_logits, deferred = logits.to_local(), []
+    target = _local_rows(op_name, target, mesh, row_placements, rows_shape, "logits",
+                         local_logits, deferred)
     return _LocalCall(op_name=op_name, mesh=mesh, vocab_group=_group(mesh, vocab_mesh_dim),
                       row_groups=tuple(mesh.get_group(d) for d in row_mesh_dims),
-                      target=target.to_local(), rows_shape=target.shape,
+                      target=target, rows_shape=torch.Size(rows_shape),
                       row_placements=row_placements, result_placements=row_placements,
-                      logits=logits.to_local(), plain=_plain(named))
+                      logits=local_logits, plain=_plain(named), deferred=deferred)
 
 
 def _head_call(op_name, hidden, weight, bias, target, process_group, normalizer=None,
@@ -704,8 +750,12 @@ def _head_call(op_name, hidden, weight, bias, target, process_group, normalizer=
     for name, value in (("hidden", hidden), ("weight", weight)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    deferred = []
     if weight.ndim != 2:
-        raise ValueError(f"weight must have shape [V, H], got {tuple(weight.shape)}")
+        error = ValueError(f"weight must have shape [V, H], got {tuple(weight.shape)}")
+        if has_dtensor(named["weight"]):
+            raise error
+        deferred.append(error)
     row_mesh_dims, gathered_mesh_dims, vocab_mesh_dim = [], [], None
     for mesh_dim, (hidden_placement, weight_placement) in enumerate(
             zip(hidden.placements, weight.placements)):
@@ -735,10 +785,12 @@ def _head_call(op_name, hidden, weight, bias, target, process_group, normalizer=
     result_placements = _row_placements(hidden.placements, row_mesh_dims + gathered_mesh_dims,
                                         hidden.ndim)
     row_placements = _row_placements(hidden.placements, row_mesh_dims, hidden.ndim)
-    target = _rows_of(op_name, target, mesh, row_placements, tuple(hidden.shape[:-1]), "hidden")
+    rows_shape = tuple(hidden.shape[:-1])
     if gathered_mesh_dims:  # sequence parallel: every rank of the vocabulary group gets all rows
         hidden = hidden.redistribute(mesh, _with_replicated(hidden.placements,
                                                             gathered_mesh_dims))
+    target = _local_rows(op_name, target, mesh, row_placements, rows_shape, "hidden",
+                         hidden.to_local(), deferred)
     row_groups = tuple(mesh.get_group(d) for d in row_mesh_dims)
     weight_local = weight.to_local()
     bias_local = None
@@ -750,10 +802,10 @@ def _head_call(op_name, hidden, weight, bias, target, process_group, normalizer=
             bias_local = SumGradOverGroup.apply(bias_local, group)
     return _LocalCall(op_name=op_name, mesh=mesh, vocab_group=_group(mesh, vocab_mesh_dim),
                       row_groups=row_groups,
-                      target=target.to_local(), rows_shape=target.shape,
+                      target=target, rows_shape=torch.Size(rows_shape),
                       row_placements=row_placements, result_placements=result_placements,
                       hidden=hidden.to_local(), weight=weight_local, bias=bias_local,
-                      plain=_plain(named))
+                      plain=_plain(named), deferred=deferred)
 
 
 def _common_mesh(op_name, named: Dict[str, Any], process_group):
@@ -792,16 +844,25 @@ def _as_dtensor(value, mesh):
     return DTensor.from_local(value, mesh, _replicated(mesh), run_check=False)
 
 
-def _rows_of(op_name, target, mesh, row_placements, rows_shape, rows_name):
-    """``target`` as a DTensor laid out like the rows (a slice of a replicated target, or an
-    all-gather of a sharded one: integers, never logits)."""
+def _local_rows(op_name, target, mesh, row_placements, rows_shape, rows_name, local_rows,
+                deferred):
+    """This rank's part of ``target`` laid out like the rows (a slice of a replicated target,
+    or an all-gather of a sharded one: integers, never logits). A plain target that does not
+    fit (this rank's own) appends its error to ``deferred`` and gives zeros of the rows of
+    ``local_rows`` (this rank's rows, ``[..., V or H]``) in its stead."""
+    plain = not has_dtensor(target)
     target = _as_dtensor(target, mesh)
     if not isinstance(target, torch.Tensor):
-        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
-    if tuple(target.shape) != rows_shape:
-        raise ValueError(f"{op_name}: target must have the shape of the leading dimensions of "
-                         f"{rows_name}, {rows_shape}, got {tuple(target.shape)}")
-    return _in_row_layout(op_name, "target", target, row_placements)
+        error = TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    elif tuple(target.shape) != rows_shape:
+        error = ValueError(f"{op_name}: target must have the shape of the leading dimensions "
+                           f"of {rows_name}, {rows_shape}, got {tuple(target.shape)}")
+    else:
+        return _in_row_layout(op_name, "target", target, row_placements).to_local()
+    if not plain:
+        raise error
+    deferred.append(error)
+    return torch.zeros(local_rows.shape[:-1], dtype=torch.int64, device=local_rows.device)
 
 
 def _in_row_layout(op_name, name, value, row_placements, is_served_shard=None,
@@ -844,6 +905,19 @@ def _with_replicated(placements, mesh_dims) -> Tuple[Any, ...]:
 
     return tuple(Replicate() if mesh_dim in mesh_dims else placement
                  for mesh_dim, placement in enumerate(placements))
+
+
+def _mesh_groups(mesh) -> Tuple[dist.ProcessGroup, ...]:
+    """The groups of every mesh dimension: together they reach every rank of the mesh."""
+    return tuple(mesh.get_group(mesh_dim) for mesh_dim in range(mesh.ndim))
+
+
+def _mesh_device(mesh) -> torch.device:
+    """The device the mesh's collectives take tensors on."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type,
+                        torch.get_device_module(mesh.device_type).current_device())
 
 
 def _replicated(mesh) -> Tuple[Any, ...]:

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..kernels import library
 from ..kernels.primitives import LOG_RATIO_CLAMP
-from . import dtensor, vocab_parallel
+from . import agreement, dtensor, vocab_parallel
 from ._common import (
     AttachGrad,
     LogitsShape,
@@ -261,22 +261,28 @@ def _vocab_parallel(call):
     if call["sampling"] is not None:
         check_sampling(call["sampling"], call["options"], call["return_token_values"],
                        sharded=True)
-    check_logits(logits, allow_empty_vocab=True)
-    # the row count here; the targets' fingerprint (masked ones ignored) in token_logprobs
-    layout = vocab_parallel.shard_layout(call["process_group"], logits.shape[-1], logits.device,
-                                         target, check_consistency=False)
     check_consistency = vocab_parallel.check_consistency_flag(call["check_consistency"])
-    checked = plan(vocab_parallel.whole_logits(logits, layout), target, call["advantages"],
-                   call["options"], backend=call["backend"], **call_inputs(call))
+
+    def checks(layout):
+        check_logits(logits, allow_empty_vocab=True)
+        return plan(
+            vocab_parallel.whole_logits(logits, layout), target, call["advantages"],
+            call["options"], backend=call["backend"], **call_inputs(call))
+
+    # the row count here; the targets' fingerprint (masked ones ignored) in token_logprobs
+    layout, checked = vocab_parallel.agreed_layout(
+        "grpo_loss", call["process_group"], vocab_parallel.vocab_size(logits), (logits,), target,
+        -100, False, checks)
     if checked.params.backend == "reference":
         return vocab_parallel.on_gathered_logits(grpo_loss, without_option_keywords(call),
                                                  layout)
 
     def logprobs_of(masked_target, with_entropy):
-        out = token_logprobs(logits, masked_target, process_group=call["process_group"],
-                             temperature=checked.params.temperature, ignore_index=-100,
-                             return_entropy=with_entropy, backend=call["backend"],
-                             check_consistency=check_consistency)
+        with agreement.settled():  # its inputs are the checked ones
+            out = token_logprobs(logits, masked_target, process_group=call["process_group"],
+                                 temperature=checked.params.temperature, ignore_index=-100,
+                                 return_entropy=with_entropy, backend=call["backend"],
+                                 check_consistency=check_consistency)
         return out if with_entropy else (out, None)
 
     return from_logprobs(logprobs_of, target, checked)
@@ -627,25 +633,31 @@ def _vocab_parallel_linear(call):
                                sharded=True)
     logit_scale, softcap = checked_transform(call["logit_scale"], call["softcap"])
     refuse_transform_with_process_group(logit_scale, softcap, 0)
-    vocab_parallel.check_shard_head(hidden, weight, bias, chunk_size)
-    if hidden.dim() != 3:
-        raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
-    # the row count here; the targets' fingerprint (masked ones ignored) in the log-probs call
-    layout = vocab_parallel.shard_layout(process_group, weight.shape[0], hidden.device, target,
-                                         check_consistency=False)
     check_consistency = vocab_parallel.check_consistency_flag(call["check_consistency"])
-    checked = plan(vocab_parallel.whole_logits(hidden, layout), target, call["advantages"],
-                   call["options"], backend=call["backend"], **call_inputs(call))
+
+    def checks(layout):
+        vocab_parallel.check_shard_head(hidden, weight, bias, chunk_size)
+        if hidden.dim() != 3:
+            raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
+        return plan(
+            vocab_parallel.whole_logits(hidden, layout), target, call["advantages"],
+            call["options"], backend=call["backend"], **call_inputs(call))
+
+    # the row count here; the targets' fingerprint (masked ones ignored) in the log-probs call
+    layout, checked = vocab_parallel.agreed_layout(
+        "linear_grpo_loss", process_group, vocab_parallel.vocab_size(weight, 0), (hidden, weight),
+        target, -100, False, checks)
     if checked.params.backend == "reference":
         return vocab_parallel.on_head_logits(grpo_loss,
                                              without_option_keywords(call))
 
     def logprobs_of(masked_target, with_entropy):
-        out = linear_token_logprobs(hidden, weight, masked_target, process_group=process_group,
-                                    bias=bias, temperature=checked.params.temperature,
-                                    ignore_index=-100, return_entropy=with_entropy,
-                                    chunk_size=chunk_size, backend=call["backend"],
-                                    check_consistency=check_consistency)
+        with agreement.settled():  # its inputs are the checked ones
+            out = linear_token_logprobs(
+                hidden, weight, masked_target, process_group=process_group, bias=bias,
+                temperature=checked.params.temperature, ignore_index=-100,
+                return_entropy=with_entropy, chunk_size=chunk_size, backend=call["backend"],
+                check_consistency=check_consistency)
         return out if with_entropy else (out, None)
 
     return from_logprobs(logprobs_of, target, checked)

@@ -304,17 +304,22 @@ def _local(call, checked):
 def _vocab_parallel(call):
     """``token_logprobs`` of a vocabulary shard (``ops/vocab_parallel.py``)."""
     logits, target = call["logits"], call["target"]
-    if has_target_columns(logits, target):
-        refuse_with_target_columns("token_logprobs", process_group=True)
     if call["sampling"] is not None or check_bool(call["return_support"], "return_support"):
         checked_sampling(call["sampling"], call["temperature"], process_group=True)
-    check_logits(logits, allow_empty_vocab=True)
-    layout = vocab_parallel.shard_layout(call["process_group"], logits.shape[-1], logits.device,
-                                         target, call["ignore_index"], call["check_consistency"])
-    params = checked_params(vocab_parallel.whole_logits(logits, layout), target,
-                            call["temperature"], call["ignore_index"], call["return_entropy"],
-                            call["inplace_backward"], call["backend"])
-    check_inplace(logits, params.inplace_backward)
+
+    def checks(layout):
+        if has_target_columns(logits, target):
+            refuse_with_target_columns("token_logprobs", process_group=True)
+        check_logits(logits, allow_empty_vocab=True)
+        params = checked_params(vocab_parallel.whole_logits(logits, layout), target,
+                                call["temperature"], call["ignore_index"], call["return_entropy"],
+                                call["inplace_backward"], call["backend"])
+        check_inplace(logits, params.inplace_backward)
+        return params
+
+    layout, params = vocab_parallel.agreed_layout(
+        "token_logprobs", call["process_group"], vocab_parallel.vocab_size(logits), (logits,),
+        target, call["ignore_index"], call["check_consistency"], checks)
     if params.backend == "reference":
         return vocab_parallel.on_gathered_logits(token_logprobs, call, layout)
     logp, entropy = vocab_parallel.shard_token_logprobs(logits, flat_target(target), params,
@@ -724,19 +729,22 @@ def _vocab_parallel_linear(call):
     """``linear_token_logprobs`` with this rank's vocabulary shard of the head."""
     hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
     chunk_size, backend = call["chunk_size"], call["backend"]
-    if has_target_columns(hidden, target):
-        refuse_with_target_columns("linear_token_logprobs", process_group=True)
     if call["sampling"] is not None or check_bool(call["return_support"], "return_support"):
         checked_sampling(call["sampling"], call["temperature"], process_group=True)
     logit_scale, softcap = checked_transform(call["logit_scale"], call["softcap"])
     refuse_transform_with_process_group(logit_scale, softcap,
                                          _statistics_mask(call["statistics"]))
-    hidden_rows, layout, needs_grad = vocab_parallel.head_setup(
-        hidden, weight, bias, chunk_size, call["process_group"], target, call["ignore_index"],
-        call["check_consistency"])
-    params = checked_params(vocab_parallel.whole_logits(hidden, layout), target,
-                                  call["temperature"], call["ignore_index"],
-                                  call["return_entropy"], False, backend)
+
+    def checks(layout):
+        if has_target_columns(hidden, target):
+            refuse_with_target_columns("linear_token_logprobs", process_group=True)
+        return checked_params(vocab_parallel.whole_logits(hidden, layout), target,
+                              call["temperature"], call["ignore_index"], call["return_entropy"],
+                              False, backend)
+
+    hidden_rows, layout, needs_grad, params = vocab_parallel.head_setup(
+        "linear_token_logprobs", call["process_group"], hidden, weight, bias, chunk_size, target,
+        call["ignore_index"], call["check_consistency"], checks)
     if params.backend == "reference":
         return vocab_parallel.on_head_logits(token_logprobs, call)
     logp, entropy = vocab_parallel.head_shard_token_logprobs(

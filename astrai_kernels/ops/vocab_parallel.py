@@ -41,9 +41,12 @@ every shard empty is refused, on every rank, from the shard sizes' all-gather.
 
 The shard sizes are all-gathered once per call (one host sync, like the target check), with
 each rank's row count and, under ``check_consistency=True`` (the default), a fingerprint of its
-targets (their sum and count over the counted rows): every rank must pass the same rows and
-targets (only the vocabulary shard differs), and a mismatch raises on every rank before any
-other collective (an unequal row count would otherwise hang in the next all-reduce until the
+targets (their sum and count over the counted rows). That all-gather is the call's first
+collective, and every rank reaches it whatever its tensors (none is checked before it); then
+the call's checks of its tensors run and are agreed over the group (``ops/agreement.py``: one
+small all-reduce), so an input one rank refuses raises on every rank; then every rank must have
+passed the same rows and targets (only the vocabulary shard differs), else every rank raises
+``RanksDisagree`` (an unequal row count would otherwise hang in the next all-reduce until the
 process group's timeout). The vocab-parallel paths are eager only (no ``torch.compile``
 tracing). ``backend="reference"`` all-gathers the full logits and runs the naive spec on them
 (a test oracle, not a path to use).
@@ -53,7 +56,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -62,6 +65,7 @@ from torch import Tensor
 from ..kernels.memory import cached_empty
 from ..kernels.primitives import CrossEntropyArgs, LogprobsArgs, ShardGradArgs
 from ..kernels.registry import backend_module
+from . import agreement
 from ._common import (
     LogitsShape,
     check_bool,
@@ -72,6 +76,7 @@ from ._common import (
     refuse_double_backward,
     rows_view,
 )
+from .agreement import RanksDisagree
 from .head import (
     ChunkedHead,
     absent_grad,
@@ -105,22 +110,51 @@ def _not_a_member(process_group) -> bool:
     return sentinel is not None and process_group is sentinel
 
 
-class RanksDisagree(ValueError):
-    """The ranks of a vocabulary group pass different rows or targets (``shard_layout``)."""
-
-
 def check_consistency_flag(check_consistency) -> bool:
     return check_bool(check_consistency, "check_consistency")
 
 
-def shard_layout(process_group, vocab_local: int, device: torch.device,
-                 target: Optional[Tensor] = None, ignore_index: int = -100,
-                 check_consistency: bool = True) -> ShardLayout:
-    """This rank's vocabulary range, from the shard sizes all-gathered over the group.
+def vocab_size(shard, dim: int = -1) -> int:
+    """The vocabulary size of this rank's ``shard`` (logits' last dimension, ``dim=-1``; a
+    weight's rows, ``dim=0``), read before any check for the shard sizes' all-gather: 0 when
+    ``shard`` has no such dimension (the checks after the all-gather refuse it)."""
+    if not isinstance(shard, Tensor) or shard.dim() < (2 if dim == 0 else 1):
+        return 0
+    return shard.shape[dim]
 
-    The same all-gather carries this rank's row count (``target.numel()``) and, when
-    ``check_consistency``, the sum and count of its counted targets; ranks that differ raise
-    ``ValueError`` on every rank (each sees every rank's values), before any other collective.
+
+def _target_fields(target, ignore_index: int, check_consistency: bool, device) -> Tensor:
+    """The row count and the targets' fingerprint (sum and count of the counted targets; zeros
+    unless ``check_consistency``), read whatever ``target`` is (-1 rows for no tensor)."""
+    if not isinstance(target, Tensor):
+        return torch.tensor([-1, 0, 0], dtype=torch.int64, device=device)
+    rows = torch.tensor([target.numel()], dtype=torch.int64, device=device)
+    integer = not (target.is_floating_point() or target.is_complex()
+                   or target.dtype == torch.bool)
+    if not (check_consistency and integer):
+        return torch.cat([rows, rows.new_zeros(2)])
+    counted = target.reshape(-1) != ignore_index
+    fingerprint = torch.stack([torch.where(counted, target.reshape(-1), 0).sum(),
+                               counted.sum()]).to(device=device, dtype=torch.int64)
+    return torch.cat([rows, fingerprint])
+
+
+def agreed_layout(op_name: str, process_group, vocab_local: int, like: Tuple, target,
+                  ignore_index, check_consistency, checks: Callable[[ShardLayout], Any]):
+    """``(layout, checks(layout))``: this rank's vocabulary range, from the shard sizes
+    all-gathered over the group, and the call's checks, agreed over the group.
+
+    The all-gather is the call's first collective, and every rank reaches it whatever its
+    tensors (``vocab_local`` and the target's fields are read without a check; before it only
+    what is alike on every rank by the contract is checked: the group, ``check_consistency``,
+    ``ignore_index`` and the op's refusals of its other keywords): 4 int64 per rank, the shard
+    size, the row count (``target.numel()``) and, when ``check_consistency``, the sum and
+    count of the counted targets. Then, alike on every rank:
+    every shard empty is refused; ``checks(layout)`` (every check of the call's own arguments,
+    which may read the whole vocabulary ``layout.vocab_total``) runs and is agreed
+    (``agreement.agreed``), so an input one rank refuses raises on every rank; ranks that pass
+    different rows (or targets) raise :class:`RanksDisagree`. ``like``: tensors of the call,
+    whose device the collectives use.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("process_group is set but torch.distributed is not initialized "
@@ -133,39 +167,35 @@ def shard_layout(process_group, vocab_local: int, device: torch.device,
         raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got "
                         f"{type(process_group).__name__}")
     check_consistency = check_consistency_flag(check_consistency)
-    if target is not None and not isinstance(target, Tensor):
-        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
     ignore_index = check_index(ignore_index, "ignore_index")
     rank = dist.get_rank(process_group)
     if rank < 0:
         raise ValueError("this process is not a member of process_group")
     world = dist.get_world_size(process_group)
-    fields = [torch.tensor([vocab_local, -1 if target is None else target.numel()],
-                           dtype=torch.int64, device=device)]
-    if check_consistency and target is not None:
-        counted = target.reshape(-1) != ignore_index
-        fields.append(torch.stack([torch.where(counted, target.reshape(-1), 0).sum(),
-                                   counted.sum()]).to(torch.int64))
-    local = torch.cat(fields)
+    device = agreement.device_of(*like, group=process_group)
+    local = torch.cat([torch.tensor([vocab_local], dtype=torch.int64, device=device),
+                       _target_fields(target, ignore_index, check_consistency, device)])
     gathered = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(gathered, local, group=process_group)
     per_rank = torch.stack(gathered).tolist()
     sizes = [values[0] for values in per_rank]
+    if sum(sizes) < 1:
+        raise ValueError(f"every rank of process_group holds an empty vocabulary shard (shard "
+                         f"sizes per rank: {sizes}): the vocabulary needs V >= 1")
+    layout = ShardLayout(process_group, sum(sizes[:rank]), vocab_local, sum(sizes), max(sizes))
+    checked = agreement.agreed(op_name, process_group, device, lambda: checks(layout))
     rows = [values[1] for values in per_rank]
     if len(set(rows)) > 1:
         raise RanksDisagree(f"the ranks of process_group pass different numbers of rows "
                             f"(target.numel() per rank: {rows}): every rank must pass the same "
                             f"rows, only the vocabulary shard differs")
-    if sum(sizes) < 1:
-        raise ValueError(f"every rank of process_group holds an empty vocabulary shard (shard "
-                         f"sizes per rank: {sizes}): the vocabulary needs V >= 1")
     fingerprints = [tuple(values[2:]) for values in per_rank]
     if len(set(fingerprints)) > 1:
         raise RanksDisagree(f"the ranks of process_group pass different targets (sum and "
                             f"count of the counted targets per rank: {fingerprints}): every "
                             f"rank must pass the same targets (and ignore_index); "
                             f"check_consistency=False skips this check")
-    return ShardLayout(process_group, sum(sizes[:rank]), vocab_local, sum(sizes), max(sizes))
+    return layout, checked
 
 
 def whole_logits(rows: Tensor, layout: ShardLayout) -> LogitsShape:
@@ -631,14 +661,20 @@ def check_shard_head(hidden, weight, bias, chunk_size):
     return check_head(hidden, one_row, one_bias, chunk_size)
 
 
-def head_setup(hidden, weight, bias, chunk_size, process_group, target, ignore_index,
-               check_consistency):
-    """``(hidden rows, layout, needs_grad)`` of a vocabulary-parallel head call, checked."""
-    hidden_rows = check_shard_head(hidden, weight, bias, chunk_size)
-    layout = shard_layout(process_group, weight.shape[0], hidden.device, target, ignore_index,
-                          check_consistency)
+def head_setup(op_name, process_group, hidden, weight, bias, chunk_size, target, ignore_index,
+               check_consistency, checks):
+    """``(hidden rows, layout, needs_grad, checks(layout))`` of a vocabulary-parallel head
+    call: :func:`agreed_layout` of the weight's shard, the head's checks
+    (:func:`check_shard_head`) agreed with the op's own ``checks``, which run first."""
+    def head_checks(layout):
+        checked = checks(layout)
+        return check_shard_head(hidden, weight, bias, chunk_size), checked
+
+    layout, (hidden_rows, checked) = agreed_layout(
+        op_name, process_group, vocab_size(weight, 0), (hidden, weight), target, ignore_index,
+        check_consistency, head_checks)
     needs = head_needs(hidden, weight, bias) if torch.is_grad_enabled() else (False,) * 3
-    return hidden_rows, layout, any(needs)
+    return hidden_rows, layout, any(needs), checked
 
 
 def on_head_logits(op, call):

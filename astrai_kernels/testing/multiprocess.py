@@ -15,7 +15,9 @@ Failures are reported, never waited out: a rank that raises, or dies by a signal
 code, fails the call with ``RankFailed`` carrying its traceback (faulthandler's Python stack for
 a fatal signal); the ranks still running a few seconds later (waiting in a collective for the
 dead rank) are killed, their stacks shown too. Ranks still running after ``timeout`` seconds
-have their stacks dumped and are killed, and ``TimeoutError`` is raised.
+have their stacks dumped and are killed, and ``TimeoutError`` is raised. ``group_timeout``
+(seconds) is the process group's own timeout for a collective (gloo's default is 30 minutes):
+a test of a call that must not hang sets it short, so a rank left waiting fails soon.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import sys
 import tempfile
 import time
 import traceback
+from datetime import timedelta
 from multiprocessing.connection import wait as wait_for_exit
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -50,7 +53,8 @@ def _path(workdir: str, rank: int, kind: str) -> str:
     return os.path.join(workdir, f"rank{rank}.{kind}")
 
 
-def _entry(rank: int, world_size: int, workdir: str, worker: Callable, args: Sequence) -> None:
+def _entry(rank: int, world_size: int, workdir: str, worker: Callable, args: Sequence,
+           group_timeout: Optional[float] = None) -> None:
     # kept open until the process leaves: faulthandler writes the Python stack here on a fatal
     # signal, and on SIGUSR1 (the parent's request before it kills a hung rank)
     stacks = open(_path(workdir, rank, "stack"), "w")
@@ -60,8 +64,9 @@ def _entry(rank: int, world_size: int, workdir: str, worker: Callable, args: Seq
     torch.set_num_threads(1)
     exit_code = 0
     try:
+        timeout = {} if group_timeout is None else {"timeout": timedelta(seconds=group_timeout)}
         dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank,
-                                world_size=world_size)
+                                world_size=world_size, **timeout)
         result = worker(rank, world_size, *args)
         partial = _path(workdir, rank, "json.partial")
         with open(partial, "w") as out:
@@ -176,16 +181,21 @@ def _failure_report(processes, failed: List[int], killed: dict, workdir: str) ->
 
 
 def spawn_ranks(worker: Callable, world_size: int, args: Sequence = (),
-                timeout: float = 180.0) -> List[Any]:
+                timeout: float = 180.0, group_timeout: Optional[float] = None) -> List[Any]:
     """``[worker(r, world_size, *args) for r in ranks]`` computed in ``world_size`` processes."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if group_timeout is not None and not (isinstance(group_timeout, (int, float))
+                                          and group_timeout > 0):
+        raise ValueError(f"group_timeout must be None or a number of seconds > 0, got "
+                         f"{group_timeout!r}")
     context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="astrai-ranks-") as workdir:
         processes = [context.Process(target=_entry, name=f"rank{rank}",
-                                     args=(rank, world_size, workdir, worker, tuple(args)))
+                                     args=(rank, world_size, workdir, worker, tuple(args),
+                                           group_timeout))
                      for rank in range(world_size)]
         try:
             for process in processes:
