@@ -24,10 +24,13 @@ Its median is the linear ops' ``floor_s``.
 Memory: the weight is scaled by ``H**-0.5`` so the logits are O(1) as in a trained model.
 ``grad_bytes`` is what the gradients of hidden and weight take in the case's dtype;
 ``peak_bound_bytes`` is issue 13's bound on a fused head's extra memory: those gradients, an
-fp32 weight-sized accumulator and 96 MiB.
+fp32 weight-sized accumulator and a chunk's workspace: 96 MiB, or where the head's rule gives
+a chunk more rows (``ops.head.MIN_GEMM_ROWS`` at a large vocabulary) 8 bytes per logit of it
+(a 16-bit buffer and its float32 copy, or a float32 buffer and a soft-cap's tanh).
 """
 
 from ..baselines import original
+from ..ops.head import chunk_rows
 from .cases import (
     GEMM_COUNT,
     GRPO_BATCH,
@@ -168,7 +171,9 @@ def build_linear_workload(case):
     element = torch.empty((), dtype=dtype).element_size()
     grad_bytes = (rows + vocab) * hidden_size * element
     info = {"hidden": hidden_size, "grad_bytes": grad_bytes,
-            "peak_bound_bytes": grad_bytes + 4 * vocab * hidden_size + LINEAR_WORKSPACE_BOUND,
+            "peak_bound_bytes": grad_bytes + 4 * vocab * hidden_size + max(
+                LINEAR_WORKSPACE_BOUND,
+                8 * vocab * chunk_rows(rows, vocab, device, hidden=hidden_size)),
             "floor_flops": GEMM_COUNT[case.op] * 2 * rows * hidden_size * vocab}
     if grpo:
         info["grpo_shape"] = list(shape)

@@ -65,18 +65,25 @@ from ._common import (
 
 CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}
 WEIGHT_COPY_SHARE = 4  # with a float32 copy of the weight, a chunk gets a quarter of the budget
+# Each chunk's three GEMMs read the whole [V, H] weight: with few rows they stream it from memory
+# more than they compute. At V = 262144, H = 1024 (bf16, Xeon with AMX) 16-64 rows ran 3.0x the
+# GEMM floor, 512 rows 1.19x. So a chunk has at least this many rows, or H / 2 where that is
+# fewer: its float32 logits then take at most half the weight gradient's float32 accumulator.
+MIN_GEMM_ROWS = 512
 
 
 def chunk_rows(n_rows: int, vocab: int, device: torch.device,
-               chunk_size: Optional[int] = None, weight_copy: bool = False) -> int:
+               chunk_size: Optional[int] = None, weight_copy: bool = False,
+               hidden: int = 0) -> int:
     """Rows per chunk: ``chunk_size`` when given, else what fits ``CHUNK_BYTES`` of fp32 logits
-    (a quarter of it when the head also holds a float32 copy of the weight)."""
+    (a quarter of it when the head also holds a float32 copy of the weight), but at least
+    ``min(MIN_GEMM_ROWS, hidden // 2)`` for a head of ``hidden`` columns."""
     if chunk_size is not None:
         return max(1, min(chunk_size, n_rows))
     budget = CHUNK_BYTES.get(torch.device(device).type, CHUNK_BYTES["cpu"])
     if weight_copy:
         budget //= WEIGHT_COPY_SHARE
-    rows = budget // (4 * max(vocab, 1))
+    rows = max(budget // (4 * max(vocab, 1)), min(MIN_GEMM_ROWS, hidden // 2))
     if rows >= 16:
         rows -= rows % 16  # whole GEMM tiles
     return max(1, min(rows, n_rows))
@@ -174,7 +181,8 @@ class ChunkedHead:
         self.bias = None if bias is None else bias.to(self.work_dtype)
         n_rows, vocab = hidden.shape[0], weight.shape[0]
         self.chunk = chunk_rows(n_rows, vocab, hidden.device, chunk_size,
-                                weight_copy=self.work_dtype != weight.dtype)
+                                weight_copy=self.work_dtype != weight.dtype,
+                                hidden=weight.shape[1])
         # The large buffers come from the CPU gradient cache (kernels/memory.py): in a training loop
         # each call reuses the last call's pages instead of faulting fresh ones.
         device = hidden.device

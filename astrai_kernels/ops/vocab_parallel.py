@@ -609,7 +609,7 @@ def agreed_chunk_size(hidden_rows, weight, chunk_size, layout: ShardLayout) -> i
         return chunk_size
     weight_copy = compute_dtype(hidden_rows.dtype, hidden_rows.device) != weight.dtype
     return chunk_rows(hidden_rows.shape[0], layout.vocab_largest, hidden_rows.device,
-                      weight_copy=weight_copy)
+                      weight_copy=weight_copy, hidden=weight.shape[1])
 
 
 def head_shard_cross_entropy_walk(hidden_rows, weight, bias, target_flat, params, layout,
