@@ -1,9 +1,14 @@
 // Python bindings of the cpp backend: read the params objects of kernels/primitives.py, unpack
 // tensors into the torch-free kernel arguments of common.h, allocate the per-row outputs, run
 // the kernels without the GIL.
-#include <torch/extension.h>
-
+// The headers of what it uses, not <torch/extension.h>: that one brings torch's whole C++
+// frontend, and parsing it was half this file's compile time (31 -> 16 CPU-seconds, issue 42).
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/CPUAllocator.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <optional>
 #include <string>

@@ -10,10 +10,10 @@
 namespace astrai {
 namespace {
 
-template <class T, bool C, bool SOFTCAP, bool SMOOTH>
+template <class T, bool SOFTCAP, bool SMOOTH>
 ASTRAI_INLINE void cross_entropy_rows(const CrossEntropyArgs& a, int64_t n0, int64_t n1) {
   using S = typename T::storage;
-  const int64_t V = a.x.V, sv = a.x.sV, sg = a.grad.sV;
+  const int64_t V = a.x.V;
   const bool with_grad = a.grad.data != nullptr;
   const float cap = a.softcap, inv_cap = SOFTCAP ? 1.0f / a.softcap : 0.0f;
   const float mul = SOFTCAP ? a.logit_scale * inv_cap : a.logit_scale;
@@ -25,11 +25,11 @@ ASTRAI_INLINE void cross_entropy_rows(const CrossEntropyArgs& a, int64_t n0, int
       if (!ignored) a.bad->set(n, y);
       a.loss[n] = 0.0f;
       a.lse[n] = 0.0f;
-      if (with_grad) zero_row<T, C>(a.grad.row<S>(n), sg, V);
+      if (with_grad) zero_row<T, true>(a.grad.row<S>(n), 1, V);
       continue;
     }
     const S* row = a.x.row<S>(n);
-    const CappedLoad<T, C, SOFTCAP> load{row, sv, cap, mul};
+    const CappedLoad<T, true, SOFTCAP> load{row, 1, cap, mul};
     const float z_y = load(y);
     OnlineLse st;
     // With a gradient to write, keep the exps of the first pass for the second.
@@ -68,7 +68,7 @@ ASTRAI_INLINE void cross_entropy_rows(const CrossEntropyArgs& a, int64_t n0, int
             const float u = load(j) * inv_cap;
             v *= 1.0f - u * u;
           }
-          g[C ? j : j * sg] = T::store(v);
+          g[j] = T::store(v);
         }
       }
       p_y = keep.exps[y] * kept_to_prob(keep.shifts[y / kBlock], st, 1.0f, log_sum);
@@ -81,7 +81,7 @@ ASTRAI_INLINE void cross_entropy_rows(const CrossEntropyArgs& a, int64_t n0, int
           const float u = z * inv_cap;
           v *= 1.0f - u * u;
         }
-        g[C ? j : j * sg] = T::store(v);
+        g[j] = T::store(v);
       }
       p_y = log_prob_exp((z_y - st.shift) - log_sum);
     }
@@ -91,48 +91,43 @@ ASTRAI_INLINE void cross_entropy_rows(const CrossEntropyArgs& a, int64_t n0, int
       const float u = z_y * inv_cap;
       v *= 1.0f - u * u;
     }
-    g[C ? y : y * sg] = T::store(v);
+    g[y] = T::store(v);
   }
 }
 
 #define ASTRAI_CE_VARIANTS(ATTR, SUFFIX)                                                  \
-  template <class T, bool C, bool SOFTCAP, bool SMOOTH>                                   \
+  template <class T, bool SOFTCAP, bool SMOOTH>                                           \
   ATTR ASTRAI_NOINLINE void cross_entropy_##SUFFIX(const CrossEntropyArgs& a, int64_t n0, \
                                                    int64_t n1) {                          \
-    cross_entropy_rows<T, C, SOFTCAP, SMOOTH>(a, n0, n1);                                 \
+    cross_entropy_rows<T, SOFTCAP, SMOOTH>(a, n0, n1);                                    \
   }
 ASTRAI_FOR_EACH_ISA(ASTRAI_CE_VARIANTS)
 #undef ASTRAI_CE_VARIANTS
 
-template <class T, bool C, bool SOFTCAP, bool SMOOTH>
+template <class T, bool SOFTCAP, bool SMOOTH>
 RowsFn<CrossEntropyArgs> pick(Isa isa) {
 #if ASTRAI_X86
-  if (isa == Isa::Avx512) return &cross_entropy_avx512<T, C, SOFTCAP, SMOOTH>;
-  if (isa == Isa::Avx2) return &cross_entropy_avx2<T, C, SOFTCAP, SMOOTH>;
+  if (isa == Isa::Avx512) return &cross_entropy_avx512<T, SOFTCAP, SMOOTH>;
+  if (isa == Isa::Avx2) return &cross_entropy_avx2<T, SOFTCAP, SMOOTH>;
 #endif
   (void)isa;
-  return &cross_entropy_generic<T, C, SOFTCAP, SMOOTH>;
+  return &cross_entropy_generic<T, SOFTCAP, SMOOTH>;
 }
 
 }  // namespace
 
 void cross_entropy_forward_kernel(const CrossEntropyArgs& args, int nthreads) {
   const Isa isa = active_isa();
-  const bool with_grad = args.grad.data != nullptr;
-  const bool contiguous = (args.x.sV == 1 && (!with_grad || args.grad.sV == 1)) || args.x.V <= 1;
   const bool softcap = args.softcap != 0.0f;
   const bool smooth = args.label_smoothing != 0.0f;
   RowsFn<CrossEntropyArgs> fn = with_dtype(args.dtype, [&](auto t) {
-    return with_bool(contiguous, [&](auto c) {
-      return with_bool(softcap, [&](auto sc) {
-        return with_bool(smooth, [&](auto sm) {
-          return pick<decltype(t), decltype(c)::value, decltype(sc)::value,
-                      decltype(sm)::value>(isa);
-        });
+    return with_bool(softcap, [&](auto sc) {
+      return with_bool(smooth, [&](auto sm) {
+        return pick<decltype(t), decltype(sc)::value, decltype(sm)::value>(isa);
       });
     });
   });
-  run_rows(fn, args, args.x.rows(), args.x.V, nthreads);
+  run_unit_stride_rows(fn, args, nthreads);
 }
 
 }  // namespace astrai

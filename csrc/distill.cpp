@@ -45,8 +45,8 @@ struct RowLogProbs {
   float ref, log_sum;  // log p_j = (x_j - ref) * scale - log_sum
 };
 
-template <class T, bool C>
-ASTRAI_INLINE RowLogProbs fresh_stats(int64_t V, const RawLoad<T, C>& load, float hint,
+template <class T>
+ASTRAI_INLINE RowLogProbs fresh_stats(int64_t V, const RawLoad<T, true>& load, float hint,
                                       float scale, float* lse) {
   OnlineLse st;
   online_lse_row<false, false>(V, load, st, hint, scale);
@@ -54,15 +54,15 @@ ASTRAI_INLINE RowLogProbs fresh_stats(int64_t V, const RawLoad<T, C>& load, floa
   return {st.shift, st.log_sum()};
 }
 
-// The row reduction is compiled once per (dtype, layout, ISA), out of line (Stats below), so
+// The row reduction is compiled once per (dtype, ISA), out of line (Stats below), so
 // the many loss variants stay small: each holds only its elementwise loops.
 // `hint` is the row's element at the target (for V = 1 the only one: log p = 0 exactly).
-template <class Stats, class T, bool C>
-ASTRAI_INLINE RowLogProbs saved_stats(int64_t V, const RawLoad<T, C>& load, float hint,
+template <class Stats, class T>
+ASTRAI_INLINE RowLogProbs saved_stats(int64_t V, const RawLoad<T, true>& load, float hint,
                                       float scale, float lse) {
   if (V == 1) return {hint, 0.0f};
   if (std::fabs(lse) <= kDirectLseLimit) return {0.0f, lse};
-  return Stats::template run<T, C>(V, load, hint, scale, nullptr);
+  return Stats::template run<T>(V, load, hint, scale, nullptr);
 }
 
 // The mixture's weights are scaled by 2^kWeightExp (exact), so w p of any normal weight and
@@ -216,13 +216,12 @@ ASTRAI_INLINE float stored_grad_element(float p, float q, float xs, const GradCo
 // Writes one row's gradient: grad_of(j, x_j) is element j's without the hard term's -d_jy,
 // which is folded in float32 at the target afterwards (x_y read before the row may be
 // overwritten: grad may be the student itself).
-template <class TS, bool C, bool HARD, class Load, class F>
+template <class TS, bool HARD, class Load, class F>
 ASTRAI_INLINE void write_grad_row(int64_t V, const Load& load_s, float x_y, int64_t y,
-                                  float hard_coef, typename TS::storage* g, int64_t sg,
-                                  const F& grad_of) {
+                                  float hard_coef, typename TS::storage* g, const F& grad_of) {
 #pragma omp simd
-  for (int64_t j = 0; j < V; ++j) g[C ? j : j * sg] = TS::store(grad_of(j, load_s(j)));
-  if (HARD) g[C ? y : y * sg] = TS::store(grad_of(y, x_y) - hard_coef);
+  for (int64_t j = 0; j < V; ++j) g[j] = TS::store(grad_of(j, load_s(j)));
+  if (HARD) g[y] = TS::store(grad_of(y, x_y) - hard_coef);
 }
 
 // The forward's arguments as the backward's: its per-row outputs as the saved inputs.
@@ -235,11 +234,11 @@ DistillArgs with_saved_outputs(const DistillArgs& a) {
   return saved;
 }
 
-template <class Stats, class TS, class TT, bool C, Kind K, bool GRAD>
+template <class Stats, class TS, class TT, Kind K, bool GRAD>
 ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
   using SS = typename TS::storage;
   using ST = typename TT::storage;
-  const int64_t V = a.x.V, sg = a.grad.sV;
+  const int64_t V = a.x.V;
   RowConsts c;
   c.inv_t = a.inv_t;
   c.ws_scaled = std::ldexp(a.w_s, kWeightExp);
@@ -251,11 +250,11 @@ ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
       if (!ignored) a.bad->set(n, y);
       a.loss[n] = a.lse_s[n] = a.lse_t[n] = a.kl_s[n] = 0.0f;
       if (a.hard_lse) a.hard_lse[n] = 0.0f;
-      if (GRAD) zero_row<TS, C>(a.grad.row<SS>(n), sg, V);
+      if (GRAD) zero_row<TS, true>(a.grad.row<SS>(n), 1, V);
       continue;
     }
-    const RawLoad<TS, C> load_s{a.x.row<SS>(n), a.x.sV};
-    const RawLoad<TT, C> load_t{a.t.row<ST>(n), a.t.sV};
+    const RawLoad<TS, true> load_s{a.x.row<SS>(n), 1};
+    const RawLoad<TT, true> load_t{a.t.row<ST>(n), 1};
     const float x_y = load_s(y);
     float lse_s = 0.0f, lse_t = 0.0f;
     float vt[kLanes], vs[kLanes];
@@ -302,8 +301,8 @@ ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
       };
       sum_terms(V, vt, vs, terms);
     } else {
-      c.s = Stats::template run<TS, C>(V, load_s, x_y, c.inv_t, &lse_s);
-      c.t = Stats::template run<TT, C>(V, load_t, load_t(y), c.inv_t, &lse_t);
+      c.s = Stats::template run<TS>(V, load_s, x_y, c.inv_t, &lse_s);
+      c.t = Stats::template run<TT>(V, load_t, load_t(y), c.inv_t, &lse_t);
       const RowConsts rc = c;
       sum_terms(V, vt, vs, [=](int64_t j, float& term_t, float& term_s)
                                __attribute__((always_inline)) {
@@ -324,7 +323,7 @@ ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
     RowLogProbs h = c.s;
     if (a.hard_lse) {  // hard_weight * (lse - x_y) at temperature 1, relative to the row max
       float hard_lse = lse_s;
-      if (a.inv_t != 1.0f) h = Stats::template run<TS, C>(V, load_s, x_y, 1.0f, &hard_lse);
+      if (a.inv_t != 1.0f) h = Stats::template run<TS>(V, load_s, x_y, 1.0f, &hard_lse);
       loss += a.hard_weight * ((h.ref - x_y) + h.log_sum);
       a.hard_lse[n] = hard_lse;
     }
@@ -337,19 +336,19 @@ ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
     SS* g = a.grad.row<SS>(n);
     with_bool(a.hard_lse != nullptr, [&](auto hard) {
       constexpr bool kHard = decltype(hard)::value;
-      write_grad_row<TS, C, kHard>(V, load_s, x_y, y, gc.hard_coef, g, sg,
-                                   [=](int64_t j, float xs) __attribute__((always_inline)) {
-                                     return stored_grad_element<K, kHard>(sp[j], sq[j], xs, gc);
-                                   });
+      write_grad_row<TS, kHard>(V, load_s, x_y, y, gc.hard_coef, g,
+                                [=](int64_t j, float xs) __attribute__((always_inline)) {
+                                  return stored_grad_element<K, kHard>(sp[j], sq[j], xs, gc);
+                                });
     });
   }
 }
 
-template <class Stats, class TS, class TT, bool C, Kind K, bool HARD>
+template <class Stats, class TS, class TT, Kind K, bool HARD>
 ASTRAI_INLINE void backward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
   using SS = typename TS::storage;
   using ST = typename TT::storage;
-  const int64_t V = a.x.V, sg = a.grad.sV;
+  const int64_t V = a.x.V;
   RowConsts c;
   c.inv_t = a.inv_t;
   c.ws_scaled = std::ldexp(a.w_s, kWeightExp);
@@ -360,11 +359,11 @@ ASTRAI_INLINE void backward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
     const bool ignored = y == a.ignore_index;
     if (ignored || y < 0 || y >= V) {
       if (!ignored) a.bad->set(n, y);
-      zero_row<TS, C>(g, sg, V);
+      zero_row<TS, true>(g, 1, V);
       continue;
     }
-    const RawLoad<TS, C> load_s{a.x.row<SS>(n), a.x.sV};
-    const RawLoad<TT, C> load_t{a.t.row<ST>(n), a.t.sV};
+    const RawLoad<TS, true> load_s{a.x.row<SS>(n), 1};
+    const RawLoad<TT, true> load_t{a.t.row<ST>(n), 1};
     const float x_y = load_s(y);
     c.s = saved_stats<Stats>(V, load_s, x_y, c.inv_t, a.saved_lse_s[n]);
     c.t = saved_stats<Stats>(V, load_t, load_t(y), c.inv_t, a.saved_lse_t[n]);
@@ -372,61 +371,56 @@ ASTRAI_INLINE void backward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
     if (HARD) h = saved_stats<Stats>(V, load_s, x_y, 1.0f, a.saved_hard_lse[n]);
     const GradCoefs gc = grad_coefs<K>(a, n, a.saved_kl_s[n], h);
     const RowConsts rc = c;
-    write_grad_row<TS, C, HARD>(V, load_s, x_y, y, gc.hard_coef, g, sg,
-                                [=](int64_t j, float xs) __attribute__((always_inline)) {
-                                  return grad_element<K, HARD>(xs, load_t(j), rc, gc);
-                                });
+    write_grad_row<TS, HARD>(V, load_s, x_y, y, gc.hard_coef, g,
+                             [=](int64_t j, float xs) __attribute__((always_inline)) {
+                               return grad_element<K, HARD>(xs, load_t(j), rc, gc);
+                             });
   }
 }
 
 #define ASTRAI_DISTILL_VARIANTS(ATTR, SUFFIX)                                                \
-  template <class T, bool C>                                                                 \
-  ATTR ASTRAI_NOINLINE RowLogProbs stats_##SUFFIX(int64_t V, const RawLoad<T, C>& load,      \
+  template <class T>                                                                         \
+  ATTR ASTRAI_NOINLINE RowLogProbs stats_##SUFFIX(int64_t V, const RawLoad<T, true>& load,   \
                                                   float hint, float scale, float* lse) {     \
     return fresh_stats(V, load, hint, scale, lse);                                           \
   }                                                                                          \
   struct Stats_##SUFFIX {                                                                    \
-    template <class T, bool C>                                                               \
-    static ASTRAI_INLINE RowLogProbs run(int64_t V, const RawLoad<T, C>& load, float hint,   \
+    template <class T>                                                                       \
+    static ASTRAI_INLINE RowLogProbs run(int64_t V, const RawLoad<T, true>& load, float hint, \
                                          float scale, float* lse) {                          \
-      return stats_##SUFFIX<T, C>(V, load, hint, scale, lse);                                \
+      return stats_##SUFFIX<T>(V, load, hint, scale, lse);                                   \
     }                                                                                        \
   };                                                                                         \
-  template <class TS, class TT, bool C, Kind K, bool GRAD>                                   \
+  template <class TS, class TT, Kind K, bool GRAD>                                           \
   ATTR ASTRAI_NOINLINE void forward_##SUFFIX(const DistillArgs& a, int64_t n0, int64_t n1) { \
-    forward_rows<Stats_##SUFFIX, TS, TT, C, K, GRAD>(a, n0, n1);                             \
+    forward_rows<Stats_##SUFFIX, TS, TT, K, GRAD>(a, n0, n1);                                \
   }                                                                                          \
-  template <class TS, class TT, bool C, Kind K, bool HARD>                                   \
+  template <class TS, class TT, Kind K, bool HARD>                                           \
   ATTR ASTRAI_NOINLINE void backward_##SUFFIX(const DistillArgs& a, int64_t n0,              \
                                               int64_t n1) {                                  \
-    backward_rows<Stats_##SUFFIX, TS, TT, C, K, HARD>(a, n0, n1);                            \
+    backward_rows<Stats_##SUFFIX, TS, TT, K, HARD>(a, n0, n1);                               \
   }
 ASTRAI_FOR_EACH_ISA(ASTRAI_DISTILL_VARIANTS)
 #undef ASTRAI_DISTILL_VARIANTS
 
-template <class TS, class TT, bool C, Kind K, bool GRAD>
+template <class TS, class TT, Kind K, bool GRAD>
 RowsFn<DistillArgs> pick_forward(Isa isa) {
 #if ASTRAI_X86
-  if (isa == Isa::Avx512) return &forward_avx512<TS, TT, C, K, GRAD>;
-  if (isa == Isa::Avx2) return &forward_avx2<TS, TT, C, K, GRAD>;
+  if (isa == Isa::Avx512) return &forward_avx512<TS, TT, K, GRAD>;
+  if (isa == Isa::Avx2) return &forward_avx2<TS, TT, K, GRAD>;
 #endif
   (void)isa;
-  return &forward_generic<TS, TT, C, K, GRAD>;
+  return &forward_generic<TS, TT, K, GRAD>;
 }
 
-template <class TS, class TT, bool C, Kind K, bool HARD>
+template <class TS, class TT, Kind K, bool HARD>
 RowsFn<DistillArgs> pick_backward(Isa isa) {
 #if ASTRAI_X86
-  if (isa == Isa::Avx512) return &backward_avx512<TS, TT, C, K, HARD>;
-  if (isa == Isa::Avx2) return &backward_avx2<TS, TT, C, K, HARD>;
+  if (isa == Isa::Avx512) return &backward_avx512<TS, TT, K, HARD>;
+  if (isa == Isa::Avx2) return &backward_avx2<TS, TT, K, HARD>;
 #endif
   (void)isa;
-  return &backward_generic<TS, TT, C, K, HARD>;
-}
-
-bool unit_stride(const DistillArgs& args, bool with_grad) {
-  if (args.x.V <= 1) return true;
-  return args.x.sV == 1 && args.t.sV == 1 && (!with_grad || args.grad.sV == 1);
+  return &backward_generic<TS, TT, K, HARD>;
 }
 
 template <class F>
@@ -436,33 +430,38 @@ ASTRAI_INLINE auto with_kind(const DistillArgs& args, F&& f) {
   return f(std::integral_constant<Kind, Kind::Mix>{});
 }
 
-// The forward's row function (with the gradient: unit strides only) and the backward's.
+// The kernels read a teacher of the student's dtype or of float32 (5 dtype pairs of the 9):
+// another teacher is widened to float32 a row at a time (run_unit_stride_rows), exactly.
+bool teacher_to_f32(const DistillArgs& args) {
+  return args.teacher_dtype != args.dtype && args.teacher_dtype != DType::F32;
+}
+
+template <class F>
+ASTRAI_INLINE auto with_dtypes(const DistillArgs& args, F&& f) {
+  return with_dtype(args.dtype, [&](auto ts) {
+    using TS = decltype(ts);
+    return with_bool(args.teacher_dtype == args.dtype, [&](auto same) {
+      return f(ts, std::conditional_t<decltype(same)::value, TS, F32T>{});
+    });
+  });
+}
+
 template <bool GRAD>
 RowsFn<DistillArgs> forward_fn(const DistillArgs& args, Isa isa) {
-  return with_dtype(args.dtype, [&](auto ts) {
-    return with_dtype(args.teacher_dtype, [&](auto tt) {
-      return with_bool(!GRAD && unit_stride(args, false), [&](auto c) {
-        return with_kind(args, [&](auto kind) {
-          constexpr bool kUnit = decltype(c)::value || GRAD;
-          return pick_forward<decltype(ts), decltype(tt), kUnit, decltype(kind)::value, GRAD>(
-              isa);
-        });
-      });
+  return with_dtypes(args, [&](auto ts, auto tt) {
+    return with_kind(args, [&](auto kind) {
+      return pick_forward<decltype(ts), decltype(tt), decltype(kind)::value, GRAD>(isa);
     });
   });
 }
 
 RowsFn<DistillArgs> backward_fn(const DistillArgs& args, Isa isa) {
-  return with_dtype(args.dtype, [&](auto ts) {
-    return with_dtype(args.teacher_dtype, [&](auto tt) {
-      return with_bool(unit_stride(args, true), [&](auto c) {
-        return with_kind(args, [&](auto kind) {
-          return with_bool(args.saved_hard_lse != nullptr || args.hard_lse != nullptr,
-                           [&](auto hard) {
-            return pick_backward<decltype(ts), decltype(tt), decltype(c)::value,
-                                 decltype(kind)::value, decltype(hard)::value>(isa);
-          });
-        });
+  return with_dtypes(args, [&](auto ts, auto tt) {
+    return with_kind(args, [&](auto kind) {
+      return with_bool(args.saved_hard_lse != nullptr || args.hard_lse != nullptr,
+                       [&](auto hard) {
+        return pick_backward<decltype(ts), decltype(tt), decltype(kind)::value,
+                             decltype(hard)::value>(isa);
       });
     });
   });
@@ -470,27 +469,20 @@ RowsFn<DistillArgs> backward_fn(const DistillArgs& args, Isa isa) {
 
 }  // namespace
 
-// With a gradient on unit strides: the fused rows (forward_rows<GRAD>); on other strides the
-// forward, then the backward from its outputs (not compiled fused: rare layouts, half the code).
 void distill_forward_kernel(const DistillArgs& args, int nthreads) {
   const Isa isa = active_isa();
   if (args.grad.data == nullptr) {
-    run_rows(forward_fn<false>(args, isa), args, args.x.rows(), args.x.V, nthreads);
+    run_unit_stride_rows(forward_fn<false>(args, isa), args, nthreads, teacher_to_f32(args));
     return;
   }
   DistillArgs a = args;
   a.plain_forward = forward_fn<false>(args, isa);
   a.backward = backward_fn(args, isa);
-  if (unit_stride(args, true)) {
-    run_rows(forward_fn<true>(args, isa), a, a.x.rows(), a.x.V, nthreads);
-    return;
-  }
-  run_rows(a.plain_forward, a, a.x.rows(), a.x.V, nthreads);
-  run_rows(a.backward, with_saved_outputs(a), a.x.rows(), a.x.V, nthreads);
+  run_unit_stride_rows(forward_fn<true>(a, isa), a, nthreads, teacher_to_f32(args));
 }
 
 void distill_backward_kernel(const DistillArgs& args, int nthreads) {
-  run_rows(backward_fn(args, active_isa()), args, args.x.rows(), args.x.V, nthreads);
+  run_unit_stride_rows(backward_fn(args, active_isa()), args, nthreads, teacher_to_f32(args));
 }
 
 }  // namespace astrai

@@ -54,10 +54,10 @@ inline TokenTerms token_terms(float logp, const float* old, const float* ref, fl
   return {loss, dloss};
 }
 
-template <class T, bool C, bool ENT>
+template <class T, bool ENT>
 ASTRAI_INLINE void grpo_rows(const GrpoArgs& a, int64_t n0, int64_t n1) {
   using S = typename T::storage;
-  const int64_t V = a.x.V, sv = a.x.sV, sg = a.grad.sV;
+  const int64_t V = a.x.V;
   const bool with_grad = a.grad.data != nullptr;
   for (int64_t n = n0; n < n1; ++n) {
     const float w = a.token_weight[n];
@@ -68,11 +68,11 @@ ASTRAI_INLINE void grpo_rows(const GrpoArgs& a, int64_t n0, int64_t n1) {
       a.logp[n] = 0.0f;
       a.loss[n] = 0.0f;
       if (ENT) a.entropy[n] = 0.0f;
-      if (with_grad) zero_row<T, C>(a.grad.row<S>(n), sg, V);
+      if (with_grad) zero_row<T, true>(a.grad.row<S>(n), 1, V);
       continue;
     }
     const S* row = a.x.row<S>(n);
-    const RawLoad<T, C> load{row, sv};
+    const RawLoad<T, true> load{row, 1};
     const float x_y = load(y);
     OnlineLse st;
     const RowScratch keep = with_grad ? row_scratch(V) : RowScratch{nullptr, nullptr};
@@ -92,48 +92,42 @@ ASTRAI_INLINE void grpo_rows(const GrpoArgs& a, int64_t n0, int64_t n1) {
     if (ENT) a.entropy[n] = st.entropy();
     if (!with_grad) continue;
     if (keep.exps) {
-      write_logprob_grad_from_exps<T, C>(a.grad.row<S>(n), sg, V, y, keep, st, a.inv_t, log_sum,
+      write_logprob_grad_from_exps<T, true>(a.grad.row<S>(n), 1, V, y, keep, st, a.inv_t, log_sum,
                                          t.dloss * w);
     } else {
-      write_logprob_grad<T, C, false>(row, sv, a.grad.row<S>(n), sg, V, y, x_y, st.shift,
+      write_logprob_grad<T, true, false>(row, 1, a.grad.row<S>(n), 1, V, y, x_y, st.shift,
                                       a.inv_t, log_sum, t.dloss * w, 0.0f, 0.0f);
     }
   }
 }
 
 #define ASTRAI_GRPO_VARIANTS(ATTR, SUFFIX)                                                 \
-  template <class T, bool C, bool ENT>                                                     \
+  template <class T, bool ENT>                                                             \
   ATTR ASTRAI_NOINLINE void grpo_##SUFFIX(const GrpoArgs& a, int64_t n0, int64_t n1) {    \
-    grpo_rows<T, C, ENT>(a, n0, n1);                                                       \
+    grpo_rows<T, ENT>(a, n0, n1);                                                          \
   }
 ASTRAI_FOR_EACH_ISA(ASTRAI_GRPO_VARIANTS)
 #undef ASTRAI_GRPO_VARIANTS
 
-template <class T, bool C, bool ENT>
+template <class T, bool ENT>
 RowsFn<GrpoArgs> pick(Isa isa) {
 #if ASTRAI_X86
-  if (isa == Isa::Avx512) return &grpo_avx512<T, C, ENT>;
-  if (isa == Isa::Avx2) return &grpo_avx2<T, C, ENT>;
+  if (isa == Isa::Avx512) return &grpo_avx512<T, ENT>;
+  if (isa == Isa::Avx2) return &grpo_avx2<T, ENT>;
 #endif
   (void)isa;
-  return &grpo_generic<T, C, ENT>;
+  return &grpo_generic<T, ENT>;
 }
 
 }  // namespace
 
 void grpo_forward_kernel(const GrpoArgs& args, int nthreads) {
   const Isa isa = active_isa();
-  const bool with_grad = args.grad.data != nullptr;
-  const bool contiguous = (args.x.sV == 1 && (!with_grad || args.grad.sV == 1)) || args.x.V <= 1;
   const bool ent = args.entropy != nullptr;
   RowsFn<GrpoArgs> fn = with_dtype(args.dtype, [&](auto t) {
-    return with_bool(contiguous, [&](auto c) {
-      return with_bool(ent, [&](auto e) {
-        return pick<decltype(t), decltype(c)::value, decltype(e)::value>(isa);
-      });
-    });
+    return with_bool(ent, [&](auto e) { return pick<decltype(t), decltype(e)::value>(isa); });
   });
-  run_rows(fn, args, args.x.rows(), args.x.V, nthreads);
+  run_unit_stride_rows(fn, args, nthreads);
 }
 
 }  // namespace astrai

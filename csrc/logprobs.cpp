@@ -14,10 +14,10 @@ namespace {
 // the logits.
 constexpr float kDirectLseLimit = 64.0f;
 
-template <class T, bool C, bool ENT>
+template <class T, bool ENT>
 ASTRAI_INLINE void forward_rows(const LogprobsFwdArgs& a, int64_t n0, int64_t n1) {
   using S = typename T::storage;
-  const int64_t V = a.x.V, sv = a.x.sV;
+  const int64_t V = a.x.V;
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t y = a.y[n];
     const bool ignored = y == a.ignore_index;
@@ -29,7 +29,7 @@ ASTRAI_INLINE void forward_rows(const LogprobsFwdArgs& a, int64_t n0, int64_t n1
       continue;
     }
     const S* row = a.x.row<S>(n);
-    const RawLoad<T, C> load{row, sv};
+    const RawLoad<T, true> load{row, 1};
     const float x_y = load(y);
     OnlineLse st;
     online_lse_row<ENT, false>(V, load, st, x_y, a.inv_t);
@@ -39,21 +39,21 @@ ASTRAI_INLINE void forward_rows(const LogprobsFwdArgs& a, int64_t n0, int64_t n1
   }
 }
 
-template <class T, bool C, bool ENT>
+template <class T, bool ENT>
 ASTRAI_INLINE void backward_rows(const LogprobsBwdArgs& a, int64_t n0, int64_t n1) {
   using S = typename T::storage;
-  const int64_t V = a.x.V, sv = a.x.sV, sg = a.grad.sV;
+  const int64_t V = a.x.V;
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t y = a.y[n];
     S* g = a.grad.row<S>(n);
     const bool ignored = y == a.ignore_index;
     if (ignored || y < 0 || y >= V) {
       if (!ignored) a.bad->set(n, y);
-      zero_row<T, C>(g, sg, V);
+      zero_row<T, true>(g, 1, V);
       continue;
     }
     const S* row = a.x.row<S>(n);
-    const RawLoad<T, C> load{row, sv};
+    const RawLoad<T, true> load{row, 1};
     const float x_y = load(y);
     float ref = 0.0f, log_sum = a.lse[n];
     if (V == 1) {  // p = 1 exactly (NaN for a non-finite logit); a contracted x * inv_t - lse
@@ -65,74 +65,68 @@ ASTRAI_INLINE void backward_rows(const LogprobsBwdArgs& a, int64_t n0, int64_t n
       ref = st.shift;
       log_sum = st.log_sum();
     }
-    write_logprob_grad<T, C, ENT>(row, sv, g, sg, V, y, x_y, ref, a.inv_t, log_sum,
+    write_logprob_grad<T, true, ENT>(row, 1, g, 1, V, y, x_y, ref, a.inv_t, log_sum,
                                   a.grad_logp[n], ENT ? a.grad_entropy[n] : 0.0f,
                                   ENT ? a.entropy[n] : 0.0f);
   }
 }
 
 #define ASTRAI_LOGPROBS_VARIANTS(ATTR, SUFFIX)                                              \
-  template <class T, bool C, bool ENT>                                                      \
+  template <class T, bool ENT>                                                              \
   ATTR ASTRAI_NOINLINE void forward_##SUFFIX(const LogprobsFwdArgs& a, int64_t n0,          \
                                              int64_t n1) {                                  \
-    forward_rows<T, C, ENT>(a, n0, n1);                                                     \
+    forward_rows<T, ENT>(a, n0, n1);                                                        \
   }                                                                                         \
-  template <class T, bool C, bool ENT>                                                      \
+  template <class T, bool ENT>                                                              \
   ATTR ASTRAI_NOINLINE void backward_##SUFFIX(const LogprobsBwdArgs& a, int64_t n0,         \
                                               int64_t n1) {                                 \
-    backward_rows<T, C, ENT>(a, n0, n1);                                                    \
+    backward_rows<T, ENT>(a, n0, n1);                                                       \
   }
 ASTRAI_FOR_EACH_ISA(ASTRAI_LOGPROBS_VARIANTS)
 #undef ASTRAI_LOGPROBS_VARIANTS
 
-template <class T, bool C, bool ENT>
+template <class T, bool ENT>
 RowsFn<LogprobsFwdArgs> pick_forward(Isa isa) {
 #if ASTRAI_X86
-  if (isa == Isa::Avx512) return &forward_avx512<T, C, ENT>;
-  if (isa == Isa::Avx2) return &forward_avx2<T, C, ENT>;
+  if (isa == Isa::Avx512) return &forward_avx512<T, ENT>;
+  if (isa == Isa::Avx2) return &forward_avx2<T, ENT>;
 #endif
   (void)isa;
-  return &forward_generic<T, C, ENT>;
+  return &forward_generic<T, ENT>;
 }
 
-template <class T, bool C, bool ENT>
+template <class T, bool ENT>
 RowsFn<LogprobsBwdArgs> pick_backward(Isa isa) {
 #if ASTRAI_X86
-  if (isa == Isa::Avx512) return &backward_avx512<T, C, ENT>;
-  if (isa == Isa::Avx2) return &backward_avx2<T, C, ENT>;
+  if (isa == Isa::Avx512) return &backward_avx512<T, ENT>;
+  if (isa == Isa::Avx2) return &backward_avx2<T, ENT>;
 #endif
   (void)isa;
-  return &backward_generic<T, C, ENT>;
+  return &backward_generic<T, ENT>;
 }
 
 }  // namespace
 
 void logprobs_forward_kernel(const LogprobsFwdArgs& args, int nthreads) {
   const Isa isa = active_isa();
-  const bool contiguous = args.x.sV == 1 || args.x.V <= 1;
   const bool ent = args.entropy != nullptr;
   RowsFn<LogprobsFwdArgs> fn = with_dtype(args.dtype, [&](auto t) {
-    return with_bool(contiguous, [&](auto c) {
-      return with_bool(ent, [&](auto e) {
-        return pick_forward<decltype(t), decltype(c)::value, decltype(e)::value>(isa);
-      });
+    return with_bool(ent, [&](auto e) {
+      return pick_forward<decltype(t), decltype(e)::value>(isa);
     });
   });
-  run_rows(fn, args, args.x.rows(), args.x.V, nthreads);
+  run_unit_stride_rows(fn, args, nthreads);
 }
 
 void logprobs_backward_kernel(const LogprobsBwdArgs& args, int nthreads) {
   const Isa isa = active_isa();
-  const bool contiguous = (args.x.sV == 1 && args.grad.sV == 1) || args.x.V <= 1;
   const bool ent = args.grad_entropy != nullptr;
   RowsFn<LogprobsBwdArgs> fn = with_dtype(args.dtype, [&](auto t) {
-    return with_bool(contiguous, [&](auto c) {
-      return with_bool(ent, [&](auto e) {
-        return pick_backward<decltype(t), decltype(c)::value, decltype(e)::value>(isa);
-      });
+    return with_bool(ent, [&](auto e) {
+      return pick_backward<decltype(t), decltype(e)::value>(isa);
     });
   });
-  run_rows(fn, args, args.x.rows(), args.x.V, nthreads);
+  run_unit_stride_rows(fn, args, nthreads);
 }
 
 }  // namespace astrai

@@ -505,24 +505,20 @@ RowsFn<SampledArgs> pick_backward(Isa isa) {
 
 }  // namespace
 
+// Compiled for unit vocabulary strides only (C = true): other strides go through
+// run_unit_stride_rows' contiguous copies.
 void sampled_logprobs_forward_kernel(const SampledArgs& args, int nthreads) {
   const Isa isa = active_isa();
-  const bool contiguous = args.x.sV == 1 || args.x.V <= 1;
-  RowsFn<SampledArgs> fn = with_dtype(args.dtype, [&](auto t) {
-    return with_bool(contiguous,
-                     [&](auto c) { return pick_forward<decltype(t), decltype(c)::value>(isa); });
-  });
-  run_rows(fn, args, args.x.rows(), args.x.V, nthreads);
+  RowsFn<SampledArgs> fn =
+      with_dtype(args.dtype, [&](auto t) { return pick_forward<decltype(t), true>(isa); });
+  run_unit_stride_rows(fn, args, nthreads);
 }
 
 void sampled_logprobs_backward_kernel(const SampledArgs& args, int nthreads) {
   const Isa isa = active_isa();
-  const bool contiguous = (args.x.sV == 1 && args.grad.sV == 1) || args.x.V <= 1;
-  RowsFn<SampledArgs> fn = with_dtype(args.dtype, [&](auto t) {
-    return with_bool(contiguous,
-                     [&](auto c) { return pick_backward<decltype(t), decltype(c)::value>(isa); });
-  });
-  run_rows(fn, args, args.x.rows(), args.x.V, nthreads);
+  RowsFn<SampledArgs> fn =
+      with_dtype(args.dtype, [&](auto t) { return pick_backward<decltype(t), true>(isa); });
+  run_unit_stride_rows(fn, args, nthreads);
 }
 
 }  // namespace astrai

@@ -170,10 +170,10 @@ inline float* support_scratch(int64_t K) {
   return buffer.data();
 }
 
-template <class T, bool C, bool GRAD>
+template <class T, bool GRAD>
 ASTRAI_INLINE void forward_rows(const TopkDistillArgs& a, int64_t n0, int64_t n1) {
   using S = typename T::storage;
-  const int64_t V = a.x.V, sv = a.x.sV, sg = a.grad.sV, K = a.K;
+  const int64_t V = a.x.V, K = a.K;
   const float inv_t = a.inv_t;
   float* s = support_scratch(K);
   float* shifted = s + K;  // the log-probs as the loss read them (trl / axolotl scratch)
@@ -197,11 +197,11 @@ ASTRAI_INLINE void forward_rows(const TopkDistillArgs& a, int64_t n0, int64_t n1
       a.row_max[n] = 0.0f;
       a.sums[n] = a.full_softmax ? static_cast<float>(V) : 0.0f;  // the torch ops' masked row
       for (int64_t k = 0; k < K; ++k) coef[k] = 0.0f;
-      if (GRAD) zero_row<T, C>(g, sg, V);
+      if (GRAD) zero_row<T, true>(g, 1, V);
       continue;
     }
     const S* row = a.x.row<S>(n);
-    const RawLoad<T, C> load{row, sv};
+    const RawLoad<T, true> load{row, 1};
     float ref = 0.0f, log_sum = 0.0f;
     if (a.full_softmax) {
       OnlineLse st;
@@ -224,9 +224,9 @@ ASTRAI_INLINE void forward_rows(const TopkDistillArgs& a, int64_t n0, int64_t n1
     for (int64_t k = 0; k < K; ++k) coef_sum += coef[k];
     const float dense = a.full_softmax ? -coef_sum * w : 0.0f;
     if (a.full_softmax) {
-      write_softmax_grad<T, C>(row, sv, g, sg, V, ref, inv_t, log_sum, dense);
+      write_softmax_grad<T, true>(row, 1, g, 1, V, ref, inv_t, log_sum, dense);
     } else {
-      zero_row<T, C>(g, sg, V);
+      zero_row<T, true>(g, 1, V);
     }
     // the support's columns: the dense term at p = exp(s_k) plus every entry's c_k at that id
     for (int64_t k = 0; k < K; ++k) {
@@ -238,28 +238,28 @@ ASTRAI_INLINE void forward_rows(const TopkDistillArgs& a, int64_t n0, int64_t n1
       for (int64_t e = k; e < K; ++e)
         if (live[e] && ids[e] == ids[k]) total += coef[e];
       const float p = a.full_softmax ? log_prob_exp(s[k]) : 0.0f;
-      g[C ? ids[k] : ids[k] * sg] = T::store(total * w + p * dense);
+      g[ids[k]] = T::store(total * w + p * dense);
     }
   }
 }
 
 #define ASTRAI_TOPK_VARIANTS(ATTR, SUFFIX)                                                  \
-  template <class T, bool C, bool GRAD>                                                     \
+  template <class T, bool GRAD>                                                             \
   ATTR ASTRAI_NOINLINE void forward_##SUFFIX(const TopkDistillArgs& a, int64_t n0,          \
                                              int64_t n1) {                                  \
-    forward_rows<T, C, GRAD>(a, n0, n1);                                                    \
+    forward_rows<T, GRAD>(a, n0, n1);                                                       \
   }
 ASTRAI_FOR_EACH_ISA(ASTRAI_TOPK_VARIANTS)
 #undef ASTRAI_TOPK_VARIANTS
 
-template <class T, bool C, bool GRAD>
+template <class T, bool GRAD>
 RowsFn<TopkDistillArgs> pick_forward(Isa isa) {
 #if ASTRAI_X86
-  if (isa == Isa::Avx512) return &forward_avx512<T, C, GRAD>;
-  if (isa == Isa::Avx2) return &forward_avx2<T, C, GRAD>;
+  if (isa == Isa::Avx512) return &forward_avx512<T, GRAD>;
+  if (isa == Isa::Avx2) return &forward_avx2<T, GRAD>;
 #endif
   (void)isa;
-  return &forward_generic<T, C, GRAD>;
+  return &forward_generic<T, GRAD>;
 }
 
 }  // namespace
@@ -267,15 +267,12 @@ RowsFn<TopkDistillArgs> pick_forward(Isa isa) {
 void topk_distill_forward_kernel(const TopkDistillArgs& args, int nthreads) {
   const Isa isa = active_isa();
   const bool with_grad = args.grad.data != nullptr;
-  const bool contiguous = (args.x.sV == 1 && (!with_grad || args.grad.sV == 1)) || args.x.V <= 1;
   RowsFn<TopkDistillArgs> fn = with_dtype(args.dtype, [&](auto t) {
-    return with_bool(contiguous, [&](auto c) {
-      return with_bool(with_grad, [&](auto g) {
-        return pick_forward<decltype(t), decltype(c)::value, decltype(g)::value>(isa);
-      });
+    return with_bool(with_grad, [&](auto g) {
+      return pick_forward<decltype(t), decltype(g)::value>(isa);
     });
   });
-  run_rows(fn, args, args.x.rows(), args.x.V, nthreads);
+  run_unit_stride_rows(fn, args, nthreads);
 }
 
 }  // namespace astrai

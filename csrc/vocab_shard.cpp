@@ -9,27 +9,27 @@
 namespace astrai {
 namespace {
 
-template <class T, bool C, bool SOFTCAP>
+template <class T, bool SOFTCAP>
 ASTRAI_INLINE void shard_rows(const VocabShardArgs& a, int64_t n0, int64_t n1) {
   using S = typename T::storage;
-  const int64_t V = a.x.V, sv = a.x.sV, sg = a.grad.sV;
+  const int64_t V = a.x.V;
   const float inv_t = a.inv_t, cap = a.softcap, inv_cap = SOFTCAP ? 1.0f / a.softcap : 0.0f;
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t y = a.y[n];
     S* g = a.grad.row<S>(n);
     if (y == a.ignore_index) {
-      zero_row<T, C>(g, sg, V);
+      zero_row<T, true>(g, 1, V);
       continue;
     }
     const S* row = a.x.row<S>(n);
     const bool owned = y >= 0 && y < V;
     // read before the row is written: grad may be the logits themselves (in place)
-    const float x_y = owned ? T::load(row[C ? y : y * sv]) : 0.0f;
+    const float x_y = owned ? T::load(row[y]) : 0.0f;
     const float alpha = a.alpha[n] * inv_t;
     const float beta = a.beta ? a.beta[n] * inv_t : 0.0f;
     const float delta = a.delta ? a.delta[n] * inv_t : 0.0f;
     const float lse = a.lse[n];
-    write_shard_grad<T, C, SOFTCAP>(row, sv, g, sg, V, inv_t, cap, inv_cap, lse, alpha, beta,
+    write_shard_grad<T, true, SOFTCAP>(row, 1, g, 1, V, inv_t, cap, inv_cap, lse, alpha, beta,
                                     delta);
     if (owned) {
       const float t = SOFTCAP ? fast_tanh(x_y * inv_cap) : 0.0f;
@@ -38,43 +38,38 @@ ASTRAI_INLINE void shard_rows(const VocabShardArgs& a, int64_t n0, int64_t n1) {
       const float p = log_prob_exp(log_p);
       float v = p * (alpha + beta * log_p) + delta + a.gamma[n] * inv_t;
       if (SOFTCAP) v *= 1.0f - t * t;
-      g[C ? y : y * sg] = T::store(v);
+      g[y] = T::store(v);
     }
   }
 }
 
 #define ASTRAI_SHARD_VARIANTS(ATTR, SUFFIX)                                                  \
-  template <class T, bool C, bool SOFTCAP>                                                   \
+  template <class T, bool SOFTCAP>                                                           \
   ATTR ASTRAI_NOINLINE void shard_##SUFFIX(const VocabShardArgs& a, int64_t n0, int64_t n1) { \
-    shard_rows<T, C, SOFTCAP>(a, n0, n1);                                                    \
+    shard_rows<T, SOFTCAP>(a, n0, n1);                                                       \
   }
 ASTRAI_FOR_EACH_ISA(ASTRAI_SHARD_VARIANTS)
 #undef ASTRAI_SHARD_VARIANTS
 
-template <class T, bool C, bool SOFTCAP>
+template <class T, bool SOFTCAP>
 RowsFn<VocabShardArgs> pick(Isa isa) {
 #if ASTRAI_X86
-  if (isa == Isa::Avx512) return &shard_avx512<T, C, SOFTCAP>;
-  if (isa == Isa::Avx2) return &shard_avx2<T, C, SOFTCAP>;
+  if (isa == Isa::Avx512) return &shard_avx512<T, SOFTCAP>;
+  if (isa == Isa::Avx2) return &shard_avx2<T, SOFTCAP>;
 #endif
   (void)isa;
-  return &shard_generic<T, C, SOFTCAP>;
+  return &shard_generic<T, SOFTCAP>;
 }
 
 }  // namespace
 
 void vocab_shard_backward_kernel(const VocabShardArgs& args, int nthreads) {
   const Isa isa = active_isa();
-  const bool contiguous = (args.x.sV == 1 && args.grad.sV == 1) || args.x.V <= 1;
   const bool softcap = args.softcap != 0.0f;
   RowsFn<VocabShardArgs> fn = with_dtype(args.dtype, [&](auto t) {
-    return with_bool(contiguous, [&](auto c) {
-      return with_bool(softcap, [&](auto sc) {
-        return pick<decltype(t), decltype(c)::value, decltype(sc)::value>(isa);
-      });
-    });
+    return with_bool(softcap, [&](auto sc) { return pick<decltype(t), decltype(sc)::value>(isa); });
   });
-  run_rows(fn, args, args.x.rows(), args.x.V, nthreads);
+  run_unit_stride_rows(fn, args, nthreads);
 }
 
 }  // namespace astrai

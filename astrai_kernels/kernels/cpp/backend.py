@@ -46,10 +46,11 @@ BUILD_DIR_ENV = "ASTRAI_KERNELS_BUILD_DIR"
 ISA_ENV = "ASTRAI_KERNELS_CPU_ISA"
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast")
 LDFLAGS = ("-fopenmp",)
-# Longest compile first (ninja starts them in this order): distill.cpp last made it the tail of
-# the build, alone on the machine for its last two minutes.
-SOURCES = ("common.h", "distill.cpp", "cross_entropy.cpp", "grpo.cpp", "logprobs.cpp",
-           "bindings.cpp", "sampling.cpp", "topk_distill.cpp", "vocab_shard.cpp")
+# Longest compile first (ninja starts them in this order, so the short ones fill in at the end);
+# CPU-seconds of g++ per source, one compile at a time, on the 2-core Intel Xeon: see
+# docs/install.md.
+SOURCES = ("common.h", "distill.cpp", "cross_entropy.cpp", "bindings.cpp", "grpo.cpp",
+           "sampling.cpp", "logprobs.cpp", "topk_distill.cpp", "vocab_shard.cpp")
 
 _LOCK = threading.Lock()
 _EXTENSION = None
@@ -96,15 +97,24 @@ def _toolchain_reason():
     return None
 
 
-def _build_hash(src):
+def _source_hash(src):
+    """SHA-256 of the sources' names and contents and the flags (not their path: copies of the
+    same sources, a checkout or an installed wheel, share one build)."""
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in sorted(SOURCES):  # their order is the build's, not part of what is built
         digest.update(name.encode())
         digest.update((src / name).read_bytes())
-    # Not the sources' path: copies of the same sources (a checkout, an installed wheel) share
-    # one build; a complete build is imported without ninja, so they do not rebuild it.
-    for part in (*CFLAGS, "|", *LDFLAGS, "|", str(_compiler()), os.environ.get("CXX", ""),
-                 torch.__version__, sys.implementation.cache_tag, sys.platform):
+    for part in (*CFLAGS, "|", *LDFLAGS):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _build_hash(src):
+    """The build's key: the sources' hash, the compiler, torch and the Python ABI."""
+    digest = hashlib.sha256(_source_hash(src).encode())
+    for part in (str(_compiler()), os.environ.get("CXX", ""), torch.__version__,
+                 sys.implementation.cache_tag, sys.platform):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:16]
