@@ -73,7 +73,9 @@ def _run(args, **kwargs):
 
 
 def _pip(*args):
-    return _run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args])
+    env = {k: v for k, v in os.environ.items() if k != cb.PREBUILD_ENV}  # the plain wheel
+    return _run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args],
+                env=env)
 
 
 def _only(folder, pattern):
@@ -117,6 +119,9 @@ def test_wheel_carries_the_cpp_sources(wheels, origin):
                   if f"astrai_kernels/csrc/{name}" in names}
     assert packed == _csrc(), f"the wheel from the {origin} lacks or alters csrc/"
     assert not any(name.startswith("csrc/") for name in names)  # only inside the package
+    # without ASTRAI_KERNELS_PREBUILD=1 no library (test_prebuilt_wheel builds one with it)
+    assert not any(name.startswith("astrai_kernels/prebuilt/") for name in names)
+    assert wheels[origin].name.endswith("-py3-none-any.whl"), wheels[origin].name
 
 
 def _snapshot(path):

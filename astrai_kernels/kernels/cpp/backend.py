@@ -18,6 +18,13 @@ complete build is then imported directly, without ninja or the lock, so a direct
 be written (a shared cache, a container image) serves too, and one that holds no complete build
 is reported as such.
 
+A wheel built with ``ASTRAI_KERNELS_PREBUILD=1`` (setup.py calls ``write_prebuilt``) carries the
+library for the torch it was built against in ``astrai_kernels/prebuilt/`` with a manifest. It
+is loaded, before any build directory is looked at, only when the manifest matches this process:
+the torch version, the sources' hash (their contents and the flags), the instruction-set
+architecture, the Python ABI and platform, and the library's SHA-256. A manifest that does not
+match is said in one line on stderr, and the per-user build serves as without it.
+
 A build (minutes: nothing is cached yet) says so on stderr as it starts, one line naming the
 build directory and ``ASTRAI_KERNELS_BACKEND=torch`` to skip it, then a line per object file or
 library ninja writes and the outcome; a cached library loads silently. ``astrai-kernels build``
@@ -31,7 +38,9 @@ full output from ``load_extension()`` (and the primitives).
 import contextlib
 import errno
 import hashlib
+import json
 import os
+import platform
 import shlex
 import shutil
 import sys
@@ -44,6 +53,9 @@ import torch
 
 BUILD_DIR_ENV = "ASTRAI_KERNELS_BUILD_DIR"
 ISA_ENV = "ASTRAI_KERNELS_CPU_ISA"
+# setup.py's switch for a wheel carrying the library (it spells it too: it imports no package)
+PREBUILD_ENV = "ASTRAI_KERNELS_PREBUILD"
+PREBUILT_MANIFEST = "manifest.json"
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast")
 LDFLAGS = ("-fopenmp",)
 # Longest compile first (ninja starts them in this order, so the short ones fill in at the end);
@@ -56,6 +68,7 @@ _LOCK = threading.Lock()
 _EXTENSION = None
 _BUILD_ERROR = None  # the message of a failed build, kept so it is not retried in this process
 _LOOKED_FOR_BUILD = False  # extension_if_built looked for a complete build on disk
+_PREBUILT_REFUSAL_SAID = False
 _WARNED = False
 
 
@@ -164,6 +177,15 @@ def load_extension(verbose=False):
         src = source_dir()
         if src is None:
             raise RuntimeError(f"the cpp backend cannot be built: {_toolchain_reason()}")
+        prebuilt, refusal = _prebuilt_library(src)
+        if prebuilt is not None:
+            try:
+                _EXTENSION = _import_library(*prebuilt)
+                return _EXTENSION
+            except ImportError as exc:
+                refusal = f"loading it failed ({exc})"
+        if refusal is not None:
+            _say_prebuilt_refused(refusal)
         build_dir = build_directory()
         name = _extension_name(src)
         failure = (f"it holds no complete build of these sources ({name}{_LIB_SUFFIX} with "
@@ -216,21 +238,115 @@ def extension_if_built():
         if _EXTENSION is None and not _LOOKED_FOR_BUILD:
             _LOOKED_FOR_BUILD = True
             src = source_dir()
-            library = (None if src is None
-                       else _complete_library(build_directory(), _extension_name(src)))
-            if library is not None:
+            found = None if src is None else _prebuilt_library(src)[0]
+            if found is None and src is not None:
+                library = _complete_library(build_directory(), _extension_name(src))
+                found = None if library is None else (_extension_name(src), library)
+            if found is not None:
                 try:
-                    _EXTENSION = _import_library(_extension_name(src), library)
+                    _EXTENSION = _import_library(*found)
                 except ImportError:
                     pass
     return _EXTENSION
 
 
 def cached_library():
-    """The library of a complete build of these sources in ``build_directory()``, or None when
-    loading the extension would have to build it first."""
+    """The library loading the extension would import without a build: the wheel's prebuilt one
+    when it matches, else a complete build of these sources in ``build_directory()``; None when
+    it would have to build it first."""
     src = source_dir()
-    return None if src is None else _complete_library(build_directory(), _extension_name(src))
+    if src is None:
+        return None
+    prebuilt = _prebuilt_library(src)[0]
+    if prebuilt is not None:
+        return prebuilt[1]
+    return _complete_library(build_directory(), _extension_name(src))
+
+
+# ------------------------------------------------------------------------------------------
+# A wheel's prebuilt library
+# ------------------------------------------------------------------------------------------
+
+def prebuilt_dir():
+    """Where a wheel built with ``ASTRAI_KERNELS_PREBUILD=1`` carries the library and its
+    manifest: ``astrai_kernels/prebuilt`` (absent from a checkout and from other wheels)."""
+    return Path(__file__).resolve().parents[2] / "prebuilt"
+
+
+def _prebuilt_key(src):
+    """What a prebuilt library must have been built for to serve this process."""
+    return {
+        "torch": torch.__version__,
+        "sources": _source_hash(src),
+        # the instruction-set architecture of its code; within it the kernels pick AVX-512,
+        # AVX2 or generic code at run time from the CPU's features
+        "isa": platform.machine(),
+        "python": sys.implementation.cache_tag,
+        "platform": sys.platform,
+    }
+
+
+_PREBUILT_MISMATCH = {
+    "torch": "it was built for torch {built}, this process runs torch {here}",
+    "sources": "it was built from other C++ sources or flags (hash {built:.12}, these {here:.12})",
+    "isa": "it was built for {built}, this machine is {here}",
+    "python": "it was built for {built}, this interpreter is {here}",
+    "platform": "it was built for {built}, this platform is {here}",
+}
+
+
+def _prebuilt_library(src):
+    """``((module name, library), None)`` when the package carries a prebuilt library whose
+    manifest matches this process (and whose bytes match the manifest's SHA-256);
+    ``(None, why not)`` when it carries one that does not; ``(None, None)`` when it carries
+    none."""
+    folder = prebuilt_dir()
+    try:
+        manifest = json.loads((folder / PREBUILT_MANIFEST).read_text())
+        module, library, recorded = manifest["module"], manifest["library"], manifest["sha256"]
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, f"its manifest {folder / PREBUILT_MANIFEST} cannot be read ({exc!r})"
+    for key, here in _prebuilt_key(src).items():
+        if manifest.get(key) != here:
+            return None, _PREBUILT_MISMATCH[key].format(built=str(manifest.get(key)), here=here)
+    library = folder / library
+    try:
+        actual = hashlib.sha256(library.read_bytes()).hexdigest()
+    except OSError as exc:
+        return None, f"its library cannot be read ({exc})"
+    if actual != recorded:
+        return None, f"{library} does not match the SHA-256 its manifest records"
+    return (module, library), None
+
+
+def _say_prebuilt_refused(reason):
+    global _PREBUILT_REFUSAL_SAID
+    if not _PREBUILT_REFUSAL_SAID:
+        _PREBUILT_REFUSAL_SAID = True
+        _say(f"not loading the prebuilt C++ kernels in {prebuilt_dir()}: {reason}; "
+             f"using the per-user build")
+
+
+def write_prebuilt(folder):
+    """Put the extension for the installed torch, built now or found complete in the per-user
+    cache, into ``folder`` with the manifest ``_prebuilt_library`` checks; returns the copied
+    library. setup.py calls it for a wheel built with ``ASTRAI_KERNELS_PREBUILD=1``."""
+    src = source_dir()
+    if src is None:
+        raise RuntimeError(f"the cpp backend cannot be built: {_toolchain_reason()}")
+    folder = Path(folder)
+    if folder.resolve() == prebuilt_dir():  # an earlier build's copy: never load it as the build
+        shutil.rmtree(folder, ignore_errors=True)
+    built = Path(load_extension().__file__)
+    folder.mkdir(parents=True, exist_ok=True)
+    library = folder / built.name
+    shutil.copyfile(built, library)
+    manifest = {"module": built.stem, "library": built.name,
+                "sha256": hashlib.sha256(library.read_bytes()).hexdigest(), **_prebuilt_key(src)}
+    (folder / PREBUILT_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return library
 
 
 def _extension_name(src):
