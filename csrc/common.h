@@ -761,9 +761,9 @@ inline bool unit_stride(const GradView& g, int64_t V) {
   return g.data == nullptr || g.sV == 1 || V <= 1;
 }
 
-// A half-precision row widened to float32 (exact), compiled per ISA: a distillation teacher of
-// neither the student's dtype nor float32 is widened a row at a time (copy_row_in); 2048 float16
-// rows of 32768 took 30 ms at SSE2 width, 11 ms with AVX-512.
+// A half-precision row widened to float32 (exact), compiled per ISA: a 16-bit distillation
+// student's teacher of the other 16-bit dtype is widened a row at a time (copy_row_in); 2048
+// float16 rows of 32768 took 30 ms at SSE2 width, 11 ms with AVX-512.
 #define ASTRAI_WIDEN_VARIANTS(ATTR, SUFFIX)                                              \
   ATTR inline void widen_row_##SUFFIX(const uint16_t* src, float* dst, int64_t V,        \
                                       bool bf16) {                                       \

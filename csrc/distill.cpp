@@ -430,19 +430,27 @@ ASTRAI_INLINE auto with_kind(const DistillArgs& args, F&& f) {
   return f(std::integral_constant<Kind, Kind::Mix>{});
 }
 
-// The kernels read a teacher of the student's dtype or of float32 (5 dtype pairs of the 9):
-// another teacher is widened to float32 a row at a time (run_unit_stride_rows), exactly.
+// The teacher is read in its own dtype by a float32 student's kernels, and by a 16-bit
+// student's when it is the student's dtype or float32 (7 dtype pairs of the 9): a teacher of the
+// other 16-bit dtype is widened to float32 a row at a time (run_unit_stride_rows), exactly,
+// which measured 3% faster than reading it directly (bf16 student, fp16 teacher, N = 2048,
+// V = 32768). A float32 student's bf16 teacher widened so was 12% slower, hence read directly.
 bool teacher_to_f32(const DistillArgs& args) {
-  return args.teacher_dtype != args.dtype && args.teacher_dtype != DType::F32;
+  return args.dtype != DType::F32 && args.teacher_dtype != args.dtype &&
+         args.teacher_dtype != DType::F32;
 }
 
 template <class F>
 ASTRAI_INLINE auto with_dtypes(const DistillArgs& args, F&& f) {
   return with_dtype(args.dtype, [&](auto ts) {
     using TS = decltype(ts);
-    return with_bool(args.teacher_dtype == args.dtype, [&](auto same) {
-      return f(ts, std::conditional_t<decltype(same)::value, TS, F32T>{});
-    });
+    if constexpr (std::is_same<TS, F32T>::value) {
+      return with_dtype(args.teacher_dtype, [&](auto tt) { return f(ts, tt); });
+    } else {
+      return with_bool(args.teacher_dtype == args.dtype, [&](auto same) {
+        return f(ts, std::conditional_t<decltype(same)::value, TS, F32T>{});
+      });
+    }
   });
 }
 
