@@ -352,6 +352,92 @@ def test_plain_needs_an_op_with_a_plain_form(tmp_path):
         check.load_bounds(str(path))
 
 
+SAMPLING_BOUNDS = """
+[machine]
+class = "test machine"
+
+[[case]]
+op = "token_logprobs_sampling"
+sampler = "top_p_flat"
+method = "cpp"
+dtype = "fp32"
+rows = 4096
+vocab = 32768
+against = "plain"
+max_ratio = 2.0
+
+[[case]]
+op = "token_logprobs_sampling"
+method = "cpp"
+dtype = "fp32"
+rows = 4096
+vocab = 32768
+against = "plain"
+max_ratio = 1.5
+"""
+
+
+def test_a_sampler_is_its_own_case_against_the_plain_op(tmp_path, capsys):
+    """A bound with a ``sampler`` (issue 42's tails) times that sampler's case beside the
+    headline one, and divides each by the plain op, the one case they share."""
+    path = tmp_path / "bounds.toml"
+    path.write_text(SAMPLING_BOUNDS)
+    seconds = {("token_logprobs_sampling", "top_p_flat"): 0.36,
+               ("token_logprobs_sampling", ""): 0.28, ("token_logprobs", ""): 0.2}
+    ran = []
+
+    def clock(case):
+        ran.append(case)
+        # as measure's: the case's fields, then the workload's info (the sampler's settings)
+        return {**fake_result(case, seconds[(case.op, case.sampler)], 0.1),
+                "sampler": case.sampler, "sampling": {"temperature": 0.8, "top_p": 0.9}}
+
+    code, out = run(str(path), clock, capsys)
+    assert code == 0, out
+    lines = out.splitlines()
+    assert any("token_logprobs_sampling top_p_flat cpp fp32 N=4096 V=32768 vs plain" in line
+               and "1.80x <= 2.00x" in line for line in lines), out
+    assert any("token_logprobs_sampling cpp fp32 N=4096 V=32768 vs plain" in line
+               and "1.40x <= 1.50x" in line for line in lines), out
+    assert [(c.op, c.sampler) for c in ran] == [
+        ("token_logprobs_sampling", "top_p_flat"), ("token_logprobs", ""),
+        ("token_logprobs_sampling", "")]
+    seconds[("token_logprobs_sampling", "top_p_flat")] = 0.44  # 2.2x the plain op
+    code, out = run(str(path), clock, capsys)
+    assert code == 1 and "1 ok, 1 over, 0 failed" in out
+
+
+@pytest.mark.parametrize("replace, message", [
+    ({'op = "token_logprobs_sampling"': 'op = "token_logprobs"', '"plain"': '"copy"'},
+     "sampler must be one of .* got 'top_p_flat' on token_logprobs"),
+    ({'"top_p_flat"': '"top_p_sharp"'}, "sampler must be one of"),
+    ({'"top_p_flat"': "5"}, "sampler must be a string"),
+])
+def test_bad_samplers_are_named(tmp_path, replace, message):
+    text = SAMPLING_BOUNDS
+    for old, new in replace.items():
+        text = text.replace(old, new, 1)
+    path = tmp_path / "bounds.toml"
+    path.write_text(text)
+    with pytest.raises(check.BoundsError, match="case 1: " + message):
+        check.load_bounds(str(path))
+
+
+def test_repository_bounds_hold_issue_42_tails():
+    """The sampler's tails: top_p alone on flat rows and top_k = 5000, fp32 and bf16, against
+    the plain op with the issue's 2x as target."""
+    _, bounds = check.load_bounds(check.default_bounds_path())
+    tails = {(b.sampler, b.dtype): b for b in bounds if b.sampler}
+    assert set(tails) == {(s, d) for s in ("top_p_flat", "top_k_5000") for d in ("fp32", "bf16")}
+    for bound in tails.values():
+        assert (bound.op, bound.method, bound.rows, bound.vocab, bound.against) == (
+            "token_logprobs_sampling", "cpp", 4096, 32768, "plain")
+        assert bound.target == 2.0 and bound.max_ratio <= 2.4
+    planned = check.planned_cases(bounds)
+    assert Case("token_logprobs_sampling", "cpp", 4096, 32768, "bf16",
+                sampler="top_k_5000") in planned
+
+
 def test_repository_bounds_hold_issue_33_cases():
     """token_logprobs with the sampler (against the floor, the plain op and the naive code, fp32
     and bf16) and topk_distill (against the floor), each with the issue's target."""

@@ -200,3 +200,32 @@ def test_new_cases_have_their_floor_and_plain_form():
     assert bc.PLAIN_OP == {"token_logprobs_sampling": "token_logprobs"}
     with pytest.raises(ValueError, match="not a method of token_logprobs_sampling"):
         build_workload(_case("token_logprobs_sampling", "cpp:inplace"))
+
+
+@pytest.mark.parametrize("sampler", ["top_p_flat", "top_k_5000"])
+def test_samplers_build_their_workload(sampler):
+    """Each sampler of issue 42's tails: logits at its scale, every target drawn inside its
+    support (the float64 spec), and the op's call under its SamplingParams."""
+    rows, vocab = 8, 6000  # top_k = 5000 < V
+    case = bc.Case("token_logprobs_sampling", "cpp", rows, vocab, "fp32", repeats=1,
+                   min_repeats=1, sampler=sampler)
+    workload = build_workload(case)
+    params, scale = bc.BENCH_SAMPLERS[sampler]
+    assert workload.info["sampling"] == dict(params, logit_scale=scale)
+    gen = torch.Generator().manual_seed(case.seed)
+    logits = torch.randn(rows, vocab, generator=gen) * scale
+    assert torch.equal(workload.leaves[0].detach(), logits)
+    target = sampled_targets(logits, gen, **params)
+    assert reference.sampled_token_logprobs(logits.double(), target, **params)[3].all()
+    grad = _grad(workload)
+    expected = logits.clone().requires_grad_(True)
+    ak.token_logprobs(expected, target, sampling=ak.SamplingParams(**params),
+                      backend="cpp").sum().backward()
+    assert torch.equal(grad, expected.grad)
+
+
+def test_a_sampler_belongs_to_the_sampled_op():
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        build_workload(bc.Case("token_logprobs", "cpp", ROWS, VOCAB, sampler="top_p_flat"))
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        build_workload(bc.Case("token_logprobs_sampling", "cpp", ROWS, VOCAB, sampler="x"))

@@ -117,11 +117,12 @@ def expected_and_naive(base, target, kept, temperature, upstream):
     return results[torch.float64], (naive_values[0], naive_values[1], results[base.dtype][2])
 
 
-def check_against_vllm(full, target, params, backend, view=lambda x: x):
+def check_against_vllm(full, target, params, backend, view=lambda x: x, kept=None):
     """Run ``token_logprobs(view(x), sampling=params)`` on a leaf ``x`` of ``full``'s values and
-    compare everything with the float64 math on the tokens :func:`vllm_kept` keeps."""
+    compare everything with the float64 math on the tokens :func:`vllm_kept` keeps (or ``kept``,
+    the same tokens found by :func:`vllm_kept_wide`)."""
     dtype = full.dtype
-    kept = vllm_kept(view(full), params)
+    kept = vllm_kept(view(full), params) if kept is None else kept
     x = full.detach().clone().requires_grad_(True)
     logp, support = ak.token_logprobs(view(x), target, sampling=params, return_support=True,
                                       backend=backend)
@@ -541,6 +542,186 @@ def test_long_rows_half_precision(backend, dtype):
     check_against_vllm(full, target, params, backend, view)
 
 
+# Rows wider than the cpp kernel's direct bisection (kDirectMax = 1024 values in
+# csrc/sampling.cpp): large top_k and top_p on a row without candidates (a flat one) take their
+# first round on the row itself, with a bracket placed by a sample of it (a dominant token among
+# the sampled values, a pattern the sample could alias); copied sets above 1024 values take a
+# sampled bracket too, and a bracket that misses is followed by a pass on its other side.
+WIDE_VOCAB = 5000
+WIDE_KINDS = ("flat", "lm", "integers", "dominant", "periodic")
+WIDE_SETTINGS = [
+    {"top_p": 0.9},
+    {"top_p": 0.95},
+    {"top_p": 0.5},  # an LM row's crossing among its few largest logits: brackets that miss
+    {"top_k": 500},
+    {"top_k": 3000},  # the candidates (about 3500) take a sampled bracket
+    {"top_k": 3000, "top_p": 0.9},
+    {"top_k": 500, "top_p": 0.95},
+    {"min_p": 0.05},
+    {"min_p": 0.05, "top_p": 0.9},  # top_p above a floor: the mass known only after a pass
+    {"min_p": 0.02, "top_k": 3000},
+    {"top_k": 50, "top_p": 0.9},  # top_k within the group count: the group maxima's bound
+]
+
+
+def wide_rows(kind, dtype, seed):
+    """``(full, view)`` of ``[2, 3, WIDE_VOCAB]`` logits seen through the ``x[:, :-1]`` view:
+    flat, LM-like and small-integer rows as :func:`long_rows`, a flat row under two dominant
+    tokens side by side (most of the mass, in one group of the kernel's pass), and a pattern of
+    period 64 (plus a little noise)."""
+    full_shape, view = LAYOUTS["shifted"]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(full_shape(2, 3, WIDE_VOCAB), generator=g)
+    if kind == "dominant":
+        x = x * ROW_KINDS["flat"]
+        top = torch.randint(0, WIDE_VOCAB - 1, (*x.shape[:-1], 1), generator=g)
+        x.scatter_(-1, top, math.log(WIDE_VOCAB) + 1.0)
+        x.scatter_(-1, top + 1, math.log(WIDE_VOCAB))
+    elif kind == "periodic":
+        x = (torch.arange(WIDE_VOCAB) * 37 % 64).float() / 16.0 + 0.01 * x
+    else:
+        scale = ROW_KINDS[kind]
+        x = torch.round(x * 2.0) if scale is None else x * scale
+    return x.to(dtype), view
+
+
+def top_p_clear_of_rounding(logits, params, margin=2e-6):
+    """Whether no row's top_p boundary sits within ``margin`` of top_p in float64: the mass of
+    the kept tokens above each candidate (vLLM's ascending cumsum) is at least ``margin`` away
+    from ``1 - top_p`` (the kernels sum float32 exps; a closer row may go either way, as the
+    contract says)."""
+    if params.top_p >= 1:
+        return True
+    processed = logits.double() / params.temperature
+    if params.min_p > 0:
+        probs = processed.softmax(-1)
+        processed = processed.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True),
+                                          -math.inf)
+    ascending = processed.sort(-1).values
+    vocab = processed.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = ascending[..., vocab - params.top_k:vocab - params.top_k + 1]
+        ascending = ascending.masked_fill(ascending < kth, -math.inf)
+    cumulative = ascending.softmax(-1).cumsum(-1)
+    return bool(((cumulative - (1 - params.top_p)).abs() >= margin).all())
+
+
+def clear_wide_rows(kind, dtype, params, seed):
+    """:func:`wide_rows` of the first seed from ``seed`` whose rows are clear of float32
+    rounding at the top_p boundary (:func:`top_p_clear_of_rounding`)."""
+    return next(rows for rows in (wide_rows(kind, dtype, s) for s in range(seed, seed + 10))
+                if top_p_clear_of_rounding(rows[1](rows[0]), params))
+
+
+def vllm_kept_wide(logits, params):
+    """:func:`vllm_kept` without its ``[V, V]`` table of ties: vLLM keeps every token above the
+    lowest value it keeps and part of the tokens tied with it, so the tie rule keeps every
+    token at or above that value."""
+    kept = vllm_sampler_kept(logits, params)
+    scaled = logits.double() / params.temperature
+    return scaled >= scaled.masked_fill(~kept, math.inf).amin(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("kind", sorted(ROW_KINDS))
+def test_vllm_kept_wide_is_vllm_kept(kind):
+    for settings in [*LONG_SETTINGS, *WIDE_SETTINGS]:
+        params = ak.SamplingParams(temperature=0.8, **settings)
+        full, view = long_rows(kind, torch.float32, seed=len(kind))
+        assert torch.equal(vllm_kept_wide(view(full), params), vllm_kept(view(full), params))
+
+
+@pytest.mark.parametrize("settings", WIDE_SETTINGS, ids=lambda s: "-".join(
+    f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("kind", WIDE_KINDS)
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_wide_rows_match_vllm(backend, kind, settings):
+    params = ak.SamplingParams(temperature=0.8, **settings)
+    full, view = clear_wide_rows(kind, torch.float32, params, len(kind) + settings.get("top_k", 0))
+    kept = vllm_kept_wide(view(full), params)
+    target = sampled_targets(view(full), kept, params, seed=1)
+    check_against_vllm(full, target, params, backend, view, kept=kept)
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_wide_rows_on_every_instruction_set(isa):
+    """The cpp kernel copies a bracket's logits with AVX-512 compress instructions in its
+    AVX-512 variant and with flags in the others: every variant this CPU runs keeps the same
+    tokens, the float64 spec's."""
+    from astrai_kernels.kernels.cpp import backend as cpp_backend
+    order = ("generic", "avx2", "avx512")
+    if order.index(isa) > order.index(cpp_backend.load_extension().detected_isa()):
+        pytest.skip(f"this CPU does not run {isa}")
+    previous = cpp_backend.set_isa(isa)
+    try:
+        for kind, settings in [("flat", {"top_p": 0.9}), ("lm", {"top_k": 3000, "top_p": 0.9}),
+                               ("flat", {"min_p": 0.05, "top_p": 0.95}),
+                               ("dominant", {"top_p": 0.95}), ("integers", {"top_k": 1500})]:
+            params = ak.SamplingParams(temperature=0.8, **settings)
+            full, view = clear_wide_rows(kind, torch.float32, params, 3)
+            kept = vllm_kept_wide(view(full), params)
+            target = sampled_targets(view(full), kept, params, seed=2)
+            check_against_vllm(full, target, params, "cpp", view, kept=kept)
+    finally:
+        cpp_backend.set_isa(previous)
+
+
+@pytest.mark.parametrize("settings", [{"top_p": 0.9}, {"top_k": 3000, "top_p": 0.95},
+                                      {"min_p": 0.05, "top_p": 0.9}],
+                         ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("kind", ["flat", "lm"])
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_wide_rows_bfloat16(backend, kind, settings):
+    """bfloat16 rows tie every few logits (8 bits of mantissa): the brackets' bounds and the
+    bisections end on them whole."""
+    params = ak.SamplingParams(temperature=0.8, **settings)
+    full, view = clear_wide_rows(kind, torch.bfloat16, params, 11)
+    kept = vllm_kept_wide(view(full), params)
+    target = sampled_targets(view(full), kept, params, seed=2)
+    check_against_vllm(full, target, params, backend, view, kept=kept)
+
+
+@pytest.mark.parametrize("top_k", [1500, 4000])
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_wide_large_top_k_keeps_every_tie_at_its_boundary(backend, top_k):
+    """top_k far above the group count on wide rows of small integers: the k-th largest value
+    is tied hundreds of times over, and every copy of it is kept."""
+    params = ak.SamplingParams(temperature=0.8, top_k=top_k)
+    full, view = wide_rows("integers", torch.float32, seed=top_k)
+    kept = vllm_kept_wide(view(full), params)
+    target = sampled_targets(view(full), kept, params, seed=4)
+    _, support = check_against_vllm(full, target, params, backend, view, kept=kept)
+    assert torch.all(kept.sum(-1) > top_k + 100)
+    valid = target != -100
+    assert torch.all(support["support_size"][valid] > top_k + 100)
+
+
+@pytest.mark.parametrize("shift", [-1e-4, 1e-4])
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_top_p_at_a_tie_groups_mass_on_wide_rows(backend, shift):
+    """Wide rows of a few tied levels, top_p 1e-4 below or above the float64 mass of the levels
+    from some level up: just below, the next level (its mass strictly above reaches top_p) is
+    out whole; just above, it crosses top_p and is kept whole. The float32 sums of the kernels
+    are far closer than 1e-4."""
+    levels = torch.arange(12, dtype=torch.float64) * 0.4
+    counts = torch.tensor([1700, 1000, 750, 560, 380, 250, 170, 100, 45, 25, 8, 2])
+    row = torch.repeat_interleave(levels, counts)
+    row = torch.cat([row, torch.full((WIDE_VOCAB - row.numel(),), -2.0, dtype=torch.float64)])
+    g = torch.Generator().manual_seed(5)
+    rows = torch.stack([row[torch.randperm(WIDE_VOCAB, generator=g)] for _ in range(6)])
+    full = rows.reshape(2, 3, WIDE_VOCAB).float()
+    temperature = 0.8
+    probs = torch.softmax(row / temperature, -1)
+    mass_from = torch.stack([probs[row >= level].sum() for level in levels])  # levels and up
+    level = 6  # keep levels 6..11 (mass about 0.6), then decide level 5
+    top_p = float(mass_from[level]) + shift
+    params = ak.SamplingParams(temperature=temperature, top_p=top_p)
+    kept = vllm_kept_wide(full, params)
+    lowest_kept = levels[level - 1] if shift > 0 else levels[level]
+    assert torch.equal(kept, full.double() >= lowest_kept)
+    target = sampled_targets(full, kept, params, seed=6)
+    check_against_vllm(full, target, params, backend, kept=kept)
+
+
 @pytest.mark.parametrize("backend", ["cpp", "torch"])
 def test_one_row_and_all_rows_ignored(backend):
     params = ak.SamplingParams(temperature=0.9, top_k=4, top_p=0.8)
@@ -620,7 +801,7 @@ def _non_finite_rows(vocab):
 
 @pytest.mark.parametrize("settings", LONG_SETTINGS, ids=lambda s: "-".join(
     f"{k}={v}" for k, v in s.items()))
-@pytest.mark.parametrize("vocab", [VOCAB, LONG_VOCAB])
+@pytest.mark.parametrize("vocab", [VOCAB, LONG_VOCAB, WIDE_VOCAB])
 @pytest.mark.parametrize("backend", ["cpp", "torch", "reference"])
 def test_rows_with_nan_or_inf_are_nan_as_in_the_plain_op(vocab, settings, backend):
     """A row holding NaN or +inf (or only -inf) has no distribution: the plain op gives NaN
@@ -668,7 +849,7 @@ def _rows_with_minus_inf(vocab):
 
 @pytest.mark.parametrize("settings", [*LONG_SETTINGS, {"top_k": 2}, {"top_k": 4, "top_p": 0.99}],
                          ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
-@pytest.mark.parametrize("vocab", [VOCAB, LONG_VOCAB])
+@pytest.mark.parametrize("vocab", [VOCAB, LONG_VOCAB, WIDE_VOCAB])
 @pytest.mark.parametrize("backend", ["cpp", "torch"])
 def test_rows_with_minus_inf_match_the_spec(backend, vocab, settings):
     """-inf logits are tokens of probability 0: the float64 spec

@@ -26,6 +26,14 @@ DEFAULT_OPS = tuple(op for op in OPS if op not in ("token_logprobs_sampling", "t
 INPLACE_OPS = ("token_logprobs", "cross_entropy")
 # issue 33's sampler: vLLM's temperature, then top_k, then top_p on the renormalised top-k
 BENCH_SAMPLING = {"temperature": 0.8, "top_k": 50, "top_p": 0.9}
+# token_logprobs_sampling's samplers by a Case's `sampler` name: (settings, the logits' scale on
+# randn rows). "" is issue 33's headline; the tails of issue 42: top_p alone on flat rows (about
+# 27k of 32k tokens kept at V = 32768) and a large top_k, far above the kernel's group count.
+BENCH_SAMPLERS = {
+    "": (BENCH_SAMPLING, 1.0),
+    "top_p_flat": ({"temperature": 0.8, "top_p": 0.9}, 0.3),
+    "top_k_5000": ({"temperature": 0.8, "top_k": 5000}, 1.0),
+}
 TOPK_DISTILL_K = 64
 # an op that is another op plus an option -> that other op ("against plain" in bench --check)
 PLAIN_OP = {"token_logprobs_sampling": "token_logprobs"}
@@ -188,6 +196,7 @@ class Case:
     threads: int = 0
     seed: int = 0
     hidden: int = 0  # H of the linear ops (0 for the logits ops)
+    sampler: str = ""  # token_logprobs_sampling's sampler, a BENCH_SAMPLERS name
 
     def to_json(self):
         return json.dumps(asdict(self))
@@ -198,7 +207,9 @@ class Case:
 
     def label(self):
         hidden = f" H={self.hidden}" if self.op in LINEAR_OPS else ""
-        return f"{self.op} {self.method} {self.dtype} N={self.rows}{hidden} V={self.vocab}"
+        sampler = f" {self.sampler}" if self.sampler else ""
+        return (f"{self.op}{sampler} {self.method} {self.dtype} N={self.rows}{hidden} "
+                f"V={self.vocab}")
 
 
 def plan_cases(ops, rows, vocabs, dtypes, methods, device, repeats, min_repeats, budget_s,

@@ -11,7 +11,9 @@ A bound: ``op``, ``method`` (a backend, ``NAME:inplace`` allowed), ``dtype``, ``
 same-run copy floor, a baseline method of the same op, or ``plain``: the op without its option,
 :data:`~astrai_kernels.bench.cases.PLAIN_OP`, same method and shape) and ``max_ratio``, and
 optionally ``target`` (where the ratio should get to: printed with whether it is met, not
-checked); the file's ``[machine]`` table names the machine class the bounds were set on.
+checked) and ``sampler`` (token_logprobs_sampling's sampler, a name of
+:data:`~astrai_kernels.bench.cases.BENCH_SAMPLERS`; the headline when absent); the file's
+``[machine]`` table names the machine class the bounds were set on.
 """
 
 import math
@@ -20,6 +22,7 @@ import sys
 from dataclasses import dataclass
 
 from .cases import (
+    BENCH_SAMPLERS,
     DEFAULT_HIDDEN,
     DEFAULT_MIN_REPEATS,
     LINEAR_OPS,
@@ -44,8 +47,8 @@ AGAINST = {
 LOGITS_AGAINST = ("copy", "copy_fresh_grad", "naive", PLAIN)
 LINEAR_AGAINST = ("gemm", "naive")
 BOUND_KEYS = ("op", "method", "dtype", "rows", "vocab", "hidden", "against", "max_ratio",
-              "target")
-OPTIONAL_KEYS = ("hidden", "target")
+              "target", "sampler")
+OPTIONAL_KEYS = ("hidden", "target", "sampler")
 
 
 class BoundsError(ValueError):
@@ -63,17 +66,22 @@ class Bound:
     max_ratio: float
     hidden: int = 0
     target: float = None  # where the ratio should get to (printed; the check is max_ratio)
+    sampler: str = ""  # token_logprobs_sampling's sampler (BENCH_SAMPLERS)
 
     def label(self):
         hidden = f" H={self.hidden}" if self.op in LINEAR_OPS else ""
-        return (f"{self.op} {self.method} {self.dtype} N={self.rows}{hidden} V={self.vocab}"
-                f" vs {self.against}")
+        sampler = f" {self.sampler}" if self.sampler else ""
+        return (f"{self.op}{sampler} {self.method} {self.dtype} N={self.rows}{hidden} "
+                f"V={self.vocab} vs {self.against}")
 
     def case(self, method=None, min_repeats=None, op=None, **case_options):
+        """The bound's case, or with ``op`` another op's of the same shape (its plain form: no
+        sampler)."""
         op = op or self.op
         min_repeats = DEFAULT_MIN_REPEATS[op] if min_repeats is None else min_repeats
         return Case(op, method or self.method, self.rows, self.vocab, self.dtype,
-                    hidden=self.hidden, min_repeats=min_repeats, **case_options)
+                    hidden=self.hidden, min_repeats=min_repeats,
+                    sampler=self.sampler if op == self.op else "", **case_options)
 
     def baseline(self):
         """``(op, method)`` of the case the ratio divides by, None for a same-run floor."""
@@ -152,8 +160,8 @@ def _parse_case(entry, where):
     missing = [k for k in BOUND_KEYS if k not in entry and k not in OPTIONAL_KEYS]
     if unknown or missing:
         raise BoundsError(f"{where}: unknown keys {unknown}, missing keys {missing}")
-    for key in ("op", "method", "dtype", "against"):
-        if not isinstance(entry[key], str):
+    for key in ("op", "method", "dtype", "against", "sampler"):
+        if key in entry and not isinstance(entry[key], str):
             raise BoundsError(f"{where}: {key} must be a string, got {entry[key]!r}")
     if entry["op"] not in TENSOR_OPS:
         raise BoundsError(f"{where}: op must be one of {TENSOR_OPS}, got {entry['op']!r}")
@@ -179,9 +187,13 @@ def _parse_case(entry, where):
     target = entry.get("target")
     if target is not None:
         target = _positive_number(target, "target", where)
+    sampler = entry.get("sampler", "")
+    if sampler and (entry["op"] != "token_logprobs_sampling" or sampler not in BENCH_SAMPLERS):
+        raise BoundsError(f"{where}: sampler must be one of {sorted(BENCH_SAMPLERS)} on "
+                          f"token_logprobs_sampling, got {sampler!r} on {entry['op']}")
     hidden = sizes.get("hidden", DEFAULT_HIDDEN) if linear else 0
     return Bound(entry["op"], entry["method"], dtype, sizes["rows"], sizes["vocab"],
-                 entry["against"], ratio, hidden, target)
+                 entry["against"], ratio, hidden, target, sampler)
 
 
 def _positive_int(value, key, where):
@@ -244,7 +256,8 @@ def _matches(result, bound, op, method):
     return (result.get("op") == op and result.get("method") == method
             and result.get("dtype") == bound.dtype and result.get("rows") == bound.rows
             and result.get("vocab") == bound.vocab
-            and (bound.op not in LINEAR_OPS or result.get("hidden") == bound.hidden))
+            and (bound.op not in LINEAR_OPS or result.get("hidden") == bound.hidden)
+            and result.get("sampler", "") == (bound.sampler if op == bound.op else ""))
 
 
 def format_verdicts(verdicts, machine):

@@ -17,7 +17,7 @@ mass outside them, as a real teacher's top ``K`` does.
 from .. import reference
 from ..baselines import original
 from .cases import (
-    BENCH_SAMPLING,
+    BENCH_SAMPLERS,
     FLOOR_FACTOR,
     GRPO_BATCH,
     GRPO_CLIP_EPS,
@@ -40,17 +40,18 @@ from .workloads import (
 TARGET_DRAW_ROWS = 1024  # rows per block when drawing the sampled targets (bounded memory)
 
 
-def sampled_targets(logits, gen, temperature, top_k, top_p):
-    """One target per row drawn from vLLM's processed distribution (``top_k > 0``: the top-k
-    values, renormalised, keep a token iff the mass strictly above it is < ``top_p``)."""
+def sampled_targets(logits, gen, temperature, top_k=0, top_p=1.0):
+    """One target per row drawn from vLLM's processed distribution: the top-k values (all of
+    them with ``top_k = 0``), renormalised, keep a token iff the mass strictly above it is
+    < ``top_p``."""
     import torch
 
-    if not 0 < top_k <= logits.shape[-1]:
-        raise ValueError(f"top_k must be in [1, V={logits.shape[-1]}] to draw targets, "
-                         f"got {top_k}")
+    vocab = logits.shape[-1]
+    if not 0 <= top_k <= vocab:
+        raise ValueError(f"top_k must be in [0, V={vocab}] to draw targets, got {top_k}")
     blocks = []
     for block in logits.detach().split(TARGET_DRAW_ROWS):
-        values, ids = (block.float() / temperature).topk(top_k, dim=-1)
+        values, ids = (block.float() / temperature).topk(top_k or vocab, dim=-1)
         probs = values.softmax(-1)
         probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p, 0.0)
         blocks.append(ids.gather(-1, torch.multinomial(probs, 1, generator=gen)).squeeze(-1))
@@ -123,21 +124,23 @@ def build_logits_workload(case):
             def run():
                 ak.distill_loss(policy, teacher, y, beta=DISTILL_BETA, backend=method).backward()
     elif case.op == "token_logprobs_sampling":
-        policy = logits((rows,), True)
-        y = sampled_targets(policy, gen, **BENCH_SAMPLING)
+        params, scale = BENCH_SAMPLERS[case.sampler]
+        policy = logits((rows,), False)
+        policy = (policy if scale == 1.0 else policy * scale).requires_grad_(True)
+        y = sampled_targets(policy, gen, **params)
         if method in ("naive", "compile"):
             fn = wrap(naive_sampled_token_logprobs)
 
             def run():
-                fn(policy, y, **BENCH_SAMPLING).sum().backward()
+                fn(policy, y, **params).sum().backward()
         else:
             import astrai_kernels as ak
 
-            sampling = ak.SamplingParams(**BENCH_SAMPLING)
+            sampling = ak.SamplingParams(**params)
 
             def run():
                 ak.token_logprobs(policy, y, sampling=sampling, backend=method).sum().backward()
-        info["sampling"] = dict(BENCH_SAMPLING)
+        info["sampling"] = dict(params, logit_scale=scale)
     elif case.op == "topk_distill":
         policy = logits((rows,), True)
         ids, teacher_logprobs = teacher_topk(rows, vocab, TOPK_DISTILL_K, device, gen)

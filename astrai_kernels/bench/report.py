@@ -23,8 +23,9 @@ from .cases import (
 )
 
 
-def _shape_key(r, method):
-    return (r["op"], r["rows"], r.get("hidden", 0), r["vocab"], r["dtype"], r["device"], method)
+def _shape_key(r, method, op=None, sampler=None):
+    return (op or r["op"], r["rows"], r.get("hidden", 0), r["vocab"], r["dtype"], r["device"],
+            r.get("sampler", "") if sampler is None else sampler, method)
 
 
 def add_ratios(results):
@@ -54,8 +55,8 @@ def add_ratios(results):
         for base in baselines:
             other = by_shape.get(_shape_key(r, base))
             r[f"ratio_vs_{base}"] = r["median_s"] / other["median_s"] if other else None
-        if r["op"] in PLAIN_OP:
-            plain = by_shape.get((PLAIN_OP[r["op"]],) + _shape_key(r, r["method"])[1:])
+        if r["op"] in PLAIN_OP:  # the plain op has no sampler
+            plain = by_shape.get(_shape_key(r, r["method"], PLAIN_OP[r["op"]], ""))
             r["ratio_vs_plain"] = r["median_s"] / plain["median_s"] if plain else None
         r["peak_extra_over_logits"] = r["peak_extra_bytes"] / r["logits_bytes"]
     return results

@@ -9,7 +9,14 @@ picks one. The seed's materializing math lives once, in :mod:`astrai_kernels.bas
 from dataclasses import dataclass, field
 
 from ..baselines import original
-from .cases import GRPO_CLIP_EPS, GRPO_KL_COEF, INPLACE_OPS, method_applies, split_method
+from .cases import (
+    BENCH_SAMPLERS,
+    GRPO_CLIP_EPS,
+    GRPO_KL_COEF,
+    INPLACE_OPS,
+    method_applies,
+    split_method,
+)
 
 
 def seed_grpo_loss(logp, old, ref, advantages, mask, clip_eps=GRPO_CLIP_EPS,
@@ -26,7 +33,7 @@ def naive_grpo_step(policy, old_logits, ref_logits, target, advantages, mask,
                            kl_coef)
 
 
-def naive_sampled_token_logprobs(logits, target, temperature, top_k, top_p):
+def naive_sampled_token_logprobs(logits, target, temperature, top_k=0, top_p=1.0):
     """What a user writes to score ``target`` under vLLM v1's sampler (``apply_top_k_top_p``
     after the temperature): sort ascending, drop values below the ``top_k``-th largest, softmax
     and cumsum what is left and drop where the cumsum is ``<= 1 - top_p`` (never the largest:
@@ -103,8 +110,13 @@ class Workload:
 
 
 def check_method(case):
-    """A ValueError unless ``case.method`` applies to ``case.op``."""
+    """A ValueError unless ``case.method`` applies to ``case.op`` (and ``case.sampler`` names a
+    sampler of token_logprobs_sampling)."""
     if not method_applies(case.op, case.method):
         why = (f"inplace_backward is an option of {INPLACE_OPS} only"
                if split_method(case.method)[1] else "a baseline of the other op family")
         raise ValueError(f"{case.method!r} is not a method of {case.op}: {why}")
+    if case.sampler and (case.op != "token_logprobs_sampling"
+                         or case.sampler not in BENCH_SAMPLERS):
+        raise ValueError(f"sampler must be one of {sorted(BENCH_SAMPLERS)} on "
+                         f"token_logprobs_sampling, got {case.sampler!r} on {case.op}")
