@@ -4,9 +4,7 @@ from . import distributed, nn
 from .kernels.registry import available_backends
 from .ops.cross_entropy import cross_entropy, linear_cross_entropy
 from .ops.distill import distill_loss, linear_distill_loss
-from .ops.distill_options import DistillOptions
 from .ops.grpo import grpo_loss, linear_grpo_loss
-from .ops.grpo_options import GRPOOptions
 from .ops.logprobs import linear_token_logprobs, token_logprobs
 from .ops.preference import (
     DPOOptions,
@@ -20,6 +18,8 @@ from .ops.preference import (
 from .ops.sampling import SamplingParams
 from .ops.sequences import linear_sequence_logprobs, sequence_logprobs
 from .ops.topk_distill import linear_topk_distill_loss, topk_distill_loss
+from .options.distill import DistillOptions
+from .options.grpo import GRPOOptions
 
 __version__ = "0.1.0"
 

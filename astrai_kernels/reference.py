@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .kernels.primitives import LOG_RATIO_CLAMP
-from .ops.grpo_options import GRPOOptions, options_of_call, options_or_keywords
+from .options.grpo import GRPOOptions, options_of_call, options_or_keywords
 
 
 def token_logprobs(logits: Tensor, target: Tensor, temperature: float = 1.0,

@@ -1,5 +1,5 @@
 """``DistillOptions``: one object for the distillation ops' scalar options, equal to the
-keywords (``ops/distill_options.py``)."""
+keywords (``options/distill.py``)."""
 
 import inspect
 from dataclasses import fields

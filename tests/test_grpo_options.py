@@ -159,7 +159,7 @@ def test_the_strategy_keywords_have_the_options_defaults():
 
 
 def test_checked_options_resolve_the_kernel_arguments_and_check_again_to_themselves():
-    from astrai_kernels.ops.grpo_options import LOSS_TYPE_RECORDS
+    from astrai_kernels.options.grpo import LOSS_TYPE_RECORDS
 
     for name, record in LOSS_TYPE_RECORDS.items():
         options = ak.GRPOOptions(loss_type=name, clip_eps_low=0.1,
@@ -190,7 +190,7 @@ def test_the_options_check_themselves_without_tensors(options, match):
 
 
 def test_every_loss_type_has_a_record_the_ops_read():
-    from astrai_kernels.ops.grpo_options import (
+    from astrai_kernels.options.grpo import (
         CLIPPED_LOSS_TYPES,
         GLOBAL_COUNT_LOSS_TYPES,
         LOSS_TYPE_RECORDS,
@@ -208,7 +208,7 @@ def test_every_loss_type_has_a_record_the_ops_read():
 
 
 def test_each_loss_type_reports_the_metrics_its_record_names():
-    from astrai_kernels.ops.grpo_options import LOSS_TYPE_RECORDS
+    from astrai_kernels.options.grpo import LOSS_TYPE_RECORDS
 
     logits, target, mask, advantages, _ = _batch()
     for name, record in LOSS_TYPE_RECORDS.items():

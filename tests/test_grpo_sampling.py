@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import astrai_kernels as ak
 from astrai_kernels import reference
-from astrai_kernels.ops.grpo_options import ROLLOUT_IS_MODES, ROLLOUT_RS_OPTIONS
+from astrai_kernels.options.grpo import ROLLOUT_IS_MODES, ROLLOUT_RS_OPTIONS
 from astrai_kernels.testing import assert_close, assert_close_elementwise
 
 from cases import KERNEL_BACKENDS

@@ -170,3 +170,15 @@ def test_kernels_is_the_ground_floor():
 def test_the_registry_reaches_every_backend_by_an_import_statement():
     assert {"astrai_kernels.kernels.triton.backend", "astrai_kernels.kernels.cpp.backend",
             "astrai_kernels.kernels.portable"} <= SCANS["astrai_kernels.kernels.registry"][0]
+
+
+def test_the_options_sit_below_the_spec_and_the_ops():
+    # the option objects and the loss-type records are read by both: they import neither
+    upstairs = {module: sorted(m for m in imported if not m.startswith(
+                    ("astrai_kernels.options", "astrai_kernels.kernels")))
+                for module, (imported, _) in SCANS.items()
+                if module.startswith("astrai_kernels.options")}
+    assert {module: found for module, found in upstairs.items() if found} == {}
+    assert "astrai_kernels.options.grpo" in SCANS["astrai_kernels.reference"][0]
+    assert not [m for m in SCANS["astrai_kernels.reference"][0]
+                if m.startswith("astrai_kernels.ops")]

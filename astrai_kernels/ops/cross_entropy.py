@@ -29,16 +29,13 @@ if TYPE_CHECKING:
 from ..kernels import library
 from ..kernels.primitives import CrossEntropyArgs, args_of
 from ..kernels.registry import backend_module, resolve_backend
+from ..options.scalars import check_choice, check_in_range, check_index, check_positive
 from . import dtensor, vocab_parallel
 from ._common import (
     AttachGrad,
     LogitsShape,
-    check_choice,
-    check_in_range,
-    check_index,
     check_inplace,
     check_logits,
-    check_positive,
     check_target,
     finish_inplace_grad,
     flat_target,

@@ -23,6 +23,7 @@ from .. import reference
 from ..kernels import library
 from ..kernels.primitives import DistillArgs
 from ..kernels.registry import resolve_backend
+from ..options.distill import DistillOptions, distill_options_or_keywords, keyword_call
 from . import dtensor
 from ._common import (
     AttachGrad,
@@ -33,7 +34,6 @@ from ._common import (
     refuse_double_backward,
     rows_view,
 )
-from .distill_options import DistillOptions, distill_options_or_keywords, keyword_call
 from .door import Checked, Door
 from .head import (
     AttachHeadGrads,

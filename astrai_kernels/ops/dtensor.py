@@ -67,8 +67,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..options.scalars import check_index
 from . import agreement
-from ._common import check_index
 
 
 def has_dtensor(*values) -> bool:

@@ -29,6 +29,12 @@ from torch import Tensor
 
 from ..kernels import library
 from ..kernels.primitives import LOG_RATIO_CLAMP
+from ..options.grpo import (
+    OPTION_NAMES,
+    GRPOOptions,
+    options_of_call,
+    options_or_keywords,
+)
 from . import agreement, dtensor, vocab_parallel
 from ._common import (
     AttachGrad,
@@ -38,12 +44,6 @@ from ._common import (
     rows_view,
 )
 from .door import Door
-from .grpo_options import (
-    OPTION_NAMES,
-    GRPOOptions,
-    options_of_call,
-    options_or_keywords,
-)
 from .grpo_plan import (
     GRPOParams,
     GRPOPlan,

@@ -4,7 +4,7 @@
 fused head and a vocabulary shard have none; they pass a ``LogitsShape``) and returns a
 :class:`GRPOPlan`: the per-token inputs selected to the mask (:class:`TokenInputs`), the
 kernel's :class:`GRPOParams`, and each token's factor in the aggregated loss by the loss type's
-record (``grpo_options.LossType.token_weight``). The rollout correction
+record (``options.grpo.LossType.token_weight``). The rollout correction
 (``ops/rollout_correction.py``) is applied here once the old log-probs are known.
 ``ops/grpo.py`` computes the loss from a plan.
 """
@@ -18,9 +18,7 @@ from torch import Tensor
 
 from ..kernels.primitives import SurrogateArgs
 from ..kernels.registry import resolve_backend
-from . import rollout_correction
-from ._common import LogitsShape, check_bool, check_in_range, check_per_row, check_target
-from .grpo_options import (
+from ..options.grpo import (
     DEFAULT_OPTIONS,
     GLOBAL_COUNT_LOSS_TYPES,
     LOSS_TYPE_RECORDS,
@@ -30,6 +28,9 @@ from .grpo_options import (
     options_from,
     options_or_keywords,
 )
+from ..options.scalars import check_bool, check_in_range
+from . import rollout_correction
+from ._common import LogitsShape, check_per_row, check_target
 from .sampling import SamplingParams, checked_sampling
 
 

@@ -55,13 +55,8 @@ from ..kernels.library import traceable_op
 from ..kernels.memory import cached_empty
 from ..kernels.primitives import ALWAYS, NONE, OPTIONAL, declared
 from ..kernels.registry import backend_module
-from ._common import (
-    FLOAT_DTYPES,
-    check_in_range,
-    check_positive,
-    refuse_double_backward,
-    scale_saved_grad,
-)
+from ..options.scalars import check_in_range, check_positive
+from ._common import FLOAT_DTYPES, refuse_double_backward, scale_saved_grad
 
 CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}
 WEIGHT_COPY_SHARE = 4  # with a float32 copy of the weight, a chunk gets a quarter of the budget

@@ -36,14 +36,12 @@ if TYPE_CHECKING:
 from ..kernels import library
 from ..kernels.primitives import LogprobsArgs, args_of
 from ..kernels.registry import backend_module, resolve_backend
+from ..options.scalars import check_bool, check_index, check_positive
 from . import dtensor, vocab_parallel
 from ._common import (
     LogitsShape,
-    check_bool,
-    check_index,
     check_inplace,
     check_logits,
-    check_positive,
     check_target,
     dense_grad,
     finish_inplace_grad,

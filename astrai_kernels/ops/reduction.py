@@ -9,7 +9,7 @@ the gradient.
 
 import torch
 
-from ._common import FLOAT32_MAX, check_positive, check_real
+from ..options.scalars import FLOAT32_MAX, check_positive, check_real
 
 
 def checked_normalizer(normalizer, reduction, device):

@@ -31,7 +31,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from .grpo_options import GRPOOptions
+from ..options.grpo import GRPOOptions
 
 SAFETY_BOUND = 20.0  # verl rollout_corr_helper.SAFETY_BOUND: log-ratios clamped before exp
 MASKED_MEAN_EPS = 1e-8  # verl utils/torch_functional.masked_mean: sum / (count + 1e-8)

@@ -45,14 +45,10 @@ from .. import reference
 from ..kernels.library import optional_primitive_op
 from ..kernels.primitives import SAMPLING_PRIMITIVES, SamplingArgs
 from ..kernels.registry import backend_module, resolve_backend
+from ..options.scalars import check_bool, check_in_range, check_index, check_positive, check_real
 from ._common import (
     LogitsShape,
-    check_bool,
-    check_in_range,
-    check_index,
     check_logits,
-    check_positive,
-    check_real,
     check_target,
     dense_grad,
     flat_target,

@@ -14,8 +14,9 @@ from torch import Tensor
 
 from .. import reference
 from ..kernels.registry import resolve_backend
+from ..options.scalars import check_bool, check_positive
 from . import dtensor
-from ._common import LogitsShape, check_bool, check_logits, check_positive, check_target
+from ._common import LogitsShape, check_logits, check_target
 from .door import Door
 from .head import check_head
 from .logprobs import linear_token_logprobs, token_logprobs

@@ -49,17 +49,14 @@ from ..kernels.registry import (
     resolve_backend,
     unavailable_reason,
 )
+from ..options.scalars import check_bool, check_choice, check_in_range, check_positive
 from . import dtensor
 from ._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     AttachGrad,
     LogitsShape,
-    check_bool,
-    check_choice,
-    check_in_range,
     check_logits,
-    check_positive,
     refuse_double_backward,
     rows_view,
 )

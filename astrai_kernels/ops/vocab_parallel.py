@@ -65,11 +65,10 @@ from torch import Tensor
 from ..kernels.memory import cached_empty
 from ..kernels.primitives import CrossEntropyArgs, LogprobsArgs, ShardGradArgs
 from ..kernels.registry import backend_module
+from ..options.scalars import check_bool, check_index
 from . import agreement
 from ._common import (
     LogitsShape,
-    check_bool,
-    check_index,
     dense_grad,
     finish_inplace_grad,
     graph_is_retained,

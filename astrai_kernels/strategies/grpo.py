@@ -9,7 +9,7 @@ from torch import Tensor
 import astrai_kernels as ak
 
 from ..baselines import original
-from ..ops.grpo_options import DEFAULT_OPTIONS, OPTION_NAMES
+from ..options.grpo import DEFAULT_OPTIONS, OPTION_NAMES
 from .base import (
     BaseStrategy,
     Device,

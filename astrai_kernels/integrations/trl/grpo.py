@@ -26,7 +26,7 @@ from torch import Tensor
 
 import astrai_kernels as ak
 
-from ...ops.grpo_options import LOSS_TYPE_RECORDS, LOSS_TYPES
+from ...options.grpo import LOSS_TYPE_RECORDS, LOSS_TYPES
 from . import contract, sampler
 from .contract import TRLHead
 

@@ -1,6 +1,6 @@
 """An op's scalar options as one object, or as its keywords, never both: what
-``DistillOptions`` (``ops/distill_options.py``) and ``DPOOptions`` (``ops/preference.py``)
-share with ``GRPOOptions`` (``ops/grpo_options.py``)."""
+``DistillOptions`` (``options/distill.py``) and ``DPOOptions`` (``ops/preference.py``)
+share with ``GRPOOptions`` (``options/grpo.py``)."""
 
 import functools
 import inspect

@@ -1,7 +1,7 @@
 """The GRPO family's scalar options, one object carried from the public ops (``grpo_loss``,
 ``linear_grpo_loss``, their vocabulary-parallel forms) through the checks to the spec
-(``reference.grpo_loss``) and the strategies; and the loss types, one record each. A leaf
-module: the spec imports it too.
+(``reference.grpo_loss``) and the strategies; and the loss types, one record each. Below both
+the spec and the ops, which import it; it imports neither.
 
 ``GRPOOptions.checked()`` is the one check of the options on their own (each in its range, none
 set where its loss type does not read it); what needs the call's tensors (``beta > 0`` needs
@@ -17,8 +17,8 @@ from dataclasses import dataclass, fields
 from typing import Dict, Optional, Tuple
 
 from ..kernels.primitives import SurrogateArgs
-from . import options
-from ._common import check_bool, check_choice, check_in_range, check_index, check_positive
+from . import keywords
+from .scalars import check_bool, check_choice, check_in_range, check_index, check_positive
 
 
 @dataclass(frozen=True)
@@ -271,10 +271,11 @@ DEFAULT_OPTIONS = GRPOOptions()
 OPTION_NAMES = tuple(f.name for f in fields(GRPOOptions))
 
 
-def options_from(given: Optional[GRPOOptions], keywords: dict) -> GRPOOptions:
-    """``given`` (the ``options=`` keyword) or the object of the individual ``keywords``. The
-    caller is wrapped in :func:`options_or_keywords`, which refuses a call giving both."""
-    return options.options_from(given, keywords, GRPOOptions)
+def options_from(given: Optional[GRPOOptions], option_keywords: dict) -> GRPOOptions:
+    """``given`` (the ``options=`` keyword) or the object of the individual
+    ``option_keywords``. The caller is wrapped in :func:`options_or_keywords`, which refuses a
+    call giving both."""
+    return keywords.options_from(given, option_keywords, GRPOOptions)
 
 
 def options_of_call(call: dict) -> GRPOOptions:
@@ -284,4 +285,4 @@ def options_of_call(call: dict) -> GRPOOptions:
 
 
 #: ``function`` (taking ``options`` and ``GRPOOptions``' fields) refusing a call that passes both
-options_or_keywords = options.options_or_keywords(GRPOOptions, "GRPO")
+options_or_keywords = keywords.options_or_keywords(GRPOOptions, "GRPO")

@@ -11,8 +11,8 @@ them is an option. The defaults are ``ak.distill_loss``'s (TRL's ``GKDConfig``'s
 import dataclasses
 from dataclasses import dataclass, fields
 
-from ._common import check_choice, check_in_range, check_index, check_positive
-from .options import options_from, options_or_keywords
+from .keywords import options_from, options_or_keywords
+from .scalars import check_choice, check_in_range, check_index, check_positive
 
 REDUCTIONS = ("batchmean", "sum", "mean", "none")
 
