@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import astrai_kernels as ak
 from astrai_kernels import reference
+from astrai_kernels.distributed import vocab_shard
 from astrai_kernels.ops import grpo as grpo_op
-from astrai_kernels.ops import vocab_parallel
 from astrai_kernels.ops._common import LogitsShape
 from astrai_kernels.testing import assert_close, assert_close_elementwise, spec
 from astrai_kernels.testing.multiprocess import (
@@ -330,13 +330,13 @@ def case_linear_cross_entropy_reduced(group, start, stop, dtype):
     """``mean`` and ``sum``: the gradient factor is known up front, so the gradient is written
     in the forward's one walk (``head_shard_cross_entropy_walk``)."""
     target = _target()
-    walk, walks = vocab_parallel.head_shard_cross_entropy_walk, []
+    walk, walks = vocab_shard.head_shard_cross_entropy_walk, []
 
     def counted_walk(*args, **kwargs):
         walks.append(1)
         return walk(*args, **kwargs)
 
-    vocab_parallel.head_shard_cross_entropy_walk = counted_walk
+    vocab_shard.head_shard_cross_entropy_walk = counted_walk
     try:
         for options in (dict(reduction="mean", label_smoothing=0.1, z_loss=1e-3, softcap=4.0),
                         dict(reduction="sum"), dict(reduction="mean", normalizer=7.0)):
@@ -349,7 +349,7 @@ def case_linear_cross_entropy_reduced(group, start, stop, dtype):
 
             _check_head(group, start, stop, dtype, fused, logits_fn, torch.tensor(0.7))
     finally:
-        vocab_parallel.head_shard_cross_entropy_walk = walk
+        vocab_shard.head_shard_cross_entropy_walk = walk
     assert walks, "the one-walk path did not run"
 
 
@@ -415,15 +415,15 @@ def case_backends_and_errors(group, start, stop, dtype):
             assert_close(got_grad, torch_grad.double(), "grad", dtype, f"{backend} shard grad",
                          naive=torch_grad, scale=torch_grad.double().abs() + 1.0 / VOCAB)
     # a backend module without the primitive: auto falls back to torch, by name it refuses
-    saved = vocab_parallel.backend_module
-    vocab_parallel.backend_module = lambda name: types.SimpleNamespace()
+    saved = vocab_shard.backend_module
+    vocab_shard.backend_module = lambda name: types.SimpleNamespace()
     try:
         with pytest.raises(NotImplementedError, match="'cpp'"):
-            vocab_parallel.shard_backend("cpp", "cpp", needs_grad=True)
-        assert vocab_parallel.shard_backend("auto", "cpp", needs_grad=True) == "torch"
+            vocab_shard.shard_backend("cpp", "cpp", needs_grad=True)
+        assert vocab_shard.shard_backend("auto", "cpp", needs_grad=True) == "torch"
     finally:
-        vocab_parallel.backend_module = saved
-    assert vocab_parallel.shard_backend("auto", "cpp", needs_grad=True) == "cpp"
+        vocab_shard.backend_module = saved
+    assert vocab_shard.shard_backend("auto", "cpp", needs_grad=True) == "cpp"
     with pytest.raises(ValueError, match="target holds 11"):
         ak.cross_entropy(_shard_leaf(full, start, stop), torch.full_like(target, VOCAB),
                          process_group=group)

@@ -109,7 +109,7 @@ def _row_lse(s_y, ls_y, ls, source, scale, offset=None):
     block is 0) or ``max(source) / scale`` (``s = float32(source) / scale``; rounding is
     monotone, so that is exactly the row max of ``s``, even when ``s`` itself was overwritten
     by ``ls``). A row of -inf only has ``lse = -inf``, as in the other backends (a
-    vocabulary shard with no mass on that row, ``ops/vocab_parallel.py``)."""
+    vocabulary shard with no mass on that row, ``distributed/vocab_shard.py``)."""
     lse = s_y - ls_y
     if offset is not None:
         lse = lse + offset

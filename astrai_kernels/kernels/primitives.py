@@ -91,7 +91,7 @@ grad_loss, params, grad)``
     plus ``g * hard_weight * (softmax(student)_j - d_jy)``; ``g`` the row's ``grad_loss``.
     ``grad`` may be ``student`` itself (the fused head writes over its logits chunk).
 
-Optional primitive (vocabulary parallel, ``ops/vocab_parallel.py``; every backend here
+Optional primitive (vocabulary parallel, ``distributed/vocab_shard.py``; every backend here
 implements it; for a backend without it ``auto`` runs a vocab-parallel gradient on ``torch``,
 and asking for that backend by name raises ``NotImplementedError``):
 

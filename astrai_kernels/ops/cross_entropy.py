@@ -26,11 +26,11 @@ from .. import reference
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+from ..distributed import dtensor, vocab_parallel, vocab_shard
 from ..kernels import library
 from ..kernels.primitives import CrossEntropyArgs, args_of
 from ..kernels.registry import backend_module, resolve_backend
 from ..options.scalars import check_choice, check_in_range, check_index, check_positive
-from . import dtensor, vocab_parallel
 from ._common import (
     AttachGrad,
     LogitsShape,
@@ -184,7 +184,7 @@ def cross_entropy(
 
     ``process_group`` (vocabulary parallel): ``logits`` hold this rank's contiguous shard of the
     vocabulary (shards in rank order), ``target`` global ids; every rank gets the
-    full-vocabulary loss and its shard's gradient (``ops/vocab_parallel.py``).
+    full-vocabulary loss and its shard's gradient (``distributed/vocab_parallel.py``).
     ``check_consistency`` (with ``process_group``): every rank must pass the same rows and targets
     (only the vocabulary shard differs); the shard sizes' all-gather also carries each rank's row
     count (always compared: a mismatch would hang) and, when True (the default), the sum and
@@ -248,7 +248,7 @@ def _local(call, checked: Checked):
 
 
 def _vocab_parallel(call):
-    """``cross_entropy`` of a vocabulary shard (``ops/vocab_parallel.py``)."""
+    """``cross_entropy`` of a vocabulary shard (``distributed/vocab_parallel.py``)."""
     logits, target = call["logits"], call["target"]
     if check_in_range(call["logit_scale"], "logit_scale", -math.inf, math.inf) != 1.0:
         raise ValueError("logit_scale is not supported with process_group")
@@ -268,8 +268,8 @@ def _vocab_parallel(call):
     if params.backend == "reference":
         return vocab_parallel.on_gathered_logits(cross_entropy, call, layout)
     target_flat = flat_target(target)
-    rows_loss = vocab_parallel.shard_cross_entropy_rows(logits, target_flat, params, layout,
-                                                        call["backend"])
+    rows_loss = vocab_shard.shard_cross_entropy_rows(logits, target_flat, params, layout,
+                                                     call["backend"])
     if params.reduction == "none":
         return rows_loss.view(target.shape)
     return reduce_loss(rows_loss, loss_grad_scale(target_flat, params, normalizer_t), params)
@@ -331,7 +331,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     means the same, ``logit_scale`` and ``softcap`` included) without holding the ``[N, V]``
     logits; float32 result. With ``process_group`` the weight (and bias) hold this rank's
     vocabulary shard and the hidden states' gradient is summed over the group
-    (``ops/vocab_parallel.py``; ``check_consistency`` as in ``cross_entropy``; no
+    (``distributed/vocab_parallel.py``; ``check_consistency`` as in ``cross_entropy``; no
     ``logit_scale`` there).
     """
     return LINEAR_CROSS_ENTROPY.enter(locals())
@@ -401,13 +401,13 @@ def _vocab_parallel_linear(call):
         scale = loss_grad_scale(target_flat, params, normalizer_t)
         with torch.no_grad():
             rows_loss, grad_hidden, grad_weight, grad_bias = (
-                vocab_parallel.head_shard_cross_entropy_walk(
+                vocab_shard.head_shard_cross_entropy_walk(
                     hidden_rows, weight, bias, target_flat, params, layout, chunk_size, backend,
                     scale, head_needs(hidden, weight, bias)))
             value = reduce_loss(rows_loss, scale, params)
         return AttachHeadGrads.apply(hidden_rows, weight, bias, value, grad_hidden, grad_weight,
                                       grad_bias, "linear_cross_entropy", CE_EQUIVALENT)
-    rows_loss = vocab_parallel.head_shard_cross_entropy_rows(
+    rows_loss = vocab_shard.head_shard_cross_entropy_rows(
         hidden_rows, weight, bias, target_flat, params, layout, chunk_size, backend, needs_grad)
     if reduction == "none":
         return rows_loss.view(target.shape)

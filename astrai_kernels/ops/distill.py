@@ -20,11 +20,11 @@ import torch
 from torch import Tensor
 
 from .. import reference
+from ..distributed import dtensor
 from ..kernels import library
 from ..kernels.primitives import DistillArgs
 from ..kernels.registry import resolve_backend
 from ..options.distill import DistillOptions, distill_options_or_keywords, keyword_call
-from . import dtensor
 from ._common import (
     AttachGrad,
     LogitsShape,

@@ -2,8 +2,9 @@
 
 ``Door.enter`` routes every call the same way, in this order:
 
-1. a DTensor among the op's tensor arguments: the op's ``dtensor`` route (``ops/dtensor.py``),
-   which calls the op again on each rank's local tensors with a process group;
+1. a DTensor among the op's tensor arguments: the op's ``dtensor`` route
+   (``distributed/dtensor.py``), which calls the op again on each rank's local tensors with a
+   process group;
 2. ``process_group`` given: the op's ``vocab_parallel`` route (this rank's vocabulary shard);
 3. ``check(call)``: every argument checked once, into one object the routes share (its
    ``backend`` resolved);
@@ -21,7 +22,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from .dtensor import has_dtensor
+from ..distributed.placements import has_dtensor
 
 Call = Dict[str, Any]
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from ..distributed import agreement, dtensor, vocab_parallel
 from ..kernels import library
 from ..kernels.primitives import LOG_RATIO_CLAMP
 from ..options.grpo import (
@@ -35,7 +36,6 @@ from ..options.grpo import (
     options_of_call,
     options_or_keywords,
 )
-from . import agreement, dtensor, vocab_parallel
 from ._common import (
     AttachGrad,
     LogitsShape,

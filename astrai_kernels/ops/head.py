@@ -1,8 +1,8 @@
 """The fused LM head's engine: ``hidden @ weight.T + bias`` walked in row chunks.
 
 Every fused-head op (the ``linear_*`` form in each family's file, the vocabulary-parallel head
-in ``ops/vocab_parallel.py``) runs its logits primitive on the chunks that :class:`ChunkedHead`
-yields: a chunk's logits come from one matmul into a reused
+in ``distributed/vocab_shard.py``) runs its logits primitive on the chunks that
+:class:`ChunkedHead` yields: a chunk's logits come from one matmul into a reused
 ``[chunk, V]`` buffer, the primitive writes the chunk's logit gradient over the same buffer, and
 :meth:`ChunkedHead.fold` turns it into the gradients of ``hidden``, ``weight`` and ``bias``.
 Nothing ``[N, V]`` is ever allocated. The weight's and bias's gradients are accumulated over

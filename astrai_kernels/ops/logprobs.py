@@ -33,11 +33,11 @@ from .. import reference
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+from ..distributed import dtensor, vocab_parallel, vocab_shard
 from ..kernels import library
 from ..kernels.primitives import LogprobsArgs, args_of
 from ..kernels.registry import backend_module, resolve_backend
 from ..options.scalars import check_bool, check_index, check_positive
-from . import dtensor, vocab_parallel
 from ._common import (
     LogitsShape,
     check_inplace,
@@ -194,7 +194,7 @@ def token_logprobs(
 
     ``process_group`` (vocabulary parallel): ``logits`` hold this rank's contiguous shard of the
     vocabulary (shards in rank order), ``target`` global ids; every rank gets the
-    full-vocabulary result and its shard's gradient (``ops/vocab_parallel.py``).
+    full-vocabulary result and its shard's gradient (``distributed/vocab_parallel.py``).
     ``check_consistency`` (with ``process_group``): every rank must pass the same rows and targets
     (only the vocabulary shard differs); the shard sizes' all-gather also carries each rank's row
     count (always compared: a mismatch would hang) and, when True (the default), the sum and
@@ -300,7 +300,7 @@ def _local(call, checked):
 
 
 def _vocab_parallel(call):
-    """``token_logprobs`` of a vocabulary shard (``ops/vocab_parallel.py``)."""
+    """``token_logprobs`` of a vocabulary shard (``distributed/vocab_parallel.py``)."""
     logits, target = call["logits"], call["target"]
     if call["sampling"] is not None or check_bool(call["return_support"], "return_support"):
         checked_sampling(call["sampling"], call["temperature"], process_group=True)
@@ -320,8 +320,8 @@ def _vocab_parallel(call):
         target, call["ignore_index"], call["check_consistency"], checks)
     if params.backend == "reference":
         return vocab_parallel.on_gathered_logits(token_logprobs, call, layout)
-    logp, entropy = vocab_parallel.shard_token_logprobs(logits, flat_target(target), params,
-                                                        layout, call["backend"])
+    logp, entropy = vocab_shard.shard_token_logprobs(logits, flat_target(target), params,
+                                                     layout, call["backend"])
     logp = logp.view(target.shape)
     return (logp, entropy.view(target.shape)) if params.with_entropy else logp
 
@@ -745,7 +745,7 @@ def _vocab_parallel_linear(call):
         call["ignore_index"], call["check_consistency"], checks)
     if params.backend == "reference":
         return vocab_parallel.on_head_logits(token_logprobs, call)
-    logp, entropy = vocab_parallel.head_shard_token_logprobs(
+    logp, entropy = vocab_shard.head_shard_token_logprobs(
         hidden_rows, weight, bias, flat_target(target), params, layout, chunk_size, backend,
         needs_grad)
     logp = logp.view(target.shape)

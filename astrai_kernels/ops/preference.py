@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..distributed.dtensor import on_full_tensors
 from ..options.keywords import options_from, options_or_keywords
 from ..options.scalars import check_choice, check_in_range, check_positive
-from .dtensor import on_full_tensors
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair",
                   "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop",

@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from .. import reference
+from ..distributed import dtensor
 from ..kernels.registry import resolve_backend
 from ..options.scalars import check_bool, check_positive
-from . import dtensor
 from ._common import LogitsShape, check_logits, check_target
 from .door import Door
 from .head import check_head

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from .. import reference
+from ..distributed import dtensor
 from ..kernels.library import optional_primitive_op
 from ..kernels.memory import cached_empty
 from ..kernels.registry import (
@@ -50,7 +51,6 @@ from ..kernels.registry import (
     unavailable_reason,
 )
 from ..options.scalars import check_bool, check_choice, check_in_range, check_positive
-from . import dtensor
 from ._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,

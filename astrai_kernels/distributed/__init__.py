@@ -1,4 +1,14 @@
-"""Data-parallel helpers: the global token count that makes a sharded batch's loss exact.
+"""Running across ranks. The public names: :func:`global_token_count`, and the errors every rank
+raises together (:class:`RankRefused` and its kinds, :class:`RanksDisagree`).
+
+The package's modules, below the ops (which call them) and above the kernels:
+``vocab_parallel`` (the vocabulary-shard layout a ``process_group=`` call is checked against),
+``vocab_shard`` (the shard's statistics combined over the group, its gradient), ``placements``
+(what a DTensor call's placements mean), ``dtensor`` (the DTensor front door of each op
+family), ``agreement`` (the collectives: the ranks' agreement on a call's checks, sums over
+groups).
+
+Data parallel: the global token count that makes a sharded batch's loss exact.
 
 Under DDP or FSDP2 each rank computes the loss of its own micro-batch. A ``mean`` over each
 rank's own tokens weighs the ranks equally whatever their token counts, so the averaged
@@ -22,7 +32,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["global_token_count"]
+from .agreement import (
+    RankRefused,
+    RankRefusedNotImplemented,
+    RankRefusedRuntime,
+    RankRefusedType,
+    RanksDisagree,
+)
+
+__all__ = ["RankRefused", "RankRefusedNotImplemented", "RankRefusedRuntime", "RankRefusedType",
+           "RanksDisagree", "global_token_count"]
 
 
 def global_token_count(target_or_mask: Tensor, ignore_index: int = -100,

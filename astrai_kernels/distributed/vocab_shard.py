@@ -1,14 +1,4 @@
-"""Vocabulary-parallel losses: each rank of ``process_group`` holds a contiguous vocabulary shard.
-
-The shard machinery below the ops: each op's ``process_group=`` branch (in the op's own module)
-checks its arguments with its own rules, then calls the row-level functions at the end of this
-module, which import no op module.
-
-Contract (docs/distributed.md): rank ``r`` of the group passes logits ``[..., V_r]`` (or a
-weight ``[V_r, H]``) holding the vocabulary ids ``[start_r, start_r + V_r)``, shards in rank
-order, sizes free; targets hold global ids. Every rank gets the full-vocabulary result and the
-gradient of its own shard; the ``linear_*`` forms also sum the hidden states' gradient over
-the group (as Megatron's vocab-parallel cross-entropy does).
+"""The vocabulary shard's math: each rank's statistics of its shard, combined over the group.
 
 How: each rank runs its backend's existing forward primitive on its shard with local targets
 (a row whose target lies in another shard points at column 0, its value unused), giving per row
@@ -24,39 +14,26 @@ with entropy) on the wire, never a logits row; the ``linear_*`` backward adds th
 the hidden states' gradient (``H`` floats per row, as in Megatron). The gradient needs the
 group's ``lse`` and no collective: the backend primitive ``vocab_shard_backward``
 (``kernels/primitives.py``) writes ``p_j (alpha + beta log p_j) + gamma d_jy + delta`` per row,
-times the chain rule of the temperature and the softcap. GRPO is the token log-probs followed by its
-per-token surrogate in torch (O(B*T)); the fused single-pass GRPO kernel cannot be used, since
-``dL/dlogp`` needs the group's ``logp`` before the gradient pass.
+times the chain rule of the temperature and the softcap. GRPO is the token log-probs followed by
+its per-token surrogate in torch (O(B*T)); the fused single-pass GRPO kernel cannot be used,
+since ``dL/dlogp`` needs the group's ``logp`` before the gradient pass.
 
 A shard whose row is all -inf (a padded vocabulary masked on the last rank, a -inf bias) has
 ``lse_r = -inf`` and ``w_r = 0``; its other statistics are NaN (``-inf - -inf``), so its terms
 are selected out, never multiplied by the 0 weight: it adds nothing to ``W`` or ``H`` and, as
 the target's owner, gives ``logp = -inf`` (a +inf loss, as unsharded).
 
-A rank may hold no vocabulary at all (``V_r = 0``: V smaller than the group, or padded
-unevenly): its row statistics are those of an all -inf shard without running a kernel
-(``lse_r = -inf``, no targets, nothing in the label-smoothing mean), its gradients are zero
-(empty for its own logits, weight and bias), and it still takes part in every collective. Only
-every shard empty is refused, on every rank, from the shard sizes' all-gather.
-
-The shard sizes are all-gathered once per call (one host sync, like the target check), with
-each rank's row count and, under ``check_consistency=True`` (the default), a fingerprint of its
-targets (their sum and count over the counted rows). That all-gather is the call's first
-collective, and every rank reaches it whatever its tensors (none is checked before it); then
-the call's checks of its tensors run and are agreed over the group (``ops/agreement.py``: one
-small all-reduce), so an input one rank refuses raises on every rank; then every rank must have
-passed the same rows and targets (only the vocabulary shard differs), else every rank raises
-``RanksDisagree`` (an unequal row count would otherwise hang in the next all-reduce until the
-process group's timeout). The vocab-parallel paths are eager only (no ``torch.compile``
-tracing). ``backend="reference"`` all-gathers the full logits and runs the naive spec on them
-(a test oracle, not a path to use).
+A rank may hold no vocabulary at all (``V_r = 0``): its row statistics are those of an all
+-inf shard without running a kernel (``lse_r = -inf``, no targets, nothing in the
+label-smoothing mean), its gradients are zero (empty for its own logits, weight and bias), and
+it still takes part in every collective.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Any, Callable, NamedTuple, Optional, Tuple
+from dataclasses import replace
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,142 +42,22 @@ from torch import Tensor
 from ..kernels.memory import cached_empty
 from ..kernels.primitives import CrossEntropyArgs, LogprobsArgs, ShardGradArgs
 from ..kernels.registry import backend_module
-from ..options.scalars import check_bool, check_index
-from . import agreement
-from ._common import (
-    LogitsShape,
+from ..ops._common import (
     dense_grad,
     finish_inplace_grad,
     graph_is_retained,
     refuse_double_backward,
     rows_view,
 )
-from .agreement import RanksDisagree
-from .head import (
-    ChunkedHead,
-    absent_grad,
-    check_head,
-    chunk_rows,
-    compute_dtype,
-    head_needs,
-    reference_on_logits,
-    row_floats,
-)
+from ..ops.head import ChunkedHead, absent_grad, chunk_rows, compute_dtype, row_floats
+from .agreement import all_reduced
+from .vocab_parallel import ShardLayout
 
 # Local targets handed to the primitives: a row ignored by the caller, and (backward only) a
 # counted row whose target lies in another rank's shard. Local ids are >= 0, so neither can
 # collide with a real target, whatever the caller's ignore_index is.
 LOCAL_IGNORE = -1
 NOT_IN_SHARD = -2
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    group: object
-    vocab_start: int
-    vocab_local: int
-    vocab_total: int
-    vocab_largest: int  # the largest shard of the group (the walk's chunk rule reads it)
-
-
-def _not_a_member(process_group) -> bool:
-    """True for the sentinel ``dist.new_group`` returns to a rank outside the group."""
-    sentinel = getattr(dist.GroupMember, "NON_GROUP_MEMBER", None)
-    return sentinel is not None and process_group is sentinel
-
-
-def check_consistency_flag(check_consistency) -> bool:
-    return check_bool(check_consistency, "check_consistency")
-
-
-def vocab_size(shard, dim: int = -1) -> int:
-    """The vocabulary size of this rank's ``shard`` (logits' last dimension, ``dim=-1``; a
-    weight's rows, ``dim=0``), read before any check for the shard sizes' all-gather: 0 when
-    ``shard`` has no such dimension (the checks after the all-gather refuse it)."""
-    if not isinstance(shard, Tensor) or shard.dim() < (2 if dim == 0 else 1):
-        return 0
-    return shard.shape[dim]
-
-
-def _target_fields(target, ignore_index: int, check_consistency: bool, device) -> Tensor:
-    """The row count and the targets' fingerprint (sum and count of the counted targets; zeros
-    unless ``check_consistency``), read whatever ``target`` is (-1 rows for no tensor)."""
-    if not isinstance(target, Tensor):
-        return torch.tensor([-1, 0, 0], dtype=torch.int64, device=device)
-    rows = torch.tensor([target.numel()], dtype=torch.int64, device=device)
-    integer = not (target.is_floating_point() or target.is_complex()
-                   or target.dtype == torch.bool)
-    if not (check_consistency and integer):
-        return torch.cat([rows, rows.new_zeros(2)])
-    counted = target.reshape(-1) != ignore_index
-    fingerprint = torch.stack([torch.where(counted, target.reshape(-1), 0).sum(),
-                               counted.sum()]).to(device=device, dtype=torch.int64)
-    return torch.cat([rows, fingerprint])
-
-
-def agreed_layout(op_name: str, process_group, vocab_local: int, like: Tuple, target,
-                  ignore_index, check_consistency, checks: Callable[[ShardLayout], Any]):
-    """``(layout, checks(layout))``: this rank's vocabulary range, from the shard sizes
-    all-gathered over the group, and the call's checks, agreed over the group.
-
-    The all-gather is the call's first collective, and every rank reaches it whatever its
-    tensors (``vocab_local`` and the target's fields are read without a check; before it only
-    what is alike on every rank by the contract is checked: the group, ``check_consistency``,
-    ``ignore_index`` and the op's refusals of its other keywords): 4 int64 per rank, the shard
-    size, the row count (``target.numel()``) and, when ``check_consistency``, the sum and
-    count of the counted targets. Then, alike on every rank:
-    every shard empty is refused; ``checks(layout)`` (every check of the call's own arguments,
-    which may read the whole vocabulary ``layout.vocab_total``) runs and is agreed
-    (``agreement.agreed``), so an input one rank refuses raises on every rank; ranks that pass
-    different rows (or targets) raise :class:`RanksDisagree`. ``like``: tensors of the call,
-    whose device the collectives use.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("process_group is set but torch.distributed is not initialized "
-                         "(call torch.distributed.init_process_group first)")
-    if _not_a_member(process_group):
-        raise ValueError("this process is not a member of process_group (dist.new_group "
-                         "returned GroupMember.NON_GROUP_MEMBER here): call the op only on "
-                         "the group's ranks")
-    if not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got "
-                        f"{type(process_group).__name__}")
-    check_consistency = check_consistency_flag(check_consistency)
-    ignore_index = check_index(ignore_index, "ignore_index")
-    rank = dist.get_rank(process_group)
-    if rank < 0:
-        raise ValueError("this process is not a member of process_group")
-    world = dist.get_world_size(process_group)
-    device = agreement.device_of(*like, group=process_group)
-    local = torch.cat([torch.tensor([vocab_local], dtype=torch.int64, device=device),
-                       _target_fields(target, ignore_index, check_consistency, device)])
-    gathered = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(gathered, local, group=process_group)
-    per_rank = torch.stack(gathered).tolist()
-    sizes = [values[0] for values in per_rank]
-    if sum(sizes) < 1:
-        raise ValueError(f"every rank of process_group holds an empty vocabulary shard (shard "
-                         f"sizes per rank: {sizes}): the vocabulary needs V >= 1")
-    layout = ShardLayout(process_group, sum(sizes[:rank]), vocab_local, sum(sizes), max(sizes))
-    checked = agreement.agreed(op_name, process_group, device, lambda: checks(layout))
-    rows = [values[1] for values in per_rank]
-    if len(set(rows)) > 1:
-        raise RanksDisagree(f"the ranks of process_group pass different numbers of rows "
-                            f"(target.numel() per rank: {rows}): every rank must pass the same "
-                            f"rows, only the vocabulary shard differs")
-    fingerprints = [tuple(values[2:]) for values in per_rank]
-    if len(set(fingerprints)) > 1:
-        raise RanksDisagree(f"the ranks of process_group pass different targets (sum and "
-                            f"count of the counted targets per rank: {fingerprints}): every "
-                            f"rank must pass the same targets (and ignore_index); "
-                            f"check_consistency=False skips this check")
-    return layout, checked
-
-
-def whole_logits(rows: Tensor, layout: ShardLayout) -> LogitsShape:
-    """The group's logits as the checks see them: ``rows``' leading shape, the whole
-    vocabulary."""
-    return LogitsShape(tuple(rows.shape[:-1]), layout.vocab_total, rows.device)
 
 
 class LocalTargets(NamedTuple):
@@ -235,14 +92,9 @@ def shard_backend(backend: str, resolved: str, needs_grad: bool) -> str:
         f"vocabulary-parallel gradient (process_group=) yet; pass backend='torch' or 'auto'")
 
 
-def _all_reduce(tensor: Tensor, op, group) -> Tensor:
-    dist.all_reduce(tensor, op=op, group=group)
-    return tensor
-
-
 def _group_weights(lse_r: Tensor, group) -> Tuple[Tensor, Tensor, Tensor]:
     """``(M, log w_r, w_r)`` with ``M = max_r lse_r`` over the group (one all-reduce)."""
-    top = _all_reduce(lse_r.clone(), dist.ReduceOp.MAX, group)
+    top = all_reduced(lse_r.clone(), dist.ReduceOp.MAX, group)
     shifted = lse_r - top
     return top, shifted, torch.exp(shifted)
 
@@ -256,7 +108,7 @@ def combine_logprobs(logp_r, entropy_r, lse_r, targets: LocalTargets, group, wit
     if with_entropy:
         parts += [torch.where(empty, 0.0, weight * entropy_r),
                   torch.where(empty, 0.0, weight * shifted)]
-    sums = _all_reduce(torch.stack(parts), dist.ReduceOp.SUM, group)
+    sums = all_reduced(torch.stack(parts), dist.ReduceOp.SUM, group)
     log_total = torch.log(sums[0])
     valid = targets.valid
     logp = torch.where(valid, sums[1] - log_total, 0.0)
@@ -283,7 +135,7 @@ def combine_cross_entropy(nll_r, smooth_r, lse_r, targets: LocalTargets, layout:
     elif eps:
         parts.append(torch.where(empty, math.inf, (layout.vocab_local / layout.vocab_total)
                                  * (smooth_r - shifted)))
-    sums = _all_reduce(torch.stack(parts), dist.ReduceOp.SUM, layout.group)
+    sums = all_reduced(torch.stack(parts), dist.ReduceOp.SUM, layout.group)
     log_total = torch.log(sums[0])
     lse = top + log_total
     loss = (1.0 - eps) * (log_total - sums[1]) + params.z_loss * lse * lse
@@ -449,44 +301,6 @@ class ShardCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def gathered_logits(logits: Tensor, layout: ShardLayout) -> Tensor:
-    """The full-vocabulary logits (the reference path): the other ranks' shards all-gathered
-    (padded to the largest shard) and detached, this rank's shard differentiable in place."""
-    group = layout.group
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    sizes = [torch.empty(1, dtype=torch.int64, device=logits.device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([layout.vocab_local], device=logits.device), group=group)
-    sizes = torch.cat(sizes).tolist()
-    padded = logits.detach().new_zeros(*logits.shape[:-1], max(sizes))
-    padded[..., :layout.vocab_local] = logits.detach()
-    shards = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(shards, padded.contiguous(), group=group)
-    pieces = [logits if r == rank else shard[..., :size]
-              for r, (shard, size) in enumerate(zip(shards, sizes))]
-    return torch.cat(pieces, dim=-1)
-
-
-def on_gathered_logits(op, call, layout: ShardLayout):
-    """``backend="reference"`` under ``process_group``: ``op`` in one process on the gathered
-    full-vocabulary logits (each rank computes the whole result)."""
-    return op(**{**call, "logits": gathered_logits(call["logits"], layout),
-                 "process_group": None, "backend": "reference"})
-
-
-class SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; the backward all-reduces the gradient (the hidden states feed every
-    rank's shard of the LM head)."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad.contiguous().clone(), dist.ReduceOp.SUM, ctx.group), None
-
-
 class EmptyShardHead:
     """``ChunkedHead``'s walk for a weight with no rows (``[0, H]``): each chunk's logits are
     ``[1, n, 0]`` (no matmul), and the shard adds nothing to any gradient, so they are zeros
@@ -525,7 +339,7 @@ def shard_head(hidden, weight, bias, chunk_size, needs_grad=(False, False, False
 def summed_hidden_grad(grad_part, dtype, group):
     """The hidden states' gradient: the ranks' float32 parts summed over the group, rounded to
     ``dtype`` once (parts rounded before the sum would add a rounding per rank)."""
-    return _all_reduce(grad_part, dist.ReduceOp.SUM, group).to(dtype)
+    return all_reduced(grad_part, dist.ReduceOp.SUM, group).to(dtype)
 
 
 def _head_gradients(ctx, kernels, lse, coefficients, temperature, softcap):
@@ -644,45 +458,6 @@ def head_shard_cross_entropy_walk(hidden_rows, weight, bias, target_flat, params
     if needs[0]:
         grads[0] = summed_hidden_grad(grads[0], hidden_rows.dtype, layout.group)
     return (rows_loss, *grads)
-
-
-def check_shard_head(hidden, weight, bias, chunk_size):
-    """``check_head`` for a vocabulary shard of the head, which may hold no rows
-    (``weight [0, H]``, ``bias [0]``); returns ``hidden`` as 2-D rows."""
-    if not (isinstance(weight, Tensor) and weight.dim() == 2 and weight.shape[0] == 0):
-        return check_head(hidden, weight, bias, chunk_size)
-    if isinstance(bias, Tensor) and tuple(bias.shape) != (0,):
-        raise ValueError(f"bias must have shape [V] = (0,) (weight's rows), got "
-                         f"{tuple(bias.shape)}")
-    # check_head wants V >= 1: the rest is checked on zero-byte one-row stand-ins
-    one_row = weight.new_zeros(()).expand(1, weight.shape[1])
-    one_bias = bias.new_zeros(()).expand(1) if isinstance(bias, Tensor) else bias
-    return check_head(hidden, one_row, one_bias, chunk_size)
-
-
-def head_setup(op_name, process_group, hidden, weight, bias, chunk_size, target, ignore_index,
-               check_consistency, checks):
-    """``(hidden rows, layout, needs_grad, checks(layout))`` of a vocabulary-parallel head
-    call: :func:`agreed_layout` of the weight's shard, the head's checks
-    (:func:`check_shard_head`) agreed with the op's own ``checks``, which run first."""
-    def head_checks(layout):
-        checked = checks(layout)
-        return check_shard_head(hidden, weight, bias, chunk_size), checked
-
-    layout, (hidden_rows, checked) = agreed_layout(
-        op_name, process_group, vocab_size(weight, 0), (hidden, weight), target, ignore_index,
-        check_consistency, head_checks)
-    needs = head_needs(hidden, weight, bias) if torch.is_grad_enabled() else (False,) * 3
-    return hidden_rows, layout, any(needs), checked
-
-
-def on_head_logits(op, call):
-    """``backend="reference"`` under ``process_group`` for a fused-head op: its logits ``op``
-    on this shard's logits (the hidden states' gradient summed over the group), with the
-    call's arguments that ``op`` takes."""
-    hidden = SumGradOverGroup.apply(call["hidden"], call["process_group"])
-    return reference_on_logits(op, call, torch.nn.functional.linear(hidden, call["weight"],
-                                                                    call["bias"]))
 
 
 def _shard_params(params, requested_backend, needs_grad, **changes):
