@@ -44,12 +44,31 @@ from .agreement import RanksDisagree, SumGradOverGroup
 
 
 @dataclass(frozen=True)
-class ShardLayout:
-    group: object
-    vocab_start: int
-    vocab_local: int
-    vocab_total: int
-    vocab_largest: int  # the largest shard of the group (the walk's chunk rule reads it)
+class VocabShard:
+    """This rank's vocabulary shard, ids ``[start, stop)`` of the group's whole vocabulary (as Cut
+    Cross-Entropy's ``VocabParallelOptions`` carries it), and every rank's shard size in rank
+    order. Built once per call, by :func:`agreed_layout` from the shard sizes' all-gather, and
+    passed down to everything that reads the layout: the checks (the whole vocabulary), the
+    shard's statistics and gradient (``distributed/vocab_shard.py``), the reference path."""
+
+    start: int
+    stop: int
+    group: dist.ProcessGroup
+    sizes: Tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        """This rank's shard size (0 for a rank that holds no vocabulary)."""
+        return self.stop - self.start
+
+    @property
+    def vocab_total(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def vocab_largest(self) -> int:
+        """The group's largest shard (the head walk's chunk rule reads it, alike on every rank)."""
+        return max(self.sizes)
 
 
 def _not_a_member(process_group) -> bool:
@@ -88,9 +107,10 @@ def _target_fields(target, ignore_index: int, check_consistency: bool, device) -
 
 
 def agreed_layout(op_name: str, process_group, vocab_local: int, like: Tuple, target,
-                  ignore_index, check_consistency, checks: Callable[[ShardLayout], Any]):
-    """``(layout, checks(layout))``: this rank's vocabulary range, from the shard sizes
-    all-gathered over the group, and the call's checks, agreed over the group.
+                  ignore_index, check_consistency, checks: Callable[[VocabShard], Any]):
+    """``(layout, checks(layout))``: this rank's :class:`VocabShard`, from the shard sizes
+    all-gathered over the group (the one place a call's layout is derived), and the call's
+    checks, agreed over the group.
 
     The all-gather is the call's first collective, and every rank reaches it whatever its
     tensors (``vocab_local`` and the target's fields are read without a check; before it only
@@ -130,7 +150,8 @@ def agreed_layout(op_name: str, process_group, vocab_local: int, like: Tuple, ta
     if sum(sizes) < 1:
         raise ValueError(f"every rank of process_group holds an empty vocabulary shard (shard "
                          f"sizes per rank: {sizes}): the vocabulary needs V >= 1")
-    layout = ShardLayout(process_group, sum(sizes[:rank]), vocab_local, sum(sizes), max(sizes))
+    start = sum(sizes[:rank])
+    layout = VocabShard(start, start + vocab_local, process_group, tuple(sizes))
     checked = agreement.agreed(op_name, process_group, device, lambda: checks(layout))
     rows = [values[1] for values in per_rank]
     if len(set(rows)) > 1:
@@ -146,30 +167,27 @@ def agreed_layout(op_name: str, process_group, vocab_local: int, like: Tuple, ta
     return layout, checked
 
 
-def whole_logits(rows: Tensor, layout: ShardLayout) -> LogitsShape:
+def whole_logits(rows: Tensor, layout: VocabShard) -> LogitsShape:
     """The group's logits as the checks see them: ``rows``' leading shape, the whole
     vocabulary."""
     return LogitsShape(tuple(rows.shape[:-1]), layout.vocab_total, rows.device)
 
 
-def gathered_logits(logits: Tensor, layout: ShardLayout) -> Tensor:
+def gathered_logits(logits: Tensor, layout: VocabShard) -> Tensor:
     """The full-vocabulary logits (the reference path): the other ranks' shards all-gathered
-    (padded to the largest shard) and detached, this rank's shard differentiable in place."""
-    group = layout.group
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    sizes = [torch.empty(1, dtype=torch.int64, device=logits.device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([layout.vocab_local], device=logits.device), group=group)
-    sizes = torch.cat(sizes).tolist()
-    padded = logits.detach().new_zeros(*logits.shape[:-1], max(sizes))
-    padded[..., :layout.vocab_local] = logits.detach()
-    shards = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(shards, padded.contiguous(), group=group)
+    (padded to the largest shard; the layout's sizes cut them) and detached, this rank's shard
+    differentiable in place."""
+    rank = dist.get_rank(layout.group)
+    padded = logits.detach().new_zeros(*logits.shape[:-1], layout.vocab_largest)
+    padded[..., :layout.size] = logits.detach()
+    shards = [torch.empty_like(padded) for _ in layout.sizes]
+    dist.all_gather(shards, padded.contiguous(), group=layout.group)
     pieces = [logits if r == rank else shard[..., :size]
-              for r, (shard, size) in enumerate(zip(shards, sizes))]
+              for r, (shard, size) in enumerate(zip(shards, layout.sizes))]
     return torch.cat(pieces, dim=-1)
 
 
-def on_gathered_logits(op, call, layout: ShardLayout):
+def on_gathered_logits(op, call, layout: VocabShard):
     """``backend="reference"`` under ``process_group``: ``op`` in one process on the gathered
     full-vocabulary logits (each rank computes the whole result)."""
     return op(**{**call, "logits": gathered_logits(call["logits"], layout),

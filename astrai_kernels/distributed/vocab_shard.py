@@ -51,7 +51,7 @@ from ..ops._common import (
 )
 from ..ops.head import ChunkedHead, absent_grad, chunk_rows, compute_dtype, row_floats
 from .agreement import all_reduced
-from .vocab_parallel import ShardLayout
+from .vocab_parallel import VocabShard
 
 # Local targets handed to the primitives: a row ignored by the caller, and (backward only) a
 # counted row whose target lies in another rank's shard. Local ids are >= 0, so neither can
@@ -67,10 +67,10 @@ class LocalTargets(NamedTuple):
     backward: Tensor  # NOT_IN_SHARD where the target lies elsewhere
 
 
-def local_targets(target_flat: Tensor, ignore_index: int, layout: ShardLayout) -> LocalTargets:
+def local_targets(target_flat: Tensor, ignore_index: int, layout: VocabShard) -> LocalTargets:
     valid = target_flat != ignore_index
-    local = target_flat.long() - layout.vocab_start
-    owned = valid & (local >= 0) & (local < layout.vocab_local)
+    local = target_flat.long() - layout.start
+    owned = valid & (local >= 0) & (local < layout.size)
     ignored = torch.full_like(local, LOCAL_IGNORE)
     forward = torch.where(owned, local, torch.where(valid, torch.zeros_like(local), ignored))
     elsewhere = torch.full_like(local, NOT_IN_SHARD)
@@ -119,7 +119,7 @@ def combine_logprobs(logp_r, entropy_r, lse_r, targets: LocalTargets, group, wit
     return logp, entropy, lse
 
 
-def combine_cross_entropy(nll_r, smooth_r, lse_r, targets: LocalTargets, layout: ShardLayout,
+def combine_cross_entropy(nll_r, smooth_r, lse_r, targets: LocalTargets, layout: VocabShard,
                           params) -> Tuple[Tensor, Tensor]:
     """``(loss, lse)`` per row: ``nll_r = lse_r - z_y`` (owner), ``smooth_r = lse_r - mean z``
     over the shard; ``lse - mean z = sum_r (V_r / V) (smooth_r - log w_r) + log W``."""
@@ -130,10 +130,10 @@ def combine_cross_entropy(nll_r, smooth_r, lse_r, targets: LocalTargets, layout:
     empty = lse_r == -math.inf
     owner_term = torch.where(empty, -math.inf, shifted - nll_r)
     parts = [weight, torch.where(targets.owned, owner_term, 0.0)]
-    if eps and layout.vocab_local == 0:
+    if eps and layout.size == 0:
         parts.append(torch.zeros_like(weight))  # no logits in this shard's share of the mean
     elif eps:
-        parts.append(torch.where(empty, math.inf, (layout.vocab_local / layout.vocab_total)
+        parts.append(torch.where(empty, math.inf, (layout.size / layout.vocab_total)
                                  * (smooth_r - shifted)))
     sums = all_reduced(torch.stack(parts), dist.ReduceOp.SUM, layout.group)
     log_total = torch.log(sums[0])
@@ -414,7 +414,7 @@ class ShardHeadCrossEntropy(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
-def agreed_chunk_size(hidden_rows, weight, chunk_size, layout: ShardLayout) -> int:
+def agreed_chunk_size(hidden_rows, weight, chunk_size, layout: VocabShard) -> int:
     """``chunk_size``, or when None ``chunk_rows``'s rule for the group's largest shard: the
     same on every rank (shards differ in size, an empty one most), and every rank's chunk
     buffer within the rule's budget."""
