@@ -18,6 +18,13 @@ above the resident set before the call.
 * ``distill``: verl's ``compute_forward_kl_topk`` on the student's logits ``[1, rows, V]``
   with a teacher's top ``k``, forward and the backward of ``sum(distillation_losses)``:
   ``astrai`` (after ``install()``) against ``verl`` (its default ``log_softmax`` path).
+
+``x floor`` is a case's time over a floor measured in the ``astrai`` case's process (fastest
+of ``--repeats``): for ``head`` the four matmuls of the shape in its dtype that a fused
+forward and backward without a ``[rows, V]`` buffer must run (the logits, their recompute in
+the backward, ``dlogits @ W``, ``dlogits.T @ h``; verl's ``torch`` backend runs the same
+four), for ``distill`` the student's top-``k`` ranking (``torch.topk`` of its logits), which
+both paths run. ``load`` is the 1-minute load average at each case's start.
 """
 
 import argparse
@@ -109,6 +116,37 @@ def _distill_step(impl, rows, vocab, k, dtype, backend):
     return step
 
 
+def _floor_call(kind, rows, hidden, vocab, k, dtype):
+    """The floor of the module doc for one case: a function to time."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    if kind == "head":
+        hidden_states = (torch.randn(rows, hidden, generator=generator) / hidden ** 0.5).to(dtype)
+        weight = torch.randn(vocab, hidden, generator=generator).to(dtype)
+
+        def matmuls():
+            hidden_states @ weight.t()
+            logits = hidden_states @ weight.t()
+            logits @ weight
+            logits.t() @ hidden_states
+
+        return matmuls
+    logits = (torch.randn(rows, vocab, generator=generator) * 3).to(dtype)
+    return lambda: torch.topk(logits, k=k, dim=-1)
+
+
+def _fastest(call, repeats):
+    import time
+
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def run_case(kind, impl, rows, hidden, vocab, dtype, k, backend, repeats, threads):
     """One case in this process; returns its result dict."""
     import torch
@@ -117,33 +155,43 @@ def run_case(kind, impl, rows, hidden, vocab, dtype, k, backend, repeats, thread
 
     if threads:
         torch.set_num_threads(threads)
+    load = os.getloadavg()[0]
     torch_dtype = getattr(torch, dtype)
     step = (_head_step(impl, rows, hidden, vocab, torch_dtype, backend) if kind == "head"
             else _distill_step(impl, rows, vocab, k, torch_dtype, backend))
     measured = best_of(step, repeats)
+    del step
+    floor = (_fastest(_floor_call(kind, rows, hidden, vocab, k, torch_dtype), repeats)
+             if impl == "astrai" else None)
     import verl
 
     return {"kind": kind, "impl": impl, "rows": rows, "hidden": hidden, "vocab": vocab,
             "dtype": dtype, "k": k if kind == "distill" else None,
             "backend": resolve_backend(backend, "cpu") if impl == "astrai" else "torch",
-            **measured, "logits_bytes": rows * vocab * torch.finfo(torch_dtype).bits // 8,
+            **measured, "floor_seconds": floor, "load_average": load,
+            "logits_bytes": rows * vocab * torch.finfo(torch_dtype).bits // 8,
             "threads": torch.get_num_threads(), "verl": verl.__version__}
 
 
 def format_table(results):
     mib = 1 << 20
-    lines = [f"{'case':<8} {'V':>7} {'dtype':<9} {'impl':<11} {'ms':>9} {'peak MiB':>9} "
-             f"{'peak/logits':>11} {'x faster':>9} {'x less peak':>11}"]
+    lines = [f"{'case':<8} {'V':>7} {'dtype':<9} {'impl':<11} {'ms':>9} {'x floor':>8} "
+             f"{'peak MiB':>9} {'peak/logits':>11} {'x faster':>9} {'x less peak':>11} "
+             f"{'load':>5}"]
     for r in results:
-        base = next(b for b in results if (b["kind"], b["vocab"], b["dtype"]) ==
-                    (r["kind"], r["vocab"], r["dtype"]) and b["impl"] in ("verl_torch", "verl"))
+        same_case = [b for b in results if (b["kind"], b["vocab"], b["dtype"]) ==
+                     (r["kind"], r["vocab"], r["dtype"])]
+        base = next(b for b in same_case if b["impl"] in ("verl_torch", "verl"))
+        floor = next((b["floor_seconds"] for b in same_case if b.get("floor_seconds")), None)
+        over_floor = f"{r['seconds'] / floor:.2f}" if floor else "-"
         faster = times(base["seconds"], r["seconds"])
         unfused = next((b for b in results if b["impl"] == "unfused" and (
             b["kind"], b["vocab"], b["dtype"]) == (r["kind"], r["vocab"], r["dtype"])), base)
         smaller = times(max(unfused["peak_bytes"], 1), max(r["peak_bytes"], 1))
         lines.append(f"{r['kind']:<8} {r['vocab']:>7} {r['dtype']:<9} {r['impl']:<11} "
-                     f"{r['seconds'] * 1e3:>9.1f} {r['peak_bytes'] / mib:>9.1f} "
-                     f"{r['peak_bytes'] / r['logits_bytes']:>11.2f} {faster:>9} {smaller:>11}")
+                     f"{r['seconds'] * 1e3:>9.1f} {over_floor:>8} {r['peak_bytes'] / mib:>9.1f} "
+                     f"{r['peak_bytes'] / r['logits_bytes']:>11.2f} {faster:>9} {smaller:>11} "
+                     f"{r['load_average']:>5.2f}")
     return "\n".join(lines)
 
 
@@ -174,12 +222,18 @@ def main(argv=None):
         [os.path.abspath(__file__)],
         [[*common, "--case", ",".join(str(part) for part in case)] for case in cases],
         args.timeout)
+    floors = {(r["kind"], r["vocab"], r["dtype"]): r["floor_seconds"] for r in results
+              if r.get("floor_seconds")}
     print(f"verl {results[0]['verl']}: {args.rows} tokens, H={args.hidden}, temperature "
           f"{TEMPERATURE}, distill k={args.k}; {args.threads or 'default'} thread(s), best of "
           f"{args.repeats}; peak = RSS high-water above the call's start; 'x faster' against "
           f"verl's fused torch backend (head) or its compute_forward_kl_topk (distill), "
-          f"'x less peak' against the unfused path (head) or verl's (distill)")
+          f"'x less peak' against the unfused path (head) or verl's (distill); 'x floor' over "
+          f"the head's four matmuls or the distillation's torch.topk (module doc); 'load': "
+          f"1-minute load average at the case's start")
     print(format_table(results))
+    print("floors (ms): " + ", ".join(f"{kind} V={vocab} {dtype} {seconds * 1e3:.1f}"
+                                      for (kind, vocab, dtype), seconds in floors.items()))
     write_results(args.json, results)
 
 

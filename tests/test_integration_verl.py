@@ -274,10 +274,10 @@ def test_topk_distillation_matches_verls_per_token(dtype, installed):
         return {name: value.detach() for name, value in result.items()}, student.grad
 
     original = ORIGINALS[(verl_distillation, "compute_forward_kl_topk")]
-    assert verl_distillation.compute_forward_kl_topk is distillation.compute_forward_kl_topk
+    assert distillation.is_astrai_topk(verl_distillation.compute_forward_kl_topk)
     expected, expected_grad = outputs(original, logits.double())
     naive, naive_grad = outputs(original, logits)
-    ours, grad = outputs(distillation.compute_forward_kl_topk, logits)
+    ours, grad = outputs(verl_distillation.compute_forward_kl_topk, logits)
     assert bool((expected["student_mass"] < 1).all())
     student_at_ids = torch.log_softmax(logits.double(), -1)[0].gather(-1, teacher_ids)
     assert bool((student_at_ids < -10).any() and (student_at_ids > -10).any())  # the clamp acts
@@ -289,6 +289,35 @@ def test_topk_distillation_matches_verls_per_token(dtype, installed):
         check(ours[name], expected[name], naive[name], dtype, name)
     check(grad, expected_grad, naive_grad, dtype, "grad student_logits")
     assert grad.dtype == dtype
+
+
+def test_topk_distillation_runs_on_installs_backend(monkeypatch):
+    """``install(backend=...)`` reaches the distillation's ``ak.token_logprobs`` too."""
+    import astrai_kernels as ak
+
+    seen = []
+    token_logprobs = ak.token_logprobs
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("backend"))
+        return token_logprobs(*args, **kwargs)
+
+    monkeypatch.setattr(ak, "token_logprobs", spy)
+    generator = torch.Generator().manual_seed(5)
+    teacher_log_probs, teacher_ids = _teacher(17, 6, 3, generator)
+    offsets = torch.tensor([0, 2, 6])
+    nested = [torch.nested.nested_tensor_from_jagged(t, offsets)
+              for t in (teacher_log_probs, teacher_ids)]
+    config = types.SimpleNamespace(distillation_loss=types.SimpleNamespace(
+        log_prob_min_clamp=-10.0))
+    try:
+        for backend in ("torch", "auto"):
+            akv.install(backend=backend)
+            logits = torch.randn(1, 6, 17, generator=generator, requires_grad=True)
+            verl_distillation.compute_forward_kl_topk(logits, *nested, config, "thd")
+    finally:
+        akv.uninstall()
+    assert seen == ["torch", "auto"]
 
 
 def test_sum_pi_squared_has_no_gradient(installed):

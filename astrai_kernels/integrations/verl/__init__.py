@@ -26,7 +26,8 @@ by ``uninstall()``:
 * ``verl.trainer.distillation.fsdp.losses.compute_forward_kl_topk``: verl's top-K forward KL
   without the student's ``[B, T, V]`` log-softmax (``distillation.py``), same outputs.
 
-``install(backend=..., chunk_size=...)`` passes those to the op. verl is imported only when
+``install(backend=..., chunk_size=...)`` passes those to the head's op (the backend also
+to the distillation's ``ak.token_logprobs``). verl is imported only when
 these functions run; ``import astrai_kernels`` never imports it.
 """
 
@@ -61,7 +62,8 @@ def _targets():
         (FSDPEngineWithLMHead, "prepare_model_outputs",
          lambda original, options: engine.make_prepare_model_outputs(original)),
         (losses, "compute_forward_kl_topk",
-         lambda original, options: distillation.compute_forward_kl_topk),
+         lambda original, options: distillation.make_compute_forward_kl_topk(
+             options["backend"])),
     ]
 
 

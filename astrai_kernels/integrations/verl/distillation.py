@@ -19,32 +19,51 @@ import astrai_kernels as ak
 _IGNORE = -(2 ** 62)
 
 
-def compute_forward_kl_topk(student_logits, teacher_topk_log_probs, teacher_topk_ids, config,
-                            data_format):
-    """verl's ``compute_forward_kl_topk``, same arguments and outputs (each ``[bsz,
-    seqlen/sp]``): ``distillation_losses``, ``student_mass``, ``teacher_mass``,
-    ``overlap_count``, ``overlap_token_advantage``."""
-    from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size, slice_input_tensor
+def make_compute_forward_kl_topk(backend: str = "auto"):
+    """verl's ``compute_forward_kl_topk`` with the student's top-K log-probs from
+    ``ak.token_logprobs(backend=backend)`` (``install``'s backend)."""
 
-    assert teacher_topk_log_probs.is_nested and teacher_topk_ids.is_nested
-    teacher_topk_log_probs = teacher_topk_log_probs.values().unsqueeze(0)
-    teacher_topk_ids = teacher_topk_ids.values().unsqueeze(0)
-    if get_ulysses_sequence_parallel_world_size() > 1:
-        teacher_topk_log_probs = slice_input_tensor(teacher_topk_log_probs, dim=1)
-        teacher_topk_ids = slice_input_tensor(teacher_topk_ids, dim=1)
-    assert teacher_topk_log_probs.shape[:2] == teacher_topk_ids.shape[:2] == \
-        student_logits.shape[:2]
-    return topk_outputs(student_logits, teacher_topk_log_probs, teacher_topk_ids,
-                        config.distillation_loss.log_prob_min_clamp)
+    def compute_forward_kl_topk(student_logits, teacher_topk_log_probs, teacher_topk_ids,
+                                config, data_format):
+        """verl's ``compute_forward_kl_topk``, same arguments and outputs (each ``[bsz,
+        seqlen/sp]``): ``distillation_losses``, ``student_mass``, ``teacher_mass``,
+        ``overlap_count``, ``overlap_token_advantage``."""
+        from verl.utils.ulysses import (
+            get_ulysses_sequence_parallel_world_size,
+            slice_input_tensor,
+        )
+
+        assert teacher_topk_log_probs.is_nested and teacher_topk_ids.is_nested
+        teacher_topk_log_probs = teacher_topk_log_probs.values().unsqueeze(0)
+        teacher_topk_ids = teacher_topk_ids.values().unsqueeze(0)
+        if get_ulysses_sequence_parallel_world_size() > 1:
+            teacher_topk_log_probs = slice_input_tensor(teacher_topk_log_probs, dim=1)
+            teacher_topk_ids = slice_input_tensor(teacher_topk_ids, dim=1)
+        assert teacher_topk_log_probs.shape[:2] == teacher_topk_ids.shape[:2] == \
+            student_logits.shape[:2]
+        return topk_outputs(student_logits, teacher_topk_log_probs, teacher_topk_ids,
+                            config.distillation_loss.log_prob_min_clamp, backend)
+
+    compute_forward_kl_topk._astrai_kernels_backend = backend
+    return compute_forward_kl_topk
 
 
-def topk_outputs(student_logits, teacher_topk_log_probs, teacher_topk_ids, log_prob_min_clamp):
+def is_astrai_topk(function) -> bool:
+    """Whether ``function`` is a :func:`make_compute_forward_kl_topk` result."""
+    return hasattr(function, "_astrai_kernels_backend")
+
+
+compute_forward_kl_topk = make_compute_forward_kl_topk()
+
+
+def topk_outputs(student_logits, teacher_topk_log_probs, teacher_topk_ids, log_prob_min_clamp,
+                 backend="auto"):
     """The per-token outputs of verl's ``compute_forward_kl_topk`` from ``[..., V]`` logits
     and the teacher's ``[..., K]`` log-probs and ids."""
     k = teacher_topk_ids.shape[-1]
     with torch.autocast(student_logits.device.type, enabled=False):
         student_topk_log_probs = ak.token_logprobs(student_logits, teacher_topk_ids.long(),
-                                                   ignore_index=_IGNORE)
+                                                   ignore_index=_IGNORE, backend=backend)
     with torch.no_grad():
         student_topk_ids = torch.topk(student_logits.detach(), k=k, dim=-1).indices
     teacher_topk_log_probs = teacher_topk_log_probs.float()
