@@ -99,16 +99,18 @@ def _group_weights(lse_r: Tensor, group) -> Tuple[Tensor, Tensor, Tensor]:
     return top, shifted, torch.exp(shifted)
 
 
-def combine_logprobs(logp_r, entropy_r, lse_r, targets: LocalTargets, group, with_entropy):
+def combine_logprobs(logp_r, entropy_r, lse_r, targets: LocalTargets, layout: VocabShard,
+                     params) -> Tuple[Tensor, Tensor, Tensor]:
     """``(logp, entropy, lse)`` of the full vocabulary from each shard's (see module doc)."""
-    top, shifted, weight = _group_weights(lse_r, group)
+    with_entropy = params.with_entropy
+    top, shifted, weight = _group_weights(lse_r, layout.group)
     empty = lse_r == -math.inf  # no mass in this shard: its other statistics are NaN
     owner_logp = torch.where(empty, -math.inf, logp_r + shifted)
     parts = [weight, torch.where(targets.owned, owner_logp, 0.0)]
     if with_entropy:
         parts += [torch.where(empty, 0.0, weight * entropy_r),
                   torch.where(empty, 0.0, weight * shifted)]
-    sums = all_reduced(torch.stack(parts), dist.ReduceOp.SUM, group)
+    sums = all_reduced(torch.stack(parts), dist.ReduceOp.SUM, layout.group)
     log_total = torch.log(sums[0])
     valid = targets.valid
     logp = torch.where(valid, sums[1] - log_total, 0.0)
@@ -157,9 +159,9 @@ def _holds_no_vocabulary(logits, target_stat, lse, extra_stat, rows) -> bool:
     return True
 
 
-def logprobs_stats(kernels, chunks, targets: LocalTargets, temperature, with_entropy, n_rows,
-                   device):
+def logprobs_stats(kernels, chunks, targets: LocalTargets, params, n_rows, device):
     """The shard's ``(logp_r, entropy_r, lse_r)`` over ``chunks`` of ``(start, stop, logits)``."""
+    temperature, with_entropy = params.temperature, params.with_entropy
     logp, lse = row_floats(n_rows, device), row_floats(n_rows, device)
     entropy = row_floats(n_rows if with_entropy else 0, device)
     for start, stop, logits in chunks:
@@ -250,55 +252,79 @@ def _write_grad(logits, kernels, targets, lse, coefficients, temperature, softca
     return grad
 
 
-class ShardLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, targets, params, layout):
-        kernels = backend_module(params.backend)
-        n_rows = targets.valid.numel()
-        chunks = ((0, n_rows, rows_view(logits)),)
-        stats = logprobs_stats(kernels, chunks, targets, params.temperature, params.with_entropy,
-                               n_rows, logits.device)
-        logp, entropy, lse = combine_logprobs(*stats, targets, layout.group, params.with_entropy)
-        ctx.save_for_backward(logits, lse, entropy)
-        ctx.targets, ctx.params = targets, params
-        return logp, entropy if params.with_entropy else torch.zeros_like(logp)
+class LogprobsShard:
+    """``token_logprobs``' part of the shard path: per row ``(logp, entropy)`` (zeros unless
+    ``params.with_entropy``), ``params`` the op's checked ``LogprobsParams``."""
+
+    op_names = ("token_logprobs", "linear_token_logprobs")
+    stats = staticmethod(logprobs_stats)
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        refuse_double_backward("token_logprobs", None)
-        logits, lse, entropy = ctx.saved_tensors
-        params = ctx.params
+    def combine(stats, targets, layout, params):
+        """``(results, saved)``: the rows' results, and what the backward reads (``lse``
+        first)."""
+        logp, entropy, lse = combine_logprobs(*stats, targets, layout, params)
+        results = (logp, entropy if params.with_entropy else torch.zeros_like(logp))
+        return results, (lse, entropy)
+
+    @staticmethod
+    def coefficients(grads, saved, params, layout) -> Coefficients:
+        (grad_logp, grad_entropy), (lse, entropy) = grads, saved
         grad_entropy = dense_grad(grad_entropy, lse) if params.with_entropy else None
-        coefficients = logprobs_coefficients(dense_grad(grad_logp, lse), grad_entropy, entropy)
-        grad = _write_grad(logits, backend_module(params.backend), ctx.targets, lse,
-                           coefficients, params.temperature, 0.0, params.inplace_backward)
-        return grad, None, None, None
-
-
-class ShardCrossEntropy(torch.autograd.Function):
-    """Per-row losses; the backward writes the shard's gradient with the upstream row grads."""
+        return logprobs_coefficients(dense_grad(grad_logp, lse), grad_entropy, entropy)
 
     @staticmethod
-    def forward(ctx, logits, targets, params, layout):
-        kernels = backend_module(params.backend)
-        n_rows = targets.valid.numel()
-        chunks = ((0, n_rows, rows_view(logits)),)
-        stats = cross_entropy_stats(kernels, chunks, targets, params, n_rows, logits.device)
+    def transform(params) -> Tuple[float, float]:
+        """The ``(temperature, softcap)`` the gradient's chain rule goes through."""
+        return params.temperature, 0.0
+
+
+class CrossEntropyShard:
+    """``cross_entropy``'s part of the shard path: per row ``(loss,)``, ``params`` the op's
+    checked ``CrossEntropyParams``."""
+
+    op_names = ("cross_entropy", "linear_cross_entropy")
+    stats = staticmethod(cross_entropy_stats)
+
+    @staticmethod
+    def combine(stats, targets, layout, params):
         loss, lse = combine_cross_entropy(*stats, targets, layout, params)
-        ctx.save_for_backward(logits, lse)
-        ctx.targets, ctx.params, ctx.vocab_total = targets, params, layout.vocab_total
-        return loss
+        return (loss,), (lse,)
 
     @staticmethod
-    def backward(ctx, grad_rows):
-        refuse_double_backward("cross_entropy", None)
-        logits, lse = ctx.saved_tensors
+    def coefficients(grads, saved, params, layout) -> Coefficients:
+        (grad_rows,), (lse,) = grads, saved
+        return cross_entropy_coefficients(dense_grad(grad_rows, lse), lse, params,
+                                          layout.vocab_total)
+
+    @staticmethod
+    def transform(params) -> Tuple[float, float]:
+        return 1.0, params.softcap
+
+
+class ShardRows(torch.autograd.Function):
+    """``family``'s per-row results of this shard's logits; the backward writes the shard's
+    gradient with the upstream row gradients."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, params, layout, family):
+        n_rows = targets.valid.numel()
+        stats = family.stats(backend_module(params.backend), ((0, n_rows, rows_view(logits)),),
+                             targets, params, n_rows, logits.device)
+        results, saved = family.combine(stats, targets, layout, params)
+        ctx.save_for_backward(logits, *saved)
+        ctx.targets, ctx.params, ctx.layout, ctx.family = targets, params, layout, family
+        return results
+
+    @staticmethod
+    def backward(ctx, *grads):
+        refuse_double_backward(ctx.family.op_names[0], None)
+        logits, *saved = ctx.saved_tensors
         params = ctx.params
-        coefficients = cross_entropy_coefficients(dense_grad(grad_rows, lse), lse, params,
-                                                  ctx.vocab_total)
-        grad = _write_grad(logits, backend_module(params.backend), ctx.targets, lse,
-                           coefficients, 1.0, params.softcap, params.inplace_backward)
-        return grad, None, None, None
+        coefficients = ctx.family.coefficients(grads, saved, params, ctx.layout)
+        grad = _write_grad(logits, backend_module(params.backend), ctx.targets, saved[0],
+                           coefficients, *ctx.family.transform(params), params.inplace_backward)
+        return grad, None, None, None, None
 
 
 class EmptyShardHead:
@@ -365,53 +391,29 @@ def head_chunks(hidden_rows, weight, bias, chunk_size):
     return shard_head(hidden_rows, weight, bias, chunk_size).chunks()
 
 
-class ShardHeadLogprobs(torch.autograd.Function):
+class ShardHeadRows(torch.autograd.Function):
+    """``family``'s per-row results of the head whose weight holds this rank's shard."""
+
     @staticmethod
-    def forward(ctx, hidden_rows, weight, bias, targets, params, chunk_size, layout):
-        kernels = backend_module(params.backend)
-        n_rows = hidden_rows.shape[0]
-        stats = logprobs_stats(kernels, head_chunks(hidden_rows, weight, bias, chunk_size),
-                               targets, params.temperature, params.with_entropy, n_rows,
-                               hidden_rows.device)
-        logp, entropy, lse = combine_logprobs(*stats, targets, layout.group, params.with_entropy)
-        ctx.save_for_backward(hidden_rows, weight, bias, lse, entropy)
+    def forward(ctx, hidden_rows, weight, bias, targets, params, chunk_size, layout, family):
+        stats = family.stats(backend_module(params.backend),
+                             head_chunks(hidden_rows, weight, bias, chunk_size), targets, params,
+                             hidden_rows.shape[0], hidden_rows.device)
+        results, saved = family.combine(stats, targets, layout, params)
+        ctx.save_for_backward(hidden_rows, weight, bias, *saved)
         ctx.targets, ctx.params, ctx.chunk_size, ctx.layout = targets, params, chunk_size, layout
-        return logp, entropy if params.with_entropy else torch.zeros_like(logp)
+        ctx.family = family
+        return results
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        refuse_double_backward("linear_token_logprobs", None)
-        lse, entropy = ctx.saved_tensors[3:]
+    def backward(ctx, *grads):
+        refuse_double_backward(ctx.family.op_names[1], None)
+        saved = ctx.saved_tensors[3:]
         params = ctx.params
-        grad_entropy = dense_grad(grad_entropy, lse) if params.with_entropy else None
-        coefficients = logprobs_coefficients(dense_grad(grad_logp, lse), grad_entropy, entropy)
-        grads = _head_gradients(ctx, backend_module(params.backend), lse,
-                                coefficients, params.temperature, 0.0)
-        return (*grads, None, None, None, None)
-
-
-class ShardHeadCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden_rows, weight, bias, targets, params, chunk_size, layout):
-        kernels = backend_module(params.backend)
-        n_rows = hidden_rows.shape[0]
-        stats = cross_entropy_stats(kernels, head_chunks(hidden_rows, weight, bias, chunk_size),
-                                    targets, params, n_rows, hidden_rows.device)
-        loss, lse = combine_cross_entropy(*stats, targets, layout, params)
-        ctx.save_for_backward(hidden_rows, weight, bias, lse)
-        ctx.targets, ctx.params, ctx.chunk_size, ctx.layout = targets, params, chunk_size, layout
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_rows):
-        refuse_double_backward("linear_cross_entropy", None)
-        lse = ctx.saved_tensors[3]
-        params = ctx.params
-        coefficients = cross_entropy_coefficients(dense_grad(grad_rows, lse), lse, params,
-                                                  ctx.layout.vocab_total)
-        grads = _head_gradients(ctx, backend_module(params.backend), lse,
-                                coefficients, 1.0, params.softcap)
-        return (*grads, None, None, None, None)
+        coefficients = ctx.family.coefficients(grads, saved, params, ctx.layout)
+        grads = _head_gradients(ctx, backend_module(params.backend), saved[0], coefficients,
+                                *ctx.family.transform(params))
+        return (*grads, None, None, None, None, None)
 
 
 def agreed_chunk_size(hidden_rows, weight, chunk_size, layout: VocabShard) -> int:
@@ -465,62 +467,30 @@ def _shard_params(params, requested_backend, needs_grad, **changes):
                    **changes)
 
 
-def shard_token_logprobs(logits, target_flat, params, layout, requested_backend):
-    """``(logp, entropy)`` per row of this shard's ``logits`` (``params``: the logprobs op's
-    checked ``LogprobsParams``; entropy empty unless ``params.with_entropy``)."""
+def shard_rows(family, logits, target_flat, params, layout, requested_backend):
+    """``family``'s per-row results (a tuple: :class:`LogprobsShard`'s ``(logp, entropy)``,
+    :class:`CrossEntropyShard`'s ``(loss,)``) of this shard's ``logits``; ``params`` the op's
+    checked parameters."""
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
     params = _shard_params(params, requested_backend, needs_grad)
     targets = local_targets(target_flat, params.ignore_index, layout)
     if needs_grad:
-        return ShardLogprobs.apply(logits, targets, params, layout)
+        return ShardRows.apply(logits, targets, params, layout, family)
     n_rows = target_flat.numel()
-    stats = logprobs_stats(backend_module(params.backend), ((0, n_rows, rows_view(logits)),),
-                           targets, params.temperature, params.with_entropy, n_rows,
-                           logits.device)
-    logp, entropy, _ = combine_logprobs(*stats, targets, layout.group, params.with_entropy)
-    return logp, entropy
+    stats = family.stats(backend_module(params.backend), ((0, n_rows, rows_view(logits)),),
+                         targets, params, n_rows, logits.device)
+    return family.combine(stats, targets, layout, params)[0]
 
 
-def shard_cross_entropy_rows(logits, target_flat, params, layout, requested_backend):
-    """Per-row losses of this shard's ``logits`` (``params``: ``CrossEntropyParams``)."""
-    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+def head_shard_rows(family, hidden_rows, weight, bias, target_flat, params, layout, chunk_size,
+                    requested_backend, needs_grad):
+    """As :func:`shard_rows`, of the head whose weight holds this rank's shard."""
     params = _shard_params(params, requested_backend, needs_grad)
     targets = local_targets(target_flat, params.ignore_index, layout)
     if needs_grad:
-        return ShardCrossEntropy.apply(logits, targets, params, layout)
-    n_rows = target_flat.numel()
-    stats = cross_entropy_stats(backend_module(params.backend), ((0, n_rows, rows_view(logits)),),
-                                targets, params, n_rows, logits.device)
-    rows_loss, _ = combine_cross_entropy(*stats, targets, layout, params)
-    return rows_loss
-
-
-def head_shard_token_logprobs(hidden_rows, weight, bias, target_flat, params, layout, chunk_size,
-                          requested_backend, needs_grad):
-    """``(logp, entropy)`` per row of the head whose weight holds this rank's shard."""
-    params = _shard_params(params, requested_backend, needs_grad)
-    targets = local_targets(target_flat, params.ignore_index, layout)
-    if needs_grad:
-        return ShardHeadLogprobs.apply(hidden_rows, weight, bias, targets, params, chunk_size,
-                                       layout)
-    stats = logprobs_stats(backend_module(params.backend),
-                           head_chunks(hidden_rows, weight, bias, chunk_size), targets,
-                           params.temperature, params.with_entropy, hidden_rows.shape[0],
-                           hidden_rows.device)
-    logp, entropy, _ = combine_logprobs(*stats, targets, layout.group, params.with_entropy)
-    return logp, entropy
-
-
-def head_shard_cross_entropy_rows(hidden_rows, weight, bias, target_flat, params, layout,
-                              chunk_size, requested_backend, needs_grad):
-    """Per-row losses of the head whose weight holds this rank's shard."""
-    params = _shard_params(params, requested_backend, needs_grad)
-    targets = local_targets(target_flat, params.ignore_index, layout)
-    if needs_grad:
-        return ShardHeadCrossEntropy.apply(hidden_rows, weight, bias, targets, params,
-                                           chunk_size, layout)
-    stats = cross_entropy_stats(backend_module(params.backend),
-                                head_chunks(hidden_rows, weight, bias, chunk_size), targets,
-                                params, hidden_rows.shape[0], hidden_rows.device)
-    rows_loss, _ = combine_cross_entropy(*stats, targets, layout, params)
-    return rows_loss
+        return ShardHeadRows.apply(hidden_rows, weight, bias, targets, params, chunk_size,
+                                   layout, family)
+    stats = family.stats(backend_module(params.backend),
+                         head_chunks(hidden_rows, weight, bias, chunk_size), targets, params,
+                         hidden_rows.shape[0], hidden_rows.device)
+    return family.combine(stats, targets, layout, params)[0]

@@ -268,8 +268,8 @@ def _vocab_parallel(call):
     if params.backend == "reference":
         return vocab_parallel.on_gathered_logits(cross_entropy, call, layout)
     target_flat = flat_target(target)
-    rows_loss = vocab_shard.shard_cross_entropy_rows(logits, target_flat, params, layout,
-                                                     call["backend"])
+    (rows_loss,) = vocab_shard.shard_rows(vocab_shard.CrossEntropyShard, logits, target_flat,
+                                          params, layout, call["backend"])
     if params.reduction == "none":
         return rows_loss.view(target.shape)
     return reduce_loss(rows_loss, loss_grad_scale(target_flat, params, normalizer_t), params)
@@ -407,8 +407,9 @@ def _vocab_parallel_linear(call):
             value = reduce_loss(rows_loss, scale, params)
         return AttachHeadGrads.apply(hidden_rows, weight, bias, value, grad_hidden, grad_weight,
                                       grad_bias, "linear_cross_entropy", CE_EQUIVALENT)
-    rows_loss = vocab_shard.head_shard_cross_entropy_rows(
-        hidden_rows, weight, bias, target_flat, params, layout, chunk_size, backend, needs_grad)
+    (rows_loss,) = vocab_shard.head_shard_rows(
+        vocab_shard.CrossEntropyShard, hidden_rows, weight, bias, target_flat, params, layout,
+        chunk_size, backend, needs_grad)
     if reduction == "none":
         return rows_loss.view(target.shape)
     return reduce_loss(rows_loss, loss_grad_scale(target_flat, params, normalizer_t), params)

@@ -320,8 +320,8 @@ def _vocab_parallel(call):
         target, call["ignore_index"], call["check_consistency"], checks)
     if params.backend == "reference":
         return vocab_parallel.on_gathered_logits(token_logprobs, call, layout)
-    logp, entropy = vocab_shard.shard_token_logprobs(logits, flat_target(target), params,
-                                                     layout, call["backend"])
+    logp, entropy = vocab_shard.shard_rows(vocab_shard.LogprobsShard, logits, flat_target(target),
+                                           params, layout, call["backend"])
     logp = logp.view(target.shape)
     return (logp, entropy.view(target.shape)) if params.with_entropy else logp
 
@@ -745,9 +745,9 @@ def _vocab_parallel_linear(call):
         call["ignore_index"], call["check_consistency"], checks)
     if params.backend == "reference":
         return vocab_parallel.on_head_logits(token_logprobs, call)
-    logp, entropy = vocab_shard.head_shard_token_logprobs(
-        hidden_rows, weight, bias, flat_target(target), params, layout, chunk_size, backend,
-        needs_grad)
+    logp, entropy = vocab_shard.head_shard_rows(
+        vocab_shard.LogprobsShard, hidden_rows, weight, bias, flat_target(target), params, layout,
+        chunk_size, backend, needs_grad)
     logp = logp.view(target.shape)
     return (logp, entropy.view(target.shape)) if params.with_entropy else logp
 
