@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from ..options.scalars import check_index
 from . import agreement
-from .agreement import SumGradOverGroup, SumOverGroups
+from .agreement import SumGradOverGroup, SumOverGroups, summed
 
 
 def has_dtensor(*values) -> bool:
@@ -267,9 +267,7 @@ class LocalCall:
         if normalizer is not None or reduction != "mean" or not self.row_groups:
             return normalizer
         count = (self.target != check_index(ignore_index, "ignore_index")).sum(dtype=torch.int64)
-        for group in self.row_groups:
-            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
-        return count.to(torch.float32)
+        return summed(count, self.row_groups).to(torch.float32)
 
     def inplace_where_served(self, options):
         """``options`` with ``inplace_backward`` off outside the vocabulary path: there the op
