@@ -113,11 +113,11 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
               check_consistency: bool = True) -> Tuple[Tensor, Dict[str, Tensor]]:
     """GRPO-family policy loss and detached float32 metrics (means over the unmasked tokens).
 
-    ``mask`` holds 0s and 1s (or is bool); ``normalizer`` (``loss_type`` ``"dapo"``,
-    ``"cispo"``, ``"vespo"``) is the global count of unmasked tokens, a number or a one-element
-    tensor; 0 is allowed when every token is masked, and the loss is then 0.0 with a zero
-    gradient. The objectives and options follow TRL's ``GRPOTrainer._compute_loss``; README's
-    "Supported objectives" lists their formulas.
+    ``mask`` holds 0s and 1s (or is bool); ``normalizer`` (the loss types aggregated as sum /
+    normalizer: ``"dapo"``, ... in docs/objectives.md) is the global count of unmasked tokens, a
+    number or a one-element tensor; 0 is allowed when every token is masked, and the loss is
+    then 0.0 with a zero gradient. The objectives and options follow TRL's
+    ``GRPOTrainer._compute_loss``; README's "Supported objectives" lists their formulas.
 
     ``process_group`` (vocabulary parallel): ``logits`` hold this rank's contiguous vocabulary
     shard, ``target`` global ids (``ops/vocab_parallel.py``); ``check_consistency`` as in

@@ -24,9 +24,10 @@ from .scalars import check_bool, check_choice, check_in_range, check_index, chec
 @dataclass(frozen=True)
 class LossType:
     """One GRPO loss type: what its tokens' policy term is, how the tokens are weighed in the
-    loss, which clip bound it reads, the metrics it adds, and where it comes from. The ops
-    (``ops/grpo.py``), the strategy and the TRL adapter read these; the spec
-    (``reference.grpo_loss``) keeps its own formulas and takes only the names."""
+    loss, which clip bound it reads, the metrics it adds, and where it comes from. The spec
+    (``reference.grpo_loss``: one formula per policy term and per token weight), the ops
+    (``ops/grpo.py``), the DTensor route, the strategy and the TRL adapter read these
+    attributes; none of them names a loss type."""
     name: str
     #: ``"clipped"`` (PPO's clipped surrogate), ``"cispo"`` (REINFORCE on the capped ratio),
     #: ``"sapo"`` (sigmoid gate), ``"vespo"`` (sequence gamma weight)
@@ -40,6 +41,8 @@ class LossType:
     #: the loss type's own metrics, beside ``kl`` and ``ratio/mean``
     metrics: Tuple[str, ...]
     citation: str
+    #: TRL's ``GRPOTrainer`` has it (``GRPOConfig.loss_type``), with the same formula
+    trl: bool = True
 
     @property
     def clipped(self) -> bool:
@@ -50,6 +53,22 @@ class LossType:
     def global_count(self) -> bool:
         """The loss is the sum over tokens divided by ``normalizer``."""
         return self.token_weight == "global_count"
+
+    @property
+    def mean_over_tokens(self) -> bool:
+        """The loss is its tokens' sum divided by a count of tokens (the batch's unmasked
+        tokens, or ``normalizer``), not a sum over sequences."""
+        return self.token_weight in ("token_mean", "global_count")
+
+    @property
+    def global_count_form(self) -> "LossType":
+        """The loss type of the same policy term over ``normalizer`` (``"global_count"``):
+        the batch's token mean is that with the batch's count as ``normalizer``."""
+        if self.token_weight == "global_count":
+            return self
+        return next(record for record in LOSS_TYPE_RECORDS.values()
+                    if record.policy == self.policy and record.global_count
+                    and record.clip_high == self.clip_high and record.metrics == self.metrics)
 
     @property
     def single_pass(self) -> bool:
@@ -86,10 +105,11 @@ IMPORTANCE_SAMPLING = ("token", "sequence")
 POLICY_EXTRAS = ("sapo_tau_pos", "sapo_tau_neg", "vespo_k_pos", "vespo_lambda_pos",
                  "vespo_k_neg", "vespo_lambda_neg", "off_policy_threshold",
                  "top_entropy_quantile", "entropy_coef")
-#: the options of one loss type's policy term: refused (unless at their default) for others
-_LOSS_TYPE_OPTIONS = (("sapo_tau_pos", "sapo"), ("sapo_tau_neg", "sapo"),
-                      ("vespo_k_pos", "vespo"), ("vespo_lambda_pos", "vespo"),
-                      ("vespo_k_neg", "vespo"), ("vespo_lambda_neg", "vespo"))
+#: the options of one policy term (``LossType.policy``): refused (unless at their default)
+#: for the loss types of another
+_POLICY_OPTIONS = (("sapo_tau_pos", "sapo"), ("sapo_tau_neg", "sapo"),
+                   ("vespo_k_pos", "vespo"), ("vespo_lambda_pos", "vespo"),
+                   ("vespo_k_neg", "vespo"), ("vespo_lambda_neg", "vespo"))
 #: TRL 1.16's ``vllm_importance_sampling_mode`` values (``GRPOConfig``)
 ROLLOUT_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 #: verl's ``rollout_rs`` options (``rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS``, less
@@ -177,12 +197,15 @@ class GRPOOptions:
                 raise ValueError(f"max_completion_length must be > 0, got "
                                  f"{self.max_completion_length}")
         checked["temperature"] = check_positive(self.temperature, "temperature")
-        for name, family in _LOSS_TYPE_OPTIONS:
+        for name, policy in _POLICY_OPTIONS:
             value = getattr(self, name)
             checked[name] = (check_in_range(value, name, 0.0, float("inf"))
                              if name.startswith("vespo_k") else check_positive(value, name))
-            if record.name != family and checked[name] != getattr(DEFAULT_OPTIONS, name):
-                raise ValueError(f"{name} applies to loss_type={family!r} only, got "
+            if record.policy != policy and checked[name] != getattr(DEFAULT_OPTIONS, name):
+                readers = " or ".join(f"loss_type={other.name!r}"
+                                      for other in LOSS_TYPE_RECORDS.values()
+                                      if other.policy == policy)
+                raise ValueError(f"{name} applies to {readers} only, got "
                                  f"loss_type={record.name!r}")
         checked["kl_ratio_correction"] = check_bool(self.kl_ratio_correction,
                                                     "kl_ratio_correction")
@@ -221,13 +244,16 @@ class GRPOOptions:
             if low is not None and high is not None and not low < high:
                 raise ValueError(f"rollout_is_min must be < rollout_is_max, got {low} and "
                                  f"{high}")
-            if self.loss_type == "vespo" and not mode.startswith("token_"):
-                raise ValueError(f"loss_type='vespo' takes the token modes of rollout_is only "
-                                 f"(as TRL's GRPOTrainer), got rollout_is={mode!r}")
-            if self.loss_type == "vespo" and checked["rollout_is_batch_normalize"]:
-                raise ValueError("rollout_is_batch_normalize is verl's and does not combine "
-                                 "with loss_type='vespo' (TRL's, which has no batch "
-                                 "normalisation)")
+            # VESPO's sequence weight takes the importance weights inside (as TRL's)
+            vespo = self.record.policy == "vespo"
+            if vespo and not mode.startswith("token_"):
+                raise ValueError(f"loss_type={self.loss_type!r} takes the token modes of "
+                                 f"rollout_is only (as TRL's GRPOTrainer), got "
+                                 f"rollout_is={mode!r}")
+            if vespo and checked["rollout_is_batch_normalize"]:
+                raise ValueError(f"rollout_is_batch_normalize is verl's and does not combine "
+                                 f"with loss_type={self.loss_type!r} (TRL's, which has no "
+                                 f"batch normalisation)")
         option = self.rollout_rs
         threshold, lower = self.rollout_rs_threshold, self.rollout_rs_threshold_lower
         if option is None:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 import astrai_kernels as ak
 
-from ...options.grpo import LOSS_TYPE_RECORDS, LOSS_TYPES
+from ...options.grpo import LOSS_TYPE_RECORDS
 from . import contract, sampler
 from .contract import TRLHead
 
@@ -96,11 +96,12 @@ def _refusals(trainer):
 
     low, high = (trainer.vllm_importance_sampling_clip_min,
                  trainer.vllm_importance_sampling_clip_max)
+    record = LOSS_TYPE_RECORDS.get(trainer.loss_type)
     return [
         (isinstance(trainer.processing_class, ProcessorMixin),
          "a multimodal processor: the image inputs of the loss are not served"),
-        (trainer.loss_type not in LOSS_TYPES,
-         f"loss_type {trainer.loss_type!r} is not one of ak.grpo_loss's"),
+        (record is None or not record.trl,
+         f"loss_type {trainer.loss_type!r} is not one of ak.grpo_loss's that TRL has"),
         (trainer.importance_sampling_level not in ("token", "sequence"),
          f"importance_sampling_level {trainer.importance_sampling_level!r}"),
         (trainer._entropy_bonus_enabled,
@@ -109,7 +110,7 @@ def _refusals(trainer):
         (trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1,
          "top_entropy_quantile < 1 over several processes: TRL's quantile is over every "
          "process's tokens, ak.grpo_loss's over the local ones"),
-        (trainer.loss_type == "vespo" and vllm_correction(trainer)
+        (record is not None and record.policy == "vespo" and vllm_correction(trainer)
          and not ((low or 0.0) <= 1.0 <= (math.inf if high is None else high)),
          "VESPO with vLLM ratio bounds that exclude 1: TRL sums the log of the masked tokens' "
          "bounded ratios into the sequence weight, ak.grpo_loss sums the unmasked tokens'"),
@@ -125,22 +126,23 @@ def grpo_options(trainer, temperature: float) -> "ak.GRPOOptions":
     args, loss_type = trainer.args, trainer.loss_type
     record = LOSS_TYPE_RECORDS.get(loss_type)
     clipped = record is not None and record.clipped
+    policy = None if record is None else record.policy
     keywords = dict(
         beta=float(trainer.beta), clip_eps_low=float(trainer.epsilon_low),
         loss_type=loss_type, importance_sampling=trainer.importance_sampling_level,
         temperature=float(temperature),
         kl_ratio_correction=bool(args.use_bias_correction_kl) and trainer.beta != 0.0,
         top_entropy_quantile=float(trainer.top_entropy_quantile))
-    if clipped or loss_type == "cispo":
+    if record is not None and record.clip_high != "none":
         keywords["clip_eps_high"] = float(trainer.epsilon_high)
     if clipped and args.delta is not None:
         keywords["delta"] = float(args.delta)
-    if loss_type == "dr_grpo":
+    if record is not None and record.token_weight == "max_length":
         keywords["max_completion_length"] = int(trainer.max_completion_length)
-    if loss_type == "sapo":
+    if policy == "sapo":
         keywords.update(sapo_tau_pos=float(args.sapo_temperature_pos),
                         sapo_tau_neg=float(args.sapo_temperature_neg))
-    if loss_type == "vespo":
+    if policy == "vespo":
         keywords.update(vespo_k_pos=float(args.vespo_k_pos),
                         vespo_lambda_pos=float(args.vespo_lambda_pos),
                         vespo_k_neg=float(args.vespo_k_neg),
@@ -362,12 +364,13 @@ def _log_metrics(trainer, mode: str, values: Dict[str, Tensor], inputs, mask: Te
             per_token_kl = per_token_kl * coef_1
         metrics["kl"].append(reduce.global_masked_mean(per_token_kl))
     metrics["entropy"].append(reduce.global_masked_mean(entropies))
-    if LOSS_TYPE_RECORDS[trainer.loss_type].clipped:
+    policy = LOSS_TYPE_RECORDS[trainer.loss_type].policy
+    if policy == "clipped":
         _log_clip_metrics(trainer, metrics, reduce, coef_1, advantages)
-    elif trainer.loss_type == "cispo":
+    elif policy == "cispo":
         is_capped = (coef_1 > trainer.epsilon_high) & (advantages > 0)
         metrics["cispo_clip_ratio"].append(reduce.global_masked_mean(is_capped.float()))
-    elif trainer.loss_type == "vespo":
+    elif policy == "vespo":
         args = trainer.args
         phi_seq = trainer.get_gamma_weights(
             advantages=advantages, log_ratio_per_token=log_ratio, mask=mask,
