@@ -309,7 +309,27 @@ struct BadRow {
 // Online (max, sum-exp) reduction of one row
 // ---------------------------------------------------------------------------------------------
 
+// Reductions keep kLanes independent partial results in a small array updated lane by lane:
+// the compiler vectorizes that at whatever width the function's ISA has (no `omp simd
+// reduction`, whose lane arrays OpenMP sizes for the ISA of the inlined helper, not the caller).
+constexpr int kLanes = 32;
+
 constexpr int kBlock = 2048;  // elements per block of the online reduction (8 KB of float32)
+
+// The streaming loops read their rows this many bytes ahead with a software prefetch: on a KVM
+// Intel Xeon (AMX) the hardware prefetchers left the log-prob backward waiting on its loads
+// (bf16, N = 4096, V = 32768, 1 thread: 123 ms, 67 ms with the prefetch; docs/benchmarks.md).
+constexpr int kPrefetchBytes = 8192;
+
+// One prefetch per 64-byte line of the kLanes elements of `row` at j, kPrefetchBytes ahead (a
+// prefetch past the row's end is a hint, never a fault).
+template <class S>
+ASTRAI_INLINE void prefetch_ahead(const S* row, int64_t j) {
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(row + j) + kPrefetchBytes;
+  for (int b = 0; b < kLanes * static_cast<int>(sizeof(S)); b += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(ahead + b));
+  }
+}
 
 // Running state over the values v_j of a row seen so far, in the row's own units (the raw
 // logits; the softmax is over s_j = v_j * scale, scale = 1 / T > 0), relative to `shift` (a value
@@ -358,10 +378,6 @@ struct BlockSums {
   float max = -kInf, sum = 0.0f, wsum = 0.0f, zsum = 0.0f;
 };
 
-// Reductions keep kLanes independent partial results in a small array updated lane by lane:
-// the compiler vectorizes that at whatever width the function's ISA has (no `omp simd
-// reduction`, whose lane arrays OpenMP sizes for the ISA of the inlined helper, not the caller).
-constexpr int kLanes = 32;
 
 // One streaming pass over elements [b0, b0 + len): their max, and their exp-sums relative to
 // `shift` (valid while (max - shift) * scale stays well below 88, see online_lse_row).
@@ -376,6 +392,7 @@ ASTRAI_INLINE BlockSums accumulate_block(const Load& load, int64_t b0, int len, 
   }
   int j = 0;
   for (; j + kLanes <= len; j += kLanes) {
+    load.prefetch(b0 + j);
     for (int l = 0; l < kLanes; ++l) {
       const float v = load(b0 + j + l);
       vmax[l] = vmax[l] < v ? v : vmax[l];
@@ -413,6 +430,7 @@ ASTRAI_INLINE float block_max(const Load& load, int64_t b0, int len) {
   for (int l = 0; l < kLanes; ++l) vmax[l] = -kInf;
   int j = 0;
   for (; j + kLanes <= len; j += kLanes) {
+    load.prefetch(b0 + j);
     for (int l = 0; l < kLanes; ++l) {
       const float v = load(b0 + j + l);
       vmax[l] = vmax[l] < v ? v : vmax[l];
@@ -523,6 +541,9 @@ struct RawLoad {  // v_j = x_j (the softmax scale 1 / T is applied relative to t
   const typename T::storage* row;
   int64_t sv;
   ASTRAI_INLINE float operator()(int64_t j) const { return T::load(row[C ? j : j * sv]); }
+  ASTRAI_INLINE void prefetch(int64_t j) const {
+    if (C) prefetch_ahead(row, j);
+  }
 };
 
 template <class T, bool C, bool SOFTCAP>
@@ -533,6 +554,9 @@ struct CappedLoad {  // z_j = c * tanh(a * x_j / c) when SOFTCAP, else a * x_j (
   ASTRAI_INLINE float operator()(int64_t j) const {
     const float x = T::load(row[C ? j : j * sv]) * mul;
     return SOFTCAP ? cap * fast_tanh(x) : x;
+  }
+  ASTRAI_INLINE void prefetch(int64_t j) const {
+    if (C) prefetch_ahead(row, j);
   }
 };
 
@@ -546,13 +570,15 @@ ASTRAI_INLINE void zero_row(typename T::storage* g, int64_t sg, int64_t V) {
 // The sum of term(j) over j in [0, V), in kLanes lane-wise partial sums (the order
 // accumulate_block uses). `omp simd` over the lanes: a term may write through a pointer that
 // aliases what it reads (a gradient written over its logits), which the vectorizer must not be
-// left to disprove. Always inlined, so each caller's loop vectorizes as its own.
-template <class F>
-ASTRAI_INLINE float lane_sum(int64_t V, const F& term) {
+// left to disprove. Always inlined, so each caller's loop vectorizes as its own. `streamed`: the
+// unit-stride rows the terms read, prefetched ahead.
+template <class F, class... Rows>
+ASTRAI_INLINE float lane_sum(int64_t V, const F& term, const Rows*... streamed) {
   float lanes[kLanes];
   for (int l = 0; l < kLanes; ++l) lanes[l] = 0.0f;
   int64_t j = 0;
   for (; j + kLanes <= V; j += kLanes) {
+    (prefetch_ahead(streamed, j), ...);
 #pragma omp simd
     for (int l = 0; l < kLanes; ++l) lanes[l] += term(j + l);
   }
@@ -586,7 +612,8 @@ ASTRAI_INLINE void write_logprob_grad(const typename T::storage* x, int64_t sv,
     g[C ? j : j * sg] = T::store(v);
     return select(j == y, 0.0f, p);
   };
-  const float others = lane_sum(V, write_non_target);
+  const float others =
+      C ? lane_sum(V, write_non_target, x) : lane_sum(V, write_non_target);
   const float d = (x_y - ref) * inv_t - log_sum;
   const float p = log_prob_exp(d);
   // others + p >= p_max > 0 for finite logits (p_max >= exp(-log V) up to log_sum's rounding)
@@ -613,7 +640,8 @@ ASTRAI_INLINE void write_kept_grad(const typename T::storage* x, int64_t sv,
     g[C ? j : j * sg] = T::store(p * neg_coef);
     return select(j == y, 0.0f, p);
   };
-  const float others = lane_sum(V, write_non_target);
+  const float others =
+      C ? lane_sum(V, write_non_target, x) : lane_sum(V, write_non_target);
   const float p = log_prob_exp(x_y * inv_t - lse_kept);
   // 1 - p'_y as the kept others over the kept total (> 0: the target is kept)
   g[C ? y : y * sg] = T::store(coef * (others / (others + p)));

@@ -121,10 +121,14 @@ ASTRAI_INLINE void loss_terms(float xs, float xt, const RowConsts& c, float& ter
 
 // Adds terms(j, term_t, term_s) over a row into kLanes partial sums each (vectorized lane by
 // lane, as the reductions of common.h).
-template <class F>
-ASTRAI_INLINE void sum_terms(int64_t V, float* vt, float* vs, const F& terms) {
+// `load_s`, `load_t`: the rows the terms read, prefetched ahead.
+template <class LoadS, class LoadT, class F>
+ASTRAI_INLINE void sum_terms(int64_t V, float* vt, float* vs, const LoadS& load_s,
+                             const LoadT& load_t, const F& terms) {
   int64_t j = 0;
   for (; j + kLanes <= V; j += kLanes) {
+    load_s.prefetch(j);
+    load_t.prefetch(j);
     for (int l = 0; l < kLanes; ++l) {
       float term_t, term_s;
       terms(j + l, term_t, term_s);
@@ -215,12 +219,21 @@ ASTRAI_INLINE float stored_grad_element(float p, float q, float xs, const GradCo
 
 // Writes one row's gradient: grad_of(j, x_j) is element j's without the hard term's -d_jy,
 // which is folded in float32 at the target afterwards (x_y read before the row may be
-// overwritten: grad may be the student itself).
-template <class TS, bool HARD, class Load, class F>
-ASTRAI_INLINE void write_grad_row(int64_t V, const Load& load_s, float x_y, int64_t y,
-                                  float hard_coef, typename TS::storage* g, const F& grad_of) {
+// overwritten: grad may be the student itself). `load_t`: the teacher's row grad_of reads,
+// prefetched ahead with the student's.
+template <class TS, bool HARD, class Load, class LoadT, class F>
+ASTRAI_INLINE void write_grad_row(int64_t V, const Load& load_s, const LoadT& load_t, float x_y,
+                                  int64_t y, float hard_coef, typename TS::storage* g,
+                                  const F& grad_of) {
+  int64_t j = 0;
+  for (; j + kLanes <= V; j += kLanes) {
+    load_s.prefetch(j);
+    load_t.prefetch(j);
 #pragma omp simd
-  for (int64_t j = 0; j < V; ++j) g[j] = TS::store(grad_of(j, load_s(j)));
+    for (int l = 0; l < kLanes; ++l) g[j + l] = TS::store(grad_of(j + l, load_s(j + l)));
+  }
+#pragma omp simd
+  for (int64_t k = j; k < V; ++k) g[k] = TS::store(grad_of(k, load_s(k)));
   if (HARD) g[y] = TS::store(grad_of(y, x_y) - hard_coef);
 }
 
@@ -299,12 +312,12 @@ ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
           sq[j] = term_s;
         }
       };
-      sum_terms(V, vt, vs, terms);
+      sum_terms(V, vt, vs, load_s, load_t, terms);
     } else {
       c.s = Stats::template run<TS>(V, load_s, x_y, c.inv_t, &lse_s);
       c.t = Stats::template run<TT>(V, load_t, load_t(y), c.inv_t, &lse_t);
       const RowConsts rc = c;
-      sum_terms(V, vt, vs, [=](int64_t j, float& term_t, float& term_s)
+      sum_terms(V, vt, vs, load_s, load_t, [=](int64_t j, float& term_t, float& term_s)
                                __attribute__((always_inline)) {
         float ps, pt;
         loss_terms<K>(load_s(j), load_t(j), rc, term_t, term_s, ps, pt);
@@ -336,7 +349,8 @@ ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
     SS* g = a.grad.row<SS>(n);
     with_bool(a.hard_lse != nullptr, [&](auto hard) {
       constexpr bool kHard = decltype(hard)::value;
-      write_grad_row<TS, kHard>(V, load_s, x_y, y, gc.hard_coef, g,
+      // the stored p and q replace the teacher's row: only the student's is read
+      write_grad_row<TS, kHard>(V, load_s, load_s, x_y, y, gc.hard_coef, g,
                                 [=](int64_t j, float xs) __attribute__((always_inline)) {
                                   return stored_grad_element<K, kHard>(sp[j], sq[j], xs, gc);
                                 });
@@ -371,7 +385,7 @@ ASTRAI_INLINE void backward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
     if (HARD) h = saved_stats<Stats>(V, load_s, x_y, 1.0f, a.saved_hard_lse[n]);
     const GradCoefs gc = grad_coefs<K>(a, n, a.saved_kl_s[n], h);
     const RowConsts rc = c;
-    write_grad_row<TS, HARD>(V, load_s, x_y, y, gc.hard_coef, g,
+    write_grad_row<TS, HARD>(V, load_s, load_t, x_y, y, gc.hard_coef, g,
                              [=](int64_t j, float xs) __attribute__((always_inline)) {
                                return grad_element<K, HARD>(xs, load_t(j), rc, gc);
                              });
