@@ -17,7 +17,7 @@ mean or sum walks its chunks once, combining each chunk's statistics over the gr
 writing its gradient. A row costs a few floats on the wire, not a logits row. The DTensor
 column is the same step with the shards as DTensors (logits ``Shard(-1)``, the weight
 ``Shard(0)`` as ColwiseParallel makes it) on a 1-D mesh and no ``process_group=``: what the
-front door (``ops/dtensor.py``) adds over the ``process_group=`` path.
+front door (``distributed/dtensor.py``) adds over the ``process_group=`` path.
 
 ``--bounds`` measures the shape of each ``[[vocab_parallel]]`` entry of the bounds file and
 checks, per op, 2 ranks over one process against ``max_ratio``, the DTensor step over the

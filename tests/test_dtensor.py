@@ -1,4 +1,4 @@
-"""DTensor arguments of the ops (``ops/dtensor.py``) on 2 gloo CPU ranks against the
+"""DTensor arguments of the ops (``distributed/dtensor.py``) on 2 gloo CPU ranks against the
 single-process op on the full tensors: the values, the gradients' values and placements, and the
 results' placements, float32 and bfloat16.
 

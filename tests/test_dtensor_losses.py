@@ -1,5 +1,5 @@
 """DTensor arguments of the distillation and preference losses on 2 gloo CPU ranks
-(``ops/dtensor.py``: rows sharded or replicated; the distillation ops have no
+(``distributed/dtensor.py``: rows sharded or replicated; the distillation ops have no
 vocabulary-parallel path).
 
 ``distill_loss``, ``topk_distill_loss`` and their ``linear_`` forms: rows ``Shard(0)`` (2
