@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .kernels.primitives import LOG_RATIO_CLAMP
-from .options.grpo import GRPOOptions, options_of_call, options_or_keywords
+from .options.grpo import LOSS_TYPE_RECORDS, GRPOOptions
+from .options.keywords import spread_options
 
 
 def token_logprobs(logits: Tensor, target: Tensor, temperature: float = 1.0,
@@ -180,53 +181,48 @@ def grpo_token_loss(logp: Tensor, old_logprobs: Optional[Tensor],
     return loss, ratio, k3
 
 
-@options_or_keywords
+@spread_options(GRPOOptions, "GRPO", positional=8, positional_after="ref_logprobs")
 def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional[Tensor] = None,
               old_logprobs: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None,
-              beta: float = 0.0, clip_eps_low: float = 0.2, clip_eps_high: Optional[float] = None,
-              delta: Optional[float] = None, loss_type: str = "bnpo",
-              importance_sampling: str = "token", temperature: float = 1.0,
-              max_completion_length: Optional[int] = None,
               normalizer: Union[None, float, Tensor] = None, *,
-              sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05,
-              vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
-              vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
-              kl_ratio_correction: bool = False, importance_weights: Optional[Tensor] = None,
-              off_policy_threshold: Optional[float] = None,
-              sampling_logprobs: Optional[Tensor] = None, top_entropy_quantile: float = 1.0,
-              entropy_coef: float = 0.0, rollout_is: Optional[str] = None,
-              rollout_is_min: Optional[float] = None, rollout_is_max: Optional[float] = 3.0,
-              rollout_is_batch_normalize: bool = False, rollout_rs: Optional[str] = None,
-              rollout_rs_threshold: Optional[float] = None,
-              rollout_rs_threshold_lower: Optional[float] = None,
-              options: Optional[GRPOOptions] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+              importance_weights: Optional[Tensor] = None,
+              sampling_logprobs: Optional[Tensor] = None,
+              options: GRPOOptions) -> Tuple[Tensor, Dict[str, Tensor]]:
     """The GRPO family on ``[B, T, V]`` logits aligned with ``target [B, T]`` (TRL's
-    ``GRPOTrainer._compute_loss``). With ``w`` the token log-ratio ``logp - old`` (or its
-    masked mean per sequence, GSPO) and ``r = exp(w)``, each token's policy term is:
+    ``GRPOTrainer._compute_loss``). A loss type is its record (``options/grpo.py``): a policy
+    term and a token weight. With ``w`` the token log-ratio ``logp - old`` (or its masked mean
+    per sequence, GSPO) and ``r = exp(w)``, each token's policy term is:
 
-    * ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``: ``-min(r_u A, clip(r) A)``;
-    * ``cispo``: ``-min(r, clip_eps_high).detach() * A * logp``;
-    * ``sapo``: ``-sigmoid(tau (r - 1)) * 4 / tau * A``, ``tau = sapo_tau_pos if A > 0 else
-      sapo_tau_neg``;
-    * ``vespo``: ``-phi * A * logp``, ``phi = exp(lam + k log W - lam W)`` detached, ``W`` the
-      sequence's product of token ratios (and importance weights), ``k, lam`` by ``A >= 0``.
+    * ``clipped`` (grpo, bnpo, dr_grpo, dapo, luspo): ``-min(r_u A, clip(r) A)``;
+    * ``cispo`` (cispo): ``-min(r, clip_eps_high).detach() * A * logp``;
+    * ``sapo`` (sapo): ``-sigmoid(tau (r - 1)) * 4 / tau * A``, ``tau = sapo_tau_pos if A > 0
+      else sapo_tau_neg``;
+    * ``vespo`` (vespo): ``-phi * A * logp``, ``phi = exp(lam + k log W - lam W)`` detached,
+      ``W`` the sequence's product of token ratios (and importance weights), ``k, lam`` by
+      ``A >= 0``.
 
     With ``rollout_is`` or ``rollout_rs`` the rollout correction (:func:`rollout_correction`)
     replaces ``importance_weights`` by its weights and drops its rejected tokens from ``mask``
     first. The term is multiplied by ``importance_weights`` (not for vespo), zeroed by the
     off-policy and top-entropy masks, then ``beta * k3`` (``* r`` with ``kl_ratio_correction``)
-    is added.
-    Aggregation: ``grpo``/``sapo`` mean per sequence then over sequences; ``bnpo`` mean over
-    tokens; ``dr_grpo`` sum / (B * max_completion_length); ``dapo``/``cispo``/``vespo`` sum /
-    normalizer (default the token count); ``luspo`` sum / B. ``entropy_coef`` subtracts
-    ``entropy_coef`` times the mean entropy over the entropy-kept tokens (for the sum /
-    normalizer types: their entropy sum / normalizer).
+    is added. The token weight aggregates the terms:
+
+    * ``sequence_mean`` (grpo, sapo): mean per sequence, then over sequences;
+    * ``token_mean`` (bnpo): mean over the batch's tokens;
+    * ``max_length`` (dr_grpo): sum / (B * max_completion_length, or T);
+    * ``global_count`` (dapo, cispo, vespo): sum / normalizer (default the token count);
+    * ``sequence_sum`` (luspo): sum / B.
+
+    ``entropy_coef`` subtracts ``entropy_coef`` times the mean entropy over the entropy-kept
+    tokens (for ``global_count``: their entropy sum / normalizer).
 
     Masked tokens are selected away before any arithmetic: their logits, targets, advantages
-    and old/reference log-probs may hold anything (inf, NaN, out-of-range ids). ``options``: a
-    ``GRPOOptions`` holding every scalar keyword at once, as ``ak.grpo_loss`` takes it.
+    and old/reference log-probs may hold anything (inf, NaN, out-of-range ids).
+
+    The scalar options are ``GRPOOptions``' fields, taken as keywords (the first eight also by
+    position, after ``ref_logprobs``) or at once as ``options=``, as ``ak.grpo_loss`` takes
+    them; the signature lists them from the dataclass (``options/keywords.spread_options``).
     """
-    options = options_of_call(locals())
     return _grpo_loss(logits, target, advantages, mask, old_logprobs, ref_logprobs, normalizer,
                       importance_weights, sampling_logprobs, options)
 
@@ -238,6 +234,9 @@ def _grpo_loss(logits, target, advantages, mask, old_logprobs, ref_logprobs, nor
     loss_type, importance_sampling, temperature = (o.loss_type, o.importance_sampling,
                                                    o.temperature)
     max_completion_length = o.max_completion_length
+    if loss_type not in LOSS_TYPE_RECORDS:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    policy, token_weight = o.record.policy, o.record.token_weight
     batch, length = target.shape
     dtype = logits.dtype
     valid = (torch.ones_like(target, dtype=torch.bool) if mask is None else mask != 0)
@@ -267,12 +266,12 @@ def _grpo_loss(logits, target, advantages, mask, old_logprobs, ref_logprobs, nor
         old = logp - seq_log_ratio.expand(batch, length)
     loss, ratio, k3 = grpo_token_loss(logp, old, ref, advantages, clip_eps_low, clip_eps_high,
                                       delta, 0.0)
-    if loss_type == "cispo":
+    if policy == "cispo":
         loss = -ratio.clamp(max=clip_eps_high).detach() * advantages * logp
-    elif loss_type == "sapo":
+    elif policy == "sapo":
         tau = torch.where(advantages > 0, o.sapo_tau_pos, o.sapo_tau_neg).to(dtype)
         loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
-    elif loss_type == "vespo":
+    elif policy == "vespo":
         log_floor = math.log(1e-8)
         log_w = token_log_ratio.detach().sum(-1, keepdim=True)
         if importance_weights is not None:
@@ -310,7 +309,7 @@ def _grpo_loss(logits, target, advantages, mask, old_logprobs, ref_logprobs, nor
             entropy_keep = torch.zeros_like(valid)
         keep = keep & entropy_keep
         extra["mask/entropy"] = entropy_keep
-    if importance_weights is not None and loss_type != "vespo":
+    if importance_weights is not None and policy != "vespo":
         loss = loss * select(importance_weights)
     loss = torch.where(keep, loss, 0.0)
     if o.kl_ratio_correction:
@@ -320,21 +319,21 @@ def _grpo_loss(logits, target, advantages, mask, old_logprobs, ref_logprobs, nor
     loss = torch.where(valid, loss, 0.0)
     global_count = mask.sum() if normalizer is None else normalizer
     global_count = torch.as_tensor(global_count, dtype=dtype, device=loss.device)
-    if loss_type in ("grpo", "sapo"):
+    if token_weight == "sequence_mean":
         total = (loss.sum(-1) / lengths).mean()
-    elif loss_type == "bnpo":
+    elif token_weight == "token_mean":
         total = loss.sum() / mask.sum().clamp(min=1.0)
-    elif loss_type == "dr_grpo":
+    elif token_weight == "max_length":
         total = loss.sum() / (batch * (max_completion_length or length))
-    elif loss_type in ("dapo", "cispo", "vespo"):
+    elif token_weight == "global_count":
         total = _divide_or_zero(loss.sum(), global_count)
-    elif loss_type == "luspo":
+    elif token_weight == "sequence_sum":
         total = loss.sum(-1).mean()
     else:
-        raise ValueError(f"unknown loss_type {loss_type!r}")
+        raise ValueError(f"no formula for the token weight {token_weight!r}")
     if o.entropy_coef != 0.0:
         kept_entropy = torch.where(entropy_keep, entropy, 0.0).sum()
-        if loss_type in ("dapo", "cispo", "vespo"):
+        if token_weight == "global_count":
             bonus = _divide_or_zero(kept_entropy, global_count)
         else:
             bonus = kept_entropy / entropy_keep.sum().clamp(min=1).to(dtype)
@@ -346,14 +345,14 @@ def _grpo_loss(logits, target, advantages, mask, old_logprobs, ref_logprobs, nor
         return (torch.where(valid, x.to(dtype), 0.0).sum() / count).detach()
 
     metrics = {"kl": masked_mean(k3), "ratio/mean": masked_mean(ratio)}
-    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+    if policy == "clipped":
         low = (ratio < 1.0 - clip_eps_low) & (advantages < 0)
         high = (ratio > 1.0 + eps_high) & (advantages > 0)
         metrics.update({"clip_ratio/low": masked_mean(low), "clip_ratio/high": masked_mean(high),
                         "clip_ratio/region": masked_mean(low | high)})
-    elif loss_type == "cispo":
+    elif policy == "cispo":
         metrics["clip_ratio/cispo"] = masked_mean((ratio > eps_high) & (advantages > 0))
-    elif loss_type == "vespo":
+    elif policy == "vespo":
         metrics["vespo/phi_mean"] = masked_mean(phi)
     metrics.update({key: masked_mean(kept) for key, kept in extra.items()})
     if o.entropy_coef != 0.0 or o.top_entropy_quantile < 1.0:

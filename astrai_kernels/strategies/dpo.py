@@ -1,6 +1,7 @@
 """Direct Preference Optimization (``dpo``, ``online_dpo``)."""
 
-from typing import Dict, Optional, Sequence, Union
+from dataclasses import fields
+from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -9,6 +10,8 @@ from torch import Tensor
 import astrai_kernels as ak
 
 from ..baselines import original
+from ..ops.preference import DPOOptions
+from ..options.keywords import spread_options
 from .base import (
     BaseStrategy,
     Device,
@@ -58,38 +61,22 @@ class DPOStrategy(BaseStrategy):
     with a list of loss types ``loss/<type>`` (each type's unweighted mean).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        device: Device,
-        ref_model: Optional[nn.Module],
-        beta: float = 0.1,
-        reduction: str = "sum",
-        loss_type: Union[str, Sequence[str]] = "sigmoid",
-        label_smoothing: float = 0.0,
-        loss_weights: Optional[Sequence[float]] = None,
-        discopop_tau: Optional[float] = None,
-        bco_delta: Optional[float] = None,
-        **kwargs,
-    ):
+    @spread_options(DPOOptions, "DPO")
+    def __init__(self, model: nn.Module, device: Device, ref_model: Optional[nn.Module],
+                 reduction: str = "sum", bco_delta: Optional[float] = None, *,
+                 options: DPOOptions, **kwargs):
         super().__init__(model, device, **kwargs)
         if reduction not in DPO_REDUCTIONS:
             raise ValueError(f"DPOStrategy: reduction must be one of {list(DPO_REDUCTIONS)} (a "
                              f"sequence log-prob per response), got {reduction!r}")
         self.ref_model = ref_model
-        self.beta = beta
         self.reduction = reduction
-        self.loss_type = loss_type
-        self.label_smoothing = label_smoothing
-        self._reference_only(loss_type=(loss_type, "sigmoid"),
-                             label_smoothing=(label_smoothing, 0.0),
-                             loss_weights=(loss_weights, None),
-                             discopop_tau=(discopop_tau, None), bco_delta=(bco_delta, None))
-        # every scalar option of ak.dpo_loss, as one object checked now: the signature's
-        # DPOOptions fields by name (tests/test_dpo_options.py checks the two lists agree)
-        self.options = ak.DPOOptions(beta=beta, loss_type=loss_type,
-                                     label_smoothing=label_smoothing, loss_weights=loss_weights,
-                                     discopop_tau=discopop_tau).checked()
+        self._reference_only(**{field.name: (getattr(options, field.name), field.default)
+                                for field in fields(DPOOptions) if field.name != "beta"},
+                             bco_delta=(bco_delta, None))
+        # every scalar option of ak.dpo_loss, as one object checked now: the keywords are its
+        # fields (the signature lists them from the dataclass)
+        self.options = options.checked()
         self.bco_delta = bco_delta  # an input of the op, not an option
         self.needs_lengths = "sigmoid_norm" in self.options.loss_types
         if self.needs_lengths and reduction != "sum":
@@ -181,7 +168,7 @@ class DPOStrategy(BaseStrategy):
 
         if self.uses_reference:
             dpo_loss, metrics = original.dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected,
-                                               self.beta)
+                                               self.options.beta)
         else:
             lengths = {}
             if self.needs_lengths:

@@ -1,5 +1,6 @@
 """Group Relative Policy Optimization (``grpo``, ``online_grpo``)."""
 
+import dataclasses
 from typing import Dict, Optional
 
 import torch
@@ -9,7 +10,8 @@ from torch import Tensor
 import astrai_kernels as ak
 
 from ..baselines import original
-from ..options.grpo import DEFAULT_OPTIONS, OPTION_NAMES
+from ..options.grpo import DEFAULT_OPTIONS, OPTION_NAMES, GRPOOptions
+from ..options.keywords import spread_options
 from .base import (
     BaseStrategy,
     Device,
@@ -25,6 +27,11 @@ from .executor import Executor, broadcast_state_dict, unwrap_module
 from .logprobs import IGNORE_INDEX, masked_token_logprobs
 from .masks import left_align, model_inputs
 from .rollout import RolloutResult
+
+# the seed's names (and default) of two options: the KL coefficient and the clip range
+SEED_NAMES = {"beta": ("kl_coef", 0.01), "clip_eps_low": ("clip_eps", DEFAULT_OPTIONS.clip_eps_low)}
+# the rollout correction needs the sampler's log-probs, which the strategy's batch does not hold
+ROLLOUT_CORRECTION = tuple(name for name in OPTION_NAMES if name.startswith("rollout_"))
 
 
 @StrategyFactory.register("grpo")
@@ -52,74 +59,50 @@ class GRPOStrategy(BaseStrategy):
 
     The loss is ``policy_loss + kl_coef * mean(k3)`` with both means taken over all response
     tokens of the batch (the seed's aggregation, ``loss_type="bnpo"`` of ``ak.grpo_loss``). With a
-    fused ``loss_backend``, ``loss_type`` (``"grpo"``, ``"dr_grpo"``, ``"dapo"``),
-    ``clip_eps_high`` (DAPO's clip-higher), ``delta``, ``importance_sampling="sequence"`` (GSPO),
-    ``temperature`` (that of the sampler) and ``advantage_scale`` pass through to the ops, and
-    so do the GRPO-family objectives and options of ``ak.grpo_loss`` (``loss_type`` ``"luspo"``,
-    ``"cispo"`` with ``clip_eps_high`` as the cap, ``"sapo"`` with ``sapo_tau_pos``/``_neg``,
-    ``"vespo"`` with ``vespo_k_pos``, ``vespo_lambda_pos``, ``vespo_k_neg``,
-    ``vespo_lambda_neg``; ``kl_ratio_correction``, ``off_policy_threshold`` (against the old
-    policy's log-probs), ``top_entropy_quantile``, ``entropy_coef``).
+    fused ``loss_backend``, every option of ``ak.grpo_loss`` but the rollout correction (which
+    needs the sampler's log-probs) passes through to the ops, with ``advantage_scale``: the
+    keywords are ``ak.GRPOOptions``' fields (``kl_coef`` and ``clip_eps`` are the seed's names
+    of ``beta`` and ``clip_eps_low``), or ``options=`` one object; the signature lists them
+    from the dataclass. ``temperature`` is the sampler's; ``off_policy_threshold`` compares
+    against the old policy's log-probs.
 
     Metrics: ``policy_loss``, ``kl_loss`` (``kl_coef * kl``), ``kl`` (mean k3), ``ratio/mean``,
     ``clip_ratio/low``, ``clip_ratio/high``, ``clip_ratio/region``, ``reward/mean``,
     ``reward/std``, ``response_length/mean``, ``loss``.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        device: Device,
-        old_model: Optional[nn.Module],
-        ref_model: Optional[nn.Module],
-        clip_eps: float = 0.2,
-        kl_coef: float = 0.01,
-        group_size: int = 4,
-        clip_eps_high: Optional[float] = None,
-        loss_type: str = "bnpo",
-        importance_sampling: str = "token",
-        delta: Optional[float] = None,
-        temperature: float = 1.0,
-        max_completion_length: Optional[int] = None,
-        advantage_scale: str = "group",
-        advantage_eps: float = 1e-8,
-        sapo_tau_pos: float = 1.0,
-        sapo_tau_neg: float = 1.05,
-        vespo_k_pos: float = 2.0,
-        vespo_lambda_pos: float = 3.0,
-        vespo_k_neg: float = 3.0,
-        vespo_lambda_neg: float = 2.0,
-        kl_ratio_correction: bool = False,
-        off_policy_threshold: Optional[float] = None,
-        top_entropy_quantile: float = 1.0,
-        entropy_coef: float = 0.0,
-        **kwargs,
-    ):
+    @spread_options(GRPOOptions, "GRPO", renamed=SEED_NAMES, left_out=ROLLOUT_CORRECTION)
+    def __init__(self, model: nn.Module, device: Device, old_model: Optional[nn.Module],
+                 ref_model: Optional[nn.Module], group_size: int = 4,
+                 advantage_scale: str = "group", advantage_eps: float = 1e-8, *,
+                 options: GRPOOptions, **kwargs):
         super().__init__(model, device, **kwargs)
-        if kl_coef and ref_model is None:
-            raise ValueError(f"GRPOStrategy: kl_coef={kl_coef} needs a ref_model (pass "
+        # every scalar option of ak.grpo_loss, as one object: the keywords are its fields
+        # (the seed's kl_coef and clip_eps are beta and clip_eps_low)
+        options = dataclasses.replace(options, beta=float(options.beta))
+        if options.beta and ref_model is None:
+            raise ValueError(f"GRPOStrategy: kl_coef={options.beta} needs a ref_model (pass "
                              f"kl_coef=0.0 to train without the KL penalty)")
         self.old_model = old_model
         self.ref_model = ref_model
-        self.clip_eps = clip_eps
-        self.kl_coef = kl_coef
         self.group_size = group_size
-        self.clip_eps_high = clip_eps_high
-        self.loss_type = loss_type
-        self.importance_sampling = importance_sampling
-        self.delta = delta
-        self.temperature = temperature
-        self.max_completion_length = max_completion_length
         self.advantage_scale = advantage_scale
         self.advantage_eps = advantage_eps
-        # every scalar option of ak.grpo_loss, as one object: the signature's GRPOOptions
-        # fields by name (tests/test_grpo_options.py checks the two lists agree)
-        given = {name: value for name, value in locals().items() if name in OPTION_NAMES}
-        self.options = ak.GRPOOptions(beta=float(kl_coef), clip_eps_low=clip_eps, **given)
-        seed_defaults = {name: (getattr(self.options, name), getattr(DEFAULT_OPTIONS, name))
-                         for name in OPTION_NAMES if name in given
-                         and name != "max_completion_length"}
+        self.options = options
+        seed_defaults = {name: (getattr(options, name), getattr(DEFAULT_OPTIONS, name))
+                         for name in OPTION_NAMES
+                         if name not in (*SEED_NAMES, "max_completion_length")}
         self._reference_only(advantage_scale=(advantage_scale, "group"), **seed_defaults)
+
+    @property
+    def kl_coef(self) -> float:
+        """The seed's name of ``beta``."""
+        return self.options.beta
+
+    @property
+    def clip_eps(self) -> float:
+        """The seed's name of ``clip_eps_low``."""
+        return self.options.clip_eps_low
 
     # ------------------------------------------------------------ old policy
 
@@ -227,11 +210,12 @@ class GRPOStrategy(BaseStrategy):
             head = self.model_head(model)
             if head is None:
                 logits = forward(model)["logits"][:, prompt_len - 1:]
-                return masked_token_logprobs(logits, responses, mask, backend, self.temperature)
+                return masked_token_logprobs(logits, responses, mask, backend,
+                                             self.options.temperature)
             hidden = forward(model, head)["hidden_states"][:, prompt_len - 1:]
             return ak.linear_token_logprobs(
                 hidden, head.weight, responses.masked_fill(mask == 0, IGNORE_INDEX),
-                bias=head.bias, temperature=self.temperature, ignore_index=IGNORE_INDEX,
+                bias=head.bias, temperature=self.options.temperature, ignore_index=IGNORE_INDEX,
                 softcap=head.softcap, backend=backend)
 
         with torch.no_grad():
@@ -256,8 +240,9 @@ class GRPOStrategy(BaseStrategy):
                 advantages.reshape(-1), bias=head.bias, softcap=head.softcap, **options)
         metrics = dict(op_metrics)
         kl_loss = self.kl_coef * metrics["kl"]
-        if (self.loss_type == "bnpo" or not self.kl_coef) and not self.options.entropy_coef:
-            # bnpo: loss = mean(pg) + kl_coef * mean(k3), both over all response tokens.
+        token_mean = self.options.record.token_weight == "token_mean"
+        if (token_mean or not self.kl_coef) and not self.options.entropy_coef:
+            # a token mean: loss = mean(pg) + kl_coef * mean(k3), both over all response tokens
             metrics["policy_loss"] = loss.detach() - kl_loss
         metrics["kl_loss"] = kl_loss
         return policy_out, loss, metrics
