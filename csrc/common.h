@@ -588,6 +588,20 @@ ASTRAI_INLINE float lane_sum(int64_t V, const F& term, const Rows*... streamed) 
   return total;
 }
 
+// body(j) for j in [0, V), kLanes at a time under `omp simd` (body may write where it reads, as
+// lane_sum's terms), the unit-stride rows `streamed` prefetched ahead.
+template <class F, class... Rows>
+ASTRAI_INLINE void for_each_streamed(int64_t V, const F& body, const Rows*... streamed) {
+  int64_t j = 0;
+  for (; j + kLanes <= V; j += kLanes) {
+    (prefetch_ahead(streamed, j), ...);
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) body(j + l);
+  }
+#pragma omp simd
+  for (int64_t k = j; k < V; ++k) body(k);
+}
+
 // grad_j = coef * (d_jy - p_j) / T  [ - g_H / T * p_j * (log p_j + H) ],
 // log p_j = (x_j - ref) * inv_t - log_sum: ref the row max and log_sum = log sum_j exp((x_j -
 // ref) * inv_t), or ref = 0 and log_sum = lse (log p_j = s_j - lse). Shared by
@@ -692,8 +706,7 @@ ASTRAI_INLINE void write_shard_grad(const typename T::storage* x, int64_t sv,
                                     typename T::storage* g, int64_t sg, int64_t V, float inv_t,
                                     float cap, float inv_cap, float lse, float alpha, float beta,
                                     float delta) {
-#pragma omp simd
-  for (int64_t j = 0; j < V; ++j) {
+  const auto write = [=](int64_t j) __attribute__((always_inline)) {
     const float xj = T::load(x[C ? j : j * sv]);
     const float t = SOFTCAP ? fast_tanh(xj * inv_cap) : 0.0f;
     const float d = (SOFTCAP ? cap * t : xj) * inv_t - lse;
@@ -702,6 +715,12 @@ ASTRAI_INLINE void write_shard_grad(const typename T::storage* x, int64_t sv,
     float v = p * (alpha + beta * log_p) + delta;
     if (SOFTCAP) v *= 1.0f - t * t;
     g[C ? j : j * sg] = T::store(v);
+  };
+  if (C) {
+    for_each_streamed(V, write, x);
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) write(j);
   }
 }
 

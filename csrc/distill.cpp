@@ -220,20 +220,14 @@ ASTRAI_INLINE float stored_grad_element(float p, float q, float xs, const GradCo
 // Writes one row's gradient: grad_of(j, x_j) is element j's without the hard term's -d_jy,
 // which is folded in float32 at the target afterwards (x_y read before the row may be
 // overwritten: grad may be the student itself). `load_t`: the teacher's row grad_of reads,
-// prefetched ahead with the student's.
+// prefetched ahead with the student's (unit-stride loads).
 template <class TS, bool HARD, class Load, class LoadT, class F>
 ASTRAI_INLINE void write_grad_row(int64_t V, const Load& load_s, const LoadT& load_t, float x_y,
                                   int64_t y, float hard_coef, typename TS::storage* g,
                                   const F& grad_of) {
-  int64_t j = 0;
-  for (; j + kLanes <= V; j += kLanes) {
-    load_s.prefetch(j);
-    load_t.prefetch(j);
-#pragma omp simd
-    for (int l = 0; l < kLanes; ++l) g[j + l] = TS::store(grad_of(j + l, load_s(j + l)));
-  }
-#pragma omp simd
-  for (int64_t k = j; k < V; ++k) g[k] = TS::store(grad_of(k, load_s(k)));
+  for_each_streamed(
+      V, [&](int64_t j) __attribute__((always_inline)) { g[j] = TS::store(grad_of(j, load_s(j))); },
+      load_s.row, load_t.row);
   if (HARD) g[y] = TS::store(grad_of(y, x_y) - hard_coef);
 }
 
