@@ -195,8 +195,8 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
 
     * ``clipped`` (grpo, bnpo, dr_grpo, dapo, luspo): ``-min(r_u A, clip(r) A)``;
     * ``cispo`` (cispo): ``-min(r, clip_eps_high).detach() * A * logp``;
-    * ``sapo`` (sapo): ``-sigmoid(tau (r - 1)) * 4 / tau * A``, ``tau = sapo_tau_pos if A > 0
-      else sapo_tau_neg``;
+    * ``sapo`` (sapo, sapo_token_mean): ``-sigmoid(tau (r - 1)) * 4 / tau * A``,
+      ``tau = sapo_tau_pos if A > 0 else sapo_tau_neg``;
     * ``vespo`` (vespo): ``-phi * A * logp``, ``phi = exp(lam + k log W - lam W)`` detached,
       ``W`` the sequence's product of token ratios (and importance weights), ``k, lam`` by
       ``A >= 0``.
@@ -210,7 +210,8 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, mask: Optional
     * ``sequence_mean`` (grpo, sapo): mean per sequence, then over sequences;
     * ``token_mean`` (bnpo): mean over the batch's tokens;
     * ``max_length`` (dr_grpo): sum / (B * max_completion_length, or T);
-    * ``global_count`` (dapo, cispo, vespo): sum / normalizer (default the token count);
+    * ``global_count`` (dapo, cispo, vespo, sapo_token_mean): sum / normalizer (default the
+      token count);
     * ``sequence_sum`` (luspo): sum / B.
 
     ``entropy_coef`` subtracts ``entropy_coef`` times the mean entropy over the entropy-kept

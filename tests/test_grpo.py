@@ -4,6 +4,7 @@ import torch
 import astrai_kernels as ak
 from astrai_kernels import reference
 from astrai_kernels.ops._common import LogitsShape
+from astrai_kernels.options.grpo import LOSS_TYPE_RECORDS
 from astrai_kernels.testing import assert_close, spec
 
 from cases import (
@@ -55,7 +56,7 @@ def _surrogate_grad_terms(base, target, checked, upstream):
     return full
 
 
-def _run_reference(base, target, advantages, mask, upstream, **kwargs):
+def _run_reference(base, target, advantages, mask, upstream, metrics=METRICS, **kwargs):
     """``(expected, naive)``: reference.py's loss, metrics and gradient in float64 and in each
     result's dtype (see ``cases.reference_and_naive``)."""
     safe_target = torch.where(mask > 0, target, 0)
@@ -64,22 +65,23 @@ def _run_reference(base, target, advantages, mask, upstream, **kwargs):
         def cast(v):
             return v.to(xr.dtype) if isinstance(v, torch.Tensor) else v
 
-        loss, metrics = reference.grpo_loss(xr[:, :-1], safe_target, cast(advantages),
-                                            cast(mask), **{k: cast(v) for k, v in kwargs.items()})
+        loss, values = reference.grpo_loss(xr[:, :-1], safe_target, cast(advantages),
+                                           cast(mask), **{k: cast(v) for k, v in kwargs.items()})
         (loss * upstream).backward()
-        return {"loss": loss, **{key: metrics[key] for key in METRICS}}
+        return {"loss": loss, **{key: values[key] for key in metrics}}
 
     return reference_and_naive(run, base)
 
 
 def _check(backend, dtype, base, target, advantages, mask, upstream=0.7, grad_terms=None,
-           **kwargs):
+           metrics_checked=METRICS, **kwargs):
     before = base.clone()
     x, loss, metrics = _run(backend, base, target, advantages, mask=mask, **kwargs)
-    expected, naive = _run_reference(base, target, advantages, mask, upstream, **kwargs)
+    expected, naive = _run_reference(base, target, advantages, mask, upstream,
+                                     metrics_checked, **kwargs)
     assert loss.dtype == torch.float32 and loss.shape == ()
     assert_close(loss, expected["loss"], "value", dtype, "loss", naive=naive["loss"])
-    for key in METRICS:
+    for key in metrics_checked:
         assert metrics[key].dtype == torch.float32 and not metrics[key].requires_grad
         assert_close(metrics[key], expected[key], "value", dtype, key, naive=naive[key])
     (loss * upstream).backward()
@@ -102,6 +104,43 @@ def test_loss_types_with_kl(backend, importance_sampling, loss_type, dtype):
     _check(backend, dtype, base, target, advantages, mask, old_logprobs=old, ref_logprobs=ref,
            beta=0.05, loss_type=loss_type, importance_sampling=importance_sampling,
            temperature=0.8, max_completion_length=8, normalizer=None)
+
+
+# the loss types TRL lacks (tests/test_grpo_family.py checks TRL's against a transcription of
+# its GRPOTrainer, and the spec against that): every backend against the float64 spec
+BEYOND_TRL = [name for name, record in LOSS_TYPE_RECORDS.items() if not record.trl]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("loss_type", BEYOND_TRL)
+@pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_loss_types_beyond_trl(backend, importance_sampling, loss_type, dtype):
+    record = LOSS_TYPE_RECORDS[loss_type]
+    base, target, mask, advantages, old, ref = _batch(dtype)
+    _check(backend, dtype, base, target, advantages, mask, old_logprobs=old, ref_logprobs=ref,
+           beta=0.05, loss_type=loss_type, importance_sampling=importance_sampling,
+           temperature=0.8, normalizer=11.0 if record.global_count else None,
+           metrics_checked=("kl", "ratio/mean", *record.metrics))
+
+
+def test_sapo_token_mean_is_sapo_over_the_token_count():
+    # sapo means each sequence's terms, then the sequences; sapo_token_mean divides the sum by
+    # the token count (verl's token-mean): equal on sequences of one length, apart otherwise
+    base, target, mask, advantages, old, ref = _batch(torch.float64)
+    x, target = base[:, :-1], target.clamp(max=base.shape[-1] - 1)
+    options = dict(old_logprobs=old.double(), ref_logprobs=ref.double(), beta=0.05)
+
+    def loss(loss_type, mask, **extra):
+        return reference.grpo_loss(x, target, advantages.double(), mask, loss_type=loss_type,
+                                   **options, **extra)[0]
+
+    full = torch.ones_like(mask)
+    torch.testing.assert_close(loss("sapo_token_mean", full), loss("sapo", full))
+    assert not torch.allclose(loss("sapo_token_mean", mask), loss("sapo", mask))
+    count = mask.sum()
+    torch.testing.assert_close(loss("sapo_token_mean", mask, normalizer=2 * count),
+                               loss("sapo_token_mean", mask) / 2)
 
 
 OPTIONS = [

@@ -199,7 +199,7 @@ def test_every_loss_type_has_a_record_the_ops_read():
 
     assert LOSS_TYPES == tuple(LOSS_TYPE_RECORDS)
     assert set(CLIPPED_LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo", "luspo"}
-    assert set(GLOBAL_COUNT_LOSS_TYPES) == {"dapo", "cispo", "vespo"}
+    assert set(GLOBAL_COUNT_LOSS_TYPES) == {"dapo", "cispo", "vespo", "sapo_token_mean"}
     for record in LOSS_TYPE_RECORDS.values():
         assert record.citation
         assert record.policy in ("clipped", "cispo", "sapo", "vespo")

@@ -94,6 +94,9 @@ LOSS_TYPE_RECORDS: Dict[str, LossType] = {record.name: record for record in (
              "SAPO (arXiv 2511.20347)"),
     LossType("vespo", "vespo", "global_count", "none", ("vespo/phi_mean",),
              "VESPO (arXiv 2602.10693)"),
+    LossType("sapo_token_mean", "sapo", "global_count", "none", (),
+             "SAPO (arXiv 2511.20347) under verl's default loss_agg_mode='token-mean'",
+             trl=False),
 )}
 LOSS_TYPES = tuple(LOSS_TYPE_RECORDS)
 CLIPPED_LOSS_TYPES = tuple(name for name, record in LOSS_TYPE_RECORDS.items() if record.clipped)
