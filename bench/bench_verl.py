@@ -23,8 +23,9 @@ above the resident set before the call.
 of ``--repeats``): for ``head`` the four matmuls of the shape in its dtype that a fused
 forward and backward without a ``[rows, V]`` buffer must run (the logits, their recompute in
 the backward, ``dlogits @ W``, ``dlogits.T @ h``; verl's ``torch`` backend runs the same
-four), for ``distill`` the student's top-``k`` ranking (``torch.topk`` of its logits), which
-both paths run. ``load`` is the 1-minute load average at each case's start.
+four), in the op's row chunks into buffers allocated before (no first touch); for
+``distill`` the student's top-``k`` ranking (``torch.topk`` of its logits), which both paths
+run. ``load`` is the 1-minute load average at each case's start.
 """
 
 import argparse
@@ -120,17 +121,27 @@ def _floor_call(kind, rows, hidden, vocab, k, dtype):
     """The floor of the module doc for one case: a function to time."""
     import torch
 
+    from astrai_kernels.ops.head import chunk_rows
+
     generator = torch.Generator().manual_seed(1)
     if kind == "head":
         hidden_states = (torch.randn(rows, hidden, generator=generator) / hidden ** 0.5).to(dtype)
         weight = torch.randn(vocab, hidden, generator=generator).to(dtype)
+        chunk = chunk_rows(rows, vocab, "cpu", hidden=hidden)
+        logits = torch.empty(chunk, vocab, dtype=dtype)
+        grad_hidden = torch.empty_like(hidden_states)
+        grad_weight = torch.zeros_like(weight)
 
-        def matmuls():
-            hidden_states @ weight.t()
-            logits = hidden_states @ weight.t()
-            logits @ weight
-            logits.t() @ hidden_states
+        def matmuls():  # the op's chunks, into buffers written once before: arithmetic alone
+            for start in range(0, rows, chunk):
+                rows_in = hidden_states[start:start + chunk]
+                out = logits[:rows_in.shape[0]]
+                torch.mm(rows_in, weight.t(), out=out)
+                torch.mm(rows_in, weight.t(), out=out)
+                torch.mm(out, weight, out=grad_hidden[start:start + chunk])
+                grad_weight.addmm_(out.t(), rows_in)
 
+        matmuls()
         return matmuls
     logits = (torch.randn(rows, vocab, generator=generator) * 3).to(dtype)
     return lambda: torch.topk(logits, k=k, dim=-1)
