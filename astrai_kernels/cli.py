@@ -198,7 +198,11 @@ def add_bench_arguments(parser):
                              f"GRPO uses B={bc.GRPO_BATCH}, T=N/B")
     parser.add_argument("--vocab", default=None,
                         help="vocabulary sizes V, comma-separated, k = 1024 (default on CPU: "
-                             f"{defaults(bc.CPU_DEFAULT_VOCABS)}; on CUDA "
+                             f"{defaults(bc.CPU_DEFAULT_VOCABS)}; then, with neither "
+                             f"--rows nor --vocab, V={bc.CPU_LARGE_VOCAB}: token_logprobs and "
+                             "cross_entropy at N=512, linear_cross_entropy and "
+                             "linear_token_logprobs_entropy in bf16 at N=2048 where the CPU "
+                             "has bf16 matmul instructions; on CUDA "
                              f"{','.join(map(str, bc.GPU_DEFAULT_VOCABS))})")
     parser.add_argument("--hidden", default=str(bc.DEFAULT_HIDDEN),
                         help="hidden sizes H of the linear ops, comma-separated "
@@ -371,15 +375,22 @@ def bench_plan(args):
         deadline = None
     if deadline is not None:
         deadline = max(deadline - (time.perf_counter() - _STARTED), 0.0)
+    min_repeats = (dict(bc.DEFAULT_MIN_REPEATS) if args.min_repeats is None
+                   else args.min_repeats)
+    # the default CPU run adds Gemma 3's vocabulary (bench/cases.py CPU_LARGE_VOCAB_CASES)
+    kernel_backends = [b for b in backends if not bc.split_method(b)[1]]
+    large_vocab_cases = []
+    if not cuda and args.rows is None and args.vocab is None and kernel_backends:
+        large_vocab_cases = bc.plan_large_vocab_cases(
+            ops, kernel_backends[0], args.repeats, min_repeats, args.case_budget, args.threads,
+            hidden=hidden[0])
     return notes, dict(
         ops=ops, rows=rows, vocabs=vocabs, dtypes=dtypes, methods=methods, device=device,
-        repeats=args.repeats, budget_s=args.case_budget,
-        min_repeats=(dict(bc.DEFAULT_MIN_REPEATS) if args.min_repeats is None
-                     else args.min_repeats),
+        repeats=args.repeats, budget_s=args.case_budget, min_repeats=min_repeats,
         threads=args.threads, isolation=args.isolation, timeout=args.case_timeout,
         strategy_backends=strategy_backends, strategy_repeats=args.strategy_repeats,
         json_path=args.json, plot_path=args.plot, progress=not args.no_progress,
-        deadline_s=deadline, hidden=hidden)
+        deadline_s=deadline, hidden=hidden, large_vocab_cases=large_vocab_cases)
 
 
 def bench_check(args):

@@ -97,6 +97,36 @@ def test_bench_deadline_skips_and_strategies_unavailable(tmp_path, monkeypatch, 
     assert rc == 0 and payload["results"] == [] and len(payload["skipped"]) == 2
 
 
+def test_default_cpu_plan_adds_the_large_vocabulary(monkeypatch):
+    """`make bench` (no --rows, no --vocab) adds V = 262144 after the defaults: the logits ops
+    at N = 512, the fused head in bf16 only where the CPU multiplies bf16 natively; an explicit
+    --vocab or --rows leaves it out."""
+    flags = {"native": ["avx512f", "amx_bf16"], "avx2": ["avx2", "fma"]}
+    for machine, cpu_flags in flags.items():
+        cases = bc.plan_large_vocab_cases(bc.OPS, "cpp", 5, dict(bc.DEFAULT_MIN_REPEATS), 4.0,
+                                          cpu_flags=cpu_flags)
+        linear = {(c.op, c.method, c.dtype) for c in cases if c.op in bc.LINEAR_OPS}
+        logits = {(c.op, c.rows, c.dtype) for c in cases if c.op not in bc.LINEAR_OPS}
+        assert all(c.vocab == bc.CPU_LARGE_VOCAB for c in cases)
+        assert logits == {(op, 512, dtype) for op in ("token_logprobs", "cross_entropy")
+                          for dtype in ("fp32", "bf16")}
+        expected = {(op, method, "bf16") for op in ("linear_cross_entropy",
+                                                     "linear_token_logprobs_entropy")
+                    for method in ("cpp", "gemm")}
+        assert linear == (expected if machine == "native" else set())
+    assert bc.plan_large_vocab_cases(("grpo",), "cpp", 5, 2, 4.0) == []
+    monkeypatch.setattr(bc, "native_bf16_matmul", lambda cpu_flags=None: True)
+    for argv, expect_large in ((["bench", "--no-progress"], True),
+                               (["bench", "--vocab", "128", "--no-progress"], False),
+                               (["bench", "--rows", "64", "--no-progress"], False)):
+        args = cli.build_parser().parse_args(argv)
+        _, plan = cli.bench_plan(args)
+        large = plan["large_vocab_cases"]
+        assert bool(large) == expect_large, argv
+        if expect_large:
+            assert {c.method for c in large} == {"cpp", "gemm"}
+
+
 def test_peak_memory_sees_the_naive_buffers():
     """The naive fp32 path holds three [N, V] fp32 buffers at its peak (log-softmax output, its
     gradient, the logits' gradient); the measured extra peak must show them."""

@@ -124,6 +124,16 @@ CPU_DEFAULT_DTYPES = {"token_logprobs": ("fp32", "bf16"), "cross_entropy": ("fp3
 DEFAULT_HIDDEN = 1024
 CPU_DEFAULT_DEADLINE_S = 510.0  # no case starts later: `make bench` ends within 10 minutes
 STRATEGY_RESERVE_S = 150.0  # the strategies' block starts only with this much time left
+# Gemma 3's vocabulary on CPU (issue 42), run by default after the strategies' steps: the logits
+# ops at N = 512 (the bytes of the N = 4096, V = 32768 headline) and the fused head in bf16 at
+# N = 2048, H = 1024 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX: elsewhere the
+# bf16 GEMM floor alone takes minutes); the kernel backend and its floor only.
+CPU_LARGE_VOCAB = 262144
+CPU_LARGE_VOCAB_CASES = {"token_logprobs": (512, ("fp32", "bf16")),
+                         "cross_entropy": (512, ("fp32", "bf16")),
+                         "linear_cross_entropy": (2048, ("bf16",)),
+                         "linear_token_logprobs_entropy": (2048, ("bf16",))}
+BF16_MATMUL_FLAGS = ("avx512_bf16", "amx_bf16")
 GPU_DEFAULT_ROWS = 8192
 GPU_DEFAULT_VOCABS = (32768, 131072, 262144)
 GPU_DEFAULT_DTYPES = ("fp32", "bf16")
@@ -232,6 +242,41 @@ def plan_cases(ops, rows, vocabs, dtypes, methods, device, repeats, min_repeats,
                         cases.extend(Case(op, method, n, vocab, dtype, device, repeats,
                                           for_op(min_repeats, op), budget_s, threads, hidden=h)
                                      for method in methods if method_applies(op, method))
+    return cases
+
+
+def native_bf16_matmul(cpu_flags=None):
+    """Whether this CPU multiplies bf16 natively (a ``BF16_MATMUL_FLAGS`` flag in
+    ``/proc/cpuinfo``, or in ``cpu_flags``); False where that cannot be read."""
+    if cpu_flags is None:
+        try:
+            with open("/proc/cpuinfo") as cpuinfo:
+                line = next((line for line in cpuinfo if line.startswith("flags")), "")
+        except OSError:
+            return False
+        cpu_flags = line.split(":", 1)[-1].split()
+    return any(flag in cpu_flags for flag in BF16_MATMUL_FLAGS)
+
+
+def plan_large_vocab_cases(ops, backend, repeats, min_repeats, budget_s, threads=0,
+                           hidden=DEFAULT_HIDDEN, cpu_flags=None):
+    """The CPU cases of :data:`CPU_LARGE_VOCAB_CASES` for the ops in ``ops``: ``backend`` and,
+    for the linear ops, their ``gemm`` floor (the logits ops measure their copy floor in the
+    same run); the bf16 linear cases only where :func:`native_bf16_matmul`."""
+    fast_bf16 = native_bf16_matmul(cpu_flags)
+    cases = []
+    for op, (rows, dtypes) in CPU_LARGE_VOCAB_CASES.items():
+        if op not in ops:
+            continue
+        linear = op in LINEAR_OPS
+        for dtype in dtypes:
+            if linear and dtype != "fp32" and not fast_bf16:
+                continue
+            methods = (backend, "gemm") if linear else (backend,)
+            cases.extend(Case(op, method, rows, CPU_LARGE_VOCAB, dtype, "cpu", repeats,
+                              min_repeats if isinstance(min_repeats, int) else min_repeats[op],
+                              budget_s, threads, hidden=hidden if linear else 0)
+                         for method in methods)
     return cases
 
 

@@ -96,7 +96,8 @@ def _distinct(values, ops):
 def run_benchmarks(ops, rows, vocabs, dtypes, methods, device="cpu", repeats=5,
                    min_repeats=2, budget_s=4.0, threads=0, isolation="forkserver", timeout=600,
                    strategy_backends=(), strategy_repeats=2, json_path=None, plot_path=None,
-                   progress=True, argv=None, deadline_s=None, hidden=(1024,)):
+                   progress=True, argv=None, deadline_s=None, hidden=(1024,),
+                   large_vocab_cases=()):
     """Run every case (each in its own process), the strategies' steps, write JSON and plot.
 
     ``rows``, ``vocabs`` and ``dtypes`` are one sequence for every op or map op -> sequence;
@@ -104,8 +105,9 @@ def run_benchmarks(ops, rows, vocabs, dtypes, methods, device="cpu", repeats=5,
     JSON is rewritten after every case (``"complete": false`` until the end), so a run killed
     from outside still leaves its figures. With ``deadline_s`` no case starts after that many
     seconds; the ones left are listed under ``"skipped"`` (out of ``"planned_cases"``,
-    ``"cut_by_deadline"`` true) and the table, JSON and plot are still written. Returns the
-    payload dict.
+    ``"cut_by_deadline"`` true) and the table, JSON and plot are still written.
+    ``large_vocab_cases`` (:func:`~astrai_kernels.bench.cases.plan_large_vocab_cases`) run after
+    the strategies' steps. Returns the payload dict.
     """
     started = time.perf_counter()
     notes = []
@@ -121,7 +123,8 @@ def run_benchmarks(ops, rows, vocabs, dtypes, methods, device="cpu", repeats=5,
         notes.append("strategies: not run: the strategies' steps are timed "
                      "on CPU only (run `astrai-kernels bench --device cpu --ops "
                      "strategies`)")
-    total = len(cases) + len(strategy_vocabs)
+    large_vocab_cases = list(large_vocab_cases)
+    total = len(cases) + len(strategy_vocabs) + len(large_vocab_cases)
     config = {"argv": argv, "ops": list(ops), "rows": _distinct(rows, ops),
               "vocab": {op: list(vocabs[op]) for op in ops if op in vocabs},
               "dtypes": _distinct(dtypes, ops), "methods": list(methods), "device": device,
@@ -177,8 +180,9 @@ def run_benchmarks(ops, rows, vocabs, dtypes, methods, device="cpu", repeats=5,
                 bar.update(case.label() + ("  FAILED" if "error" in result else ""), advance=1)
 
     # Order: every op's largest V without torch.compile, the strategies' steps (one block that
-    # cannot be cut short: started only with STRATEGY_RESERVE_S left), torch.compile at the
-    # largest V, then the smaller V (the curves), without and with torch.compile.
+    # cannot be cut short: started only with STRATEGY_RESERVE_S left), the large vocabulary,
+    # torch.compile at the largest V, then the smaller V (the curves), without and with
+    # torch.compile.
     headline = [c for c in cases if is_headline(c, vocabs)]
     curves = [c for c in cases if not is_headline(c, vocabs)]
     with CaseRunner(isolation, timeout) as runner:
@@ -196,6 +200,7 @@ def run_benchmarks(ops, rows, vocabs, dtypes, methods, device="cpu", repeats=5,
             save()
             if bar:
                 bar.update(f"strategies V={vocab}", advance=1)
+        run_tensor_cases(runner, large_vocab_cases)
         run_tensor_cases(runner, [c for c in headline if c.method == "compile"])
         run_tensor_cases(runner, [c for c in curves if c.method != "compile"])
         run_tensor_cases(runner, [c for c in curves if c.method == "compile"])
