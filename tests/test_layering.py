@@ -169,6 +169,55 @@ def test_kernels_is_the_ground_floor():
     assert {module: found for module, found in upstairs.items() if found} == {}
 
 
+#: the generators of custom ops and head walks that take a kernel-module resolver, and where
+RESOLVER_TAKERS = {"optional_primitive_op": 1, "head_walk": None}
+
+
+def _resolvers_passed(module):
+    """``(line, resolver expression, where its name comes from)`` of every resolver ``module``
+    passes to a ``RESOLVER_TAKERS`` generator (``None``: a name of ``module`` itself)."""
+    path, is_package = MODULES[module]
+    tree = ast.parse(path.read_text(), filename=str(path))
+    imported_from = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = _absolute(module, is_package, node.level, node.module)
+            for alias in node.names:
+                imported_from[alias.asname or alias.name] = source
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                imported_from[alias.asname or alias.name] = alias.name
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = getattr(node.func, "id", getattr(node.func, "attr", None))
+        if name not in RESOLVER_TAKERS:
+            continue
+        position = RESOLVER_TAKERS[name]
+        passed = [k.value for k in node.keywords if k.arg == "kernels"]
+        if position is not None and len(node.args) > position:
+            passed.append(node.args[position])
+        for resolver in passed:
+            root = resolver
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            source = imported_from.get(getattr(root, "id", None))
+            found.append((node.lineno, ast.unparse(resolver), source))
+    return found
+
+
+def test_kernel_resolvers_come_from_the_kernels():
+    """The arrow an import scan cannot see: a resolver (``backend -> kernel module``) handed to
+    ``library.optional_primitive_op`` or ``head.head_walk`` is called from below, so one
+    defined above ``kernels/`` would be a call back up into it."""
+    upward = [f"{module}:{line} passes {resolver} (from {source or 'itself'})"
+              for module in MODULES
+              for line, resolver, source in _resolvers_passed(module)
+              if not (source or "").startswith("astrai_kernels.kernels")]
+    assert upward == []
+
+
 def test_the_registry_reaches_every_backend_by_an_import_statement():
     assert {"astrai_kernels.kernels.triton.backend", "astrai_kernels.kernels.cpp.backend",
             "astrai_kernels.kernels.portable"} <= SCANS["astrai_kernels.kernels.registry"][0]

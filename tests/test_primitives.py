@@ -59,7 +59,7 @@ def test_every_backend_serves_the_shard_gradient():
 
 def test_the_sampling_primitives_are_optional():
     """The cpp and triton backends score sampled targets in their kernels; the torch backend
-    lacks the primitives, and ``ops/sampling.py`` runs its chunked-torch path for it."""
+    lacks the primitives, and ``kernels/portable_sampling.py``'s chunked torch serves it."""
     for module in (cpp_backend, triton_backend):
         for name in SAMPLING_PRIMITIVES:
             assert (list(inspect.signature(getattr(module, name)).parameters)
@@ -148,8 +148,9 @@ def test_log_ratio_clamp_is_declared_once():
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])  # chunked torch, or the backend's kernel
 def test_sampling_ops_fake_states_what_they_return(backend):
-    """The optional sampled-logprobs primitives' generated ops (``ops/sampling.py`` passes its
-    own kernels): under a fake mode their fakes give the eager call's shapes and dtypes."""
+    """The optional sampled-logprobs primitives' generated ops (``ops/sampling.py`` makes them
+    with ``kernels/portable_sampling.py``'s ``sampling_kernels``): under a fake mode their fakes
+    give the eager call's shapes and dtypes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     g = torch.Generator().manual_seed(0)

@@ -1,7 +1,7 @@
 """``sampling=`` / ``return_support=``: targets scored under vLLM v1's processed distribution.
 
 The expected values come from :func:`vllm_kept`, vLLM's sampler written out here in float64 and
-sort-based (independent of ``ops/sampling.py``'s sort-free thresholds and of
+sort-based (independent of the kernels' sort-free thresholds and of
 ``reference.sampled_token_logprobs``), then extended to the documented tie rule at the top-p
 crossing. Values and gradients are compared per element (``astrai_kernels.testing``) with the
 float64 math on the kept tokens; the support itself (``in_support``, ``support_size``) exactly.
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import astrai_kernels as ak
-from astrai_kernels.ops import sampling as sampling_op
+from astrai_kernels.kernels import portable_sampling
 from astrai_kernels.testing import assert_close, assert_close_elementwise
 
 BACKENDS = ["cpp", "torch", "reference"]
@@ -357,7 +357,7 @@ def test_linear_token_logprobs_with_sampling(backend, transform):
 @pytest.mark.parametrize("backend", ["cpp", "torch"])
 def test_blocks_of_rows(backend, monkeypatch):
     """Rows walked in several blocks, and ``[A, B, V]`` views with A > 1 (``rows_view``)."""
-    monkeypatch.setattr(sampling_op, "BLOCK_ELEMENTS", 3 * 40)
+    monkeypatch.setattr(portable_sampling, "BLOCK_ELEMENTS", 3 * 40)
     params = ak.SamplingParams(top_k=7, top_p=0.8)
     full, view = make_full((3, 7, 40), torch.float32, "shifted", seed=9)
     target = sampled_targets(view(full), vllm_kept(view(full), params), params, seed=5)
@@ -777,7 +777,7 @@ def test_sampled_forward_declares_its_output_dtypes():
     logits = make_full((1, 3, 40), torch.float32, seed=1)[0]
     outputs = cpp_backend.sampled_logprobs_forward(logits, torch.tensor([0, 5, -100]),
                                                    SamplingArgs(0.7, 5, 0.9, 0.0, -100))
-    assert declared.output_dtypes == sampling_op.ROW_OUTPUT_DTYPES
+    assert declared.output_dtypes == portable_sampling.ROW_OUTPUT_DTYPES
     assert tuple(out.dtype for out in outputs) == declared.output_dtypes
     assert tuple(out.numel() for out in outputs) == declared.outputs(None, 3)
 

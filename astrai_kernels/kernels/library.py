@@ -9,8 +9,9 @@ allocates the gradient it returns) and dispatches on ``backend`` to the module n
 ``kernels/registry.py``. The in-place-gradient paths call the backend modules directly instead
 (an op may not return an alias of its input). An optional primitive's op
 (:func:`optional_primitive_op`: the sampler's, top-k distillation's) is generated the same way by
-its op's file, with that file's kernels (the sampler's fall back to chunked torch on a backend
-without the primitive).
+its op's file, with a resolver of ``kernels/`` that picks the module to run (the sampler's,
+``portable_sampling.sampling_kernels``, falls back to that module's chunked torch on a backend
+without the primitive), so nothing here calls back up into ``ops/``.
 
 :func:`traceable_op` makes these ops (and the fused head's walks, ``ops/head.py``'s
 ``head_walk``):
@@ -348,9 +349,10 @@ _GENERATED = {name: _Generated(primitive) for name, primitive in PRIMITIVES.item
 
 def optional_primitive_op(name, kernels):
     """The custom op, fake and eager wrapper of the optional primitive ``name``
-    (``kernels/primitives.py``), run by ``kernels(backend)``: the op's file passes its own,
-    which falls back to chunked torch on a backend without the primitive. No Triton twin:
-    traced, a triton call runs through the opaque op."""
+    (``kernels/primitives.py``), run by the module ``kernels(backend)`` gives: a resolver of
+    ``kernels/`` (``registry.backend_module``, or ``portable_sampling.sampling_kernels``, which
+    falls back to chunked torch on a backend without the primitive). No Triton twin: traced, a
+    triton call runs through the opaque op."""
     generated = _Generated(declared(name), kernels, triton_twin=False)
     _GENERATED[name] = generated
     return generated

@@ -108,8 +108,8 @@ grad)``
     ``cross_entropy_forward`` above, so every backend serves forward-only calls.
 
 Optional primitives (targets scored under a sampler's distribution, ``ops/sampling.py``; the
-``cpp`` and ``triton`` backends implement them; for a backend without them the op runs its own
-chunked-torch selection, ``ops/sampling.py``'s portable path, on that backend's device):
+``cpp`` and ``triton`` backends implement them; for a backend without them the op runs the
+chunked-torch selection of ``kernels/portable_sampling.py`` on that backend's device):
 
 ``sampled_logprobs_forward(logits, target, params: SamplingArgs)`` -> ``(logp, lse_kept,
 threshold, log_kept_mass, support_size, in_support)``
@@ -352,8 +352,8 @@ SHARD_PRIMITIVE = Primitive(
      ("delta", _OT)), ShardGradArgs, _rows(0), ALWAYS)
 
 
-#: the optional primitives of targets scored under a sampler, eager only (no custom op:
-#: ``ops/sampling.py``'s own custom ops call them)
+#: the optional primitives of targets scored under a sampler (``ops/sampling.py`` makes their
+#: custom ops, run by ``kernels/portable_sampling.py``'s ``sampling_kernels``)
 SAMPLING_PRIMITIVES = {p.name: p for p in (
     Primitive("sampled_logprobs_forward", (("logits", _T), ("target", _T)), SamplingArgs,
               _rows(6), output_dtypes=(torch.float32,) * 4 + (torch.int64, torch.bool)),

@@ -219,9 +219,16 @@ def token_logprobs(
 
 @dataclass(frozen=True)
 class _Sampled:
-    """A checked ``token_logprobs`` call under ``sampling=`` (or ``return_support``)."""
+    """A checked ``token_logprobs`` call under ``sampling=`` (or ``return_support``): the
+    sampler's settings, and the plain op's params at the sampler's temperature (what a sampler
+    that keeps every token of a row scores with)."""
     sampling: SamplingParams
-    backend: str
+    params: LogprobsParams
+    return_support: bool
+
+    @property
+    def backend(self) -> str:
+        return self.params.backend
 
 
 @dataclass(frozen=True)
@@ -249,29 +256,32 @@ def _check(call) -> Union[LogprobsParams, _Sampled, _Columns]:
         sampling = checked_sampling(call["sampling"], call["temperature"],
                                     return_entropy=call["return_entropy"],
                                     inplace_backward=call["inplace_backward"])
-        return _Sampled(sampling, resolve_backend(call["backend"], logits.device))
+        params = checked_params(LogitsShape.of(logits), call["target"], sampling.temperature,
+                                call["ignore_index"], False, False, call["backend"])
+        return _Sampled(sampling, params, check_bool(call["return_support"], "return_support"))
     check_inplace(logits, call["inplace_backward"])
     return checked_params(LogitsShape.of(logits), call["target"], call["temperature"],
                           call["ignore_index"], call["return_entropy"], call["inplace_backward"],
                           call["backend"])
 
 
-def _sampled(call, checked: _Sampled):
-    """``sampling=``: the processed distribution's log-probs (``ops/sampling.py``)."""
-    logits, target, sampling = call["logits"], call["target"], checked.sampling
-    if sampling.filters(logits.shape[-1]):
-        return sampled_token_logprobs(logits, target, sampling, call["ignore_index"],
-                                      call["return_support"], checked.backend)
-    logp = token_logprobs(logits, target, temperature=sampling.temperature,
-                          ignore_index=call["ignore_index"], backend=checked.backend)
-    if call["return_support"]:
-        return logp, full_support(target, call["ignore_index"], logits.shape[-1])
+def _sampled(call, checked: _Sampled, plain_route):
+    """``sampling=``: the processed distribution's log-probs, on ``ops/sampling.py``'s route
+    down to the sampled primitives; when no filter can drop a token, the plain op's
+    ``plain_route`` (this door's local or reference route) with ``checked.params``."""
+    logits, target, params = call["logits"], call["target"], checked.params
+    if checked.sampling.filters(logits.shape[-1]):
+        return sampled_token_logprobs(logits, target, checked.sampling, params.ignore_index,
+                                      checked.return_support, params.backend)
+    logp = plain_route(call, params)
+    if checked.return_support:
+        return logp, full_support(target, params.ignore_index, logits.shape[-1])
     return logp
 
 
 def _reference(call, checked):
     if isinstance(checked, _Sampled):
-        return _sampled(call, checked)
+        return _sampled(call, checked, _reference)
     params = checked.params if isinstance(checked, _Columns) else checked
     logp, entropy = reference.token_logprobs(call["logits"].float(), call["target"],
                                              params.temperature, params.ignore_index)
@@ -280,7 +290,7 @@ def _reference(call, checked):
 
 def _local(call, checked):
     if isinstance(checked, _Sampled):
-        return _sampled(call, checked)
+        return _sampled(call, checked, _local)
     if isinstance(checked, _Columns):
         return _local_columns(call["logits"], call["target"], checked.params)
     logits, target, params = call["logits"], call["target"], checked
@@ -609,15 +619,16 @@ def linear_token_logprobs(hidden, weight, target, *, bias=None, temperature=1.0,
 
 @dataclass(frozen=True)
 class _HeadLogprobs:
-    """A checked ``linear_token_logprobs`` call: the logits op's params (None under
-    ``sampling``), the sampler's distribution (or None), the transform and the statistics;
-    ``columns``: ``target [..., K]``."""
-    params: Optional[LogprobsParams]
+    """A checked ``linear_token_logprobs`` call: the logits op's params (under ``sampling``:
+    at the sampler's temperature), the sampler's distribution (or None), the transform and
+    the statistics; ``columns``: ``target [..., K]``; ``return_support``."""
+    params: LogprobsParams
     sampling: Optional[SamplingParams]
     transform: Tuple[float, float]
     stats_mask: int
     backend: str
     columns: bool = False
+    return_support: bool = False
 
 
 def _check_linear(call) -> _HeadLogprobs:
@@ -639,35 +650,38 @@ def _check_linear(call) -> _HeadLogprobs:
         sampling = checked_sampling(call["sampling"], call["temperature"],
                                     return_entropy=call["return_entropy"],
                                     statistics=bool(stats_mask))
-        return _HeadLogprobs(None, sampling, transform, stats_mask, backend)
+        params = checked_params(LogitsShape.of_head(hidden, weight), call["target"],
+                                sampling.temperature, call["ignore_index"], False, False,
+                                backend)
+        return _HeadLogprobs(params, sampling, transform, stats_mask, backend,
+                             return_support=check_bool(call["return_support"],
+                                                       "return_support"))
     params = checked_params(LogitsShape.of_head(hidden, weight), call["target"],
                                   call["temperature"], call["ignore_index"],
                                   call["return_entropy"], False, backend)
     return _HeadLogprobs(params, None, transform, stats_mask, backend)
 
 
-def _sampled_linear(call, checked: _HeadLogprobs):
-    """``sampling=``: the processed distribution's log-probs (``ops/sampling.py``)."""
-    hidden, weight, target = call["hidden"], call["weight"], call["target"]
-    sampling = checked.sampling
-    if sampling.filters(weight.shape[0]):
-        return linear_sampled_token_logprobs(hidden, weight, call["bias"], target, sampling,
-                                             call["ignore_index"], call["return_support"],
-                                             call["logit_scale"], call["softcap"],
-                                             call["chunk_size"], checked.backend)
-    logp = linear_token_logprobs(hidden, weight, target, bias=call["bias"],
-                                 temperature=sampling.temperature,
-                                 ignore_index=call["ignore_index"], softcap=call["softcap"],
-                                 logit_scale=call["logit_scale"], chunk_size=call["chunk_size"],
-                                 backend=checked.backend)
-    if call["return_support"]:
-        return logp, full_support(target, call["ignore_index"], weight.shape[0])
+def _sampled_linear(call, checked: _HeadLogprobs, plain_route):
+    """``sampling=``: the processed distribution's log-probs, on ``ops/sampling.py``'s route
+    down to the sampled primitives' head walks; when no filter can drop a token, the plain
+    op's ``plain_route`` (this door's local or reference route) with ``checked.params``."""
+    weight, target, params = call["weight"], call["target"], checked.params
+    if checked.sampling.filters(weight.shape[0]):
+        return linear_sampled_token_logprobs(call["hidden"], weight, call["bias"], target,
+                                             checked.sampling, params.ignore_index,
+                                             checked.return_support, call["logit_scale"],
+                                             call["softcap"], call["chunk_size"],
+                                             checked.backend)
+    logp = plain_route(call, replace(checked, sampling=None, return_support=False))
+    if checked.return_support:
+        return logp, full_support(target, params.ignore_index, weight.shape[0])
     return logp
 
 
 def _reference_linear(call, checked: _HeadLogprobs):
     if checked.sampling is not None:
-        return _sampled_linear(call, checked)
+        return _sampled_linear(call, checked, _reference_linear)
     if checked.columns:
         return token_logprobs(
             reference_logits(call["hidden"], call["weight"], call["bias"], call["logit_scale"],
@@ -691,7 +705,7 @@ def _reference_linear(call, checked: _HeadLogprobs):
 
 def _local_linear(call, checked: _HeadLogprobs):
     if checked.sampling is not None:
-        return _sampled_linear(call, checked)
+        return _sampled_linear(call, checked, _local_linear)
     if checked.columns:
         return _local_linear_columns(call, checked)
     hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
