@@ -251,6 +251,42 @@ def test_malformed_bounds_name_the_key(tmp_path, name):
         check.load_bounds(str(path))
 
 
+BF16_HEAD_BOUND = """
+[[case]]
+op = "linear_cross_entropy"
+method = "cpp"
+dtype = "bf16"
+rows = 2048
+hidden = 1024
+vocab = 262144
+against = "gemm"
+max_ratio = 1.2
+"""
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_head_bounds_are_skipped_without_bf16_matmul(tmp_path, monkeypatch, capsys,
+                                                          native):
+    """A bf16 fused-head bound runs where the CPU multiplies bf16 natively; elsewhere (its
+    bf16 GEMMs take minutes) it is reported as skipped, runs nothing and fails nothing."""
+    path = tmp_path / "bounds.toml"
+    path.write_text(BOUNDS + BF16_HEAD_BOUND)
+    monkeypatch.setattr(check, "native_bf16_matmul", lambda cpu_flags=None: native)
+    seconds = {**WITHIN, ("linear_cross_entropy", "cpp", "bf16"): 11.0,
+               ("linear_cross_entropy", "gemm", "bf16"): 10.0}
+    clock = FakeClock(seconds)
+    code = check.run_check(str(path), clock)
+    out = capsys.readouterr().out
+    ran_bf16_head = any(c.op == "linear_cross_entropy" and c.dtype == "bf16" for c in clock.ran)
+    assert ran_bf16_head == native
+    assert code == 0
+    if native:
+        assert "4 ok, 0 over, 0 failed" in out
+    else:
+        assert "3 ok, 0 over, 0 failed, 1 skipped" in out
+        assert "no bf16 matmul instructions" in out
+
+
 class NoBenchmarks:
     """``CaseRunner`` in the CLI tests: a bad bounds file must stop the check before any case."""
 
