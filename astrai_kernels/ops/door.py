@@ -1,4 +1,7 @@
-"""Each public op's one entrance: its body is ``return DOOR.enter(locals())``.
+"""Each public op's one entrance, ``DOOR.enter(call)``: most ops' body is ``return
+DOOR.enter(locals())``; distill.py's ops enter through ``keyword_call(locals())`` and grpo.py's
+fold their option keywords into ``options`` first (docs/architecture.md renders each op's routes;
+the preference losses and ``group_advantages`` have no door).
 
 ``Door.enter`` routes every call the same way, in this order:
 
@@ -11,7 +14,7 @@
 4. ``backend="reference"``: the ``reference`` route (the float64 spec, ``reference.py``);
 5. otherwise the ``local`` route: the kernels of the resolved backend.
 
-``call`` is the op's arguments by name (``locals()`` at the top of its body), so the routes
+``call`` is the op's arguments by name (from ``locals()`` at the top of its body), so the routes
 read them by the public names and ``torch.compile`` traces the dict like any other.
 """
 

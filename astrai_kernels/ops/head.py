@@ -464,8 +464,9 @@ def head_walk(primitive_name: str, extra: Optional[ChunkExtra] = None,
     gradient is written when any ``needs_*`` is set, an ALWAYS one always. Each chunk gets the
     rows ``[start, stop)`` of a per-row tensor with N rows; any other (an empty entropy, a
     single gradient scale, None) passes whole. ``kernels(backend)`` gives the module whose
-    function of the primitive's name runs (an optional primitive's op passes its own, which
-    falls back to chunked torch on a backend without it)."""
+    function of the primitive's name runs (an optional primitive's op passes a resolver of
+    ``kernels/``, e.g. ``kernels/portable_sampling.sampling_kernels``, which falls back to
+    chunked torch on a backend without it)."""
     generated = _HeadWalk(declared(primitive_name), extra, kernels)
 
     def walk(*values):
