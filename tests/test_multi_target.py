@@ -288,3 +288,22 @@ def test_both_forms_compile_fullgraph(backend, with_entropy):
         return fused.sum() + plain.sum()
 
     assert_compiles_like_eager(step, hidden, weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_overwrite_columns_is_scatter(dtype):
+    """The K-target backward writes its columns through an int16 view on 16-bit CPU tensors
+    (torch's CPU scatter_ into bfloat16 converts the whole tensor to float32 and back): the
+    same bits as scatter_, duplicate-free columns, values cast from float32, NaN and -0.0
+    included."""
+    from astrai_kernels.ops._common import overwrite_columns_
+
+    g = torch.Generator().manual_seed(5)
+    dst = torch.randn(6, 40, generator=g).to(dtype)
+    columns = torch.stack([torch.randperm(40, generator=g)[:4] for _ in range(6)])
+    values = torch.randn(6, 4, generator=g)
+    values[0, 0], values[1, 1] = float("nan"), -0.0
+    expected = dst.clone().scatter_(1, columns, values.to(dtype))
+    out = overwrite_columns_(dst, 1, columns, values)
+    assert out is dst
+    assert torch.equal(dst.view(torch.uint8), expected.view(torch.uint8))  # bitwise

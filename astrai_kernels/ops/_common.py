@@ -294,6 +294,19 @@ def scale_grad_inplace(grad, grad_output):
         grad.mul_(grad_output.to(grad.dtype))
 
 
+def overwrite_columns_(dst, dim, index, src):
+    """``dst.scatter_(dim, index, src)`` with ``src`` cast to ``dst``'s dtype; a 16-bit float
+    ``dst`` on CPU through an ``int16`` view of the same bytes (the values are copied, not
+    computed on): torch's CPU ``scatter_`` into bfloat16 converts the whole ``dst`` to float32
+    and back, 464 ms against 1.3 ms for a [2048, 32768] bf16 gradient and 64 columns a row
+    (1 thread, Intel Xeon)."""
+    src = src.to(dst.dtype)
+    if dst.device.type == "cpu" and dst.dtype in (torch.bfloat16, torch.float16):
+        dst.view(torch.int16).scatter_(dim, index, src.view(torch.int16))
+        return dst
+    return dst.scatter_(dim, index, src)
+
+
 def graph_is_retained():
     """True inside a backward that keeps the graph (``retain_graph=True`` or
     ``create_graph=True``): the node may run again, so saved buffers must stay unchanged."""

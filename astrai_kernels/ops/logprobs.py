@@ -49,6 +49,7 @@ from ._common import (
     grad_for_owner,
     graph_is_retained,
     inplace_grad_owner,
+    overwrite_columns_,
     refuse_double_backward,
     rows_view,
 )
@@ -473,7 +474,7 @@ class _TokenLogprobsColumns(torch.autograd.Function):
         grad = library.logprobs_backward(rows_view(logits), row_target, lse, entropy,
                                          row_grad, grad_entropy, params, params.backend)
         grad_rows = grad.view(-1, grad.shape[-1])
-        grad_rows.scatter_(1, columns, values.to(grad_rows.dtype))
+        overwrite_columns_(grad_rows, 1, columns, values)
         return grad.view(logits.shape), None, None
 
 
@@ -831,7 +832,7 @@ class _LinearTokenLogprobsColumns(torch.autograd.Function):
                 logits.copy_(library.logprobs_backward(*chunk, params.backend))
             else:  # written over the chunk's logits
                 kernels.logprobs_backward(*chunk, logits)
-            logits[0].scatter_(1, columns[rows], values[rows].to(logits.dtype))
+            overwrite_columns_(logits[0], 1, columns[rows], values[rows])
             head.fold(start, stop, logits)
         grads = head.gradients()
         return (*(grad_or_none(g) for g in grads), None, None, None, None)

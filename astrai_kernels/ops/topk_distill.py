@@ -57,6 +57,7 @@ from ._common import (
     AttachGrad,
     LogitsShape,
     check_logits,
+    overwrite_columns_,
     refuse_double_backward,
     rows_view,
 )
@@ -411,7 +412,7 @@ def _write_grad(exp_shifted, sums, rows, coef, row_factor, out):
     weighted = coef * row_factor.unsqueeze(1)
     if exp_shifted is None:
         out.zero_()
-        out.scatter_(1, rows.ids, _merged(weighted, rows.ids).to(out.dtype))
+        overwrite_columns_(out, 1, rows.ids, _merged(weighted, rows.ids))
         return
     exp_shifted.mul_((-weighted.sum(1) / sums).unsqueeze(1))
     exp_shifted.scatter_add_(1, rows.ids, weighted)
