@@ -362,11 +362,11 @@ def bench_plan(args):
                if any(bc.method_applies(op, m) for op in ops if op in bc.TENSOR_OPS)]
     if not methods and "strategies" not in ops:
         raise UsageError("nothing to run (no backend and no baseline for these ops)")
+    plain_backends = [b for b in backends if not bc.split_method(b)[1]]  # not NAME:inplace
     if args.strategy_backends is not None:
         strategy_backends = _split(args.strategy_backends)
     else:
-        plain = [b for b in backends if not bc.split_method(b)[1]]
-        strategy_backends = plain[:1] or ["auto"]
+        strategy_backends = plain_backends[:1] or ["auto"]
 
     deadline = args.deadline
     if deadline is None and not cuda:
@@ -378,11 +378,10 @@ def bench_plan(args):
     min_repeats = (dict(bc.DEFAULT_MIN_REPEATS) if args.min_repeats is None
                    else args.min_repeats)
     # the default CPU run adds Gemma 3's vocabulary (bench/cases.py CPU_LARGE_VOCAB_CASES)
-    kernel_backends = [b for b in backends if not bc.split_method(b)[1]]
     large_vocab_cases = []
-    if not cuda and args.rows is None and args.vocab is None and kernel_backends:
+    if not cuda and args.rows is None and args.vocab is None and plain_backends:
         large_vocab_cases = bc.plan_large_vocab_cases(
-            ops, kernel_backends[0], args.repeats, min_repeats, args.case_budget, args.threads,
+            ops, plain_backends[0], args.repeats, min_repeats, args.case_budget, args.threads,
             hidden=hidden[0])
     return notes, dict(
         ops=ops, rows=rows, vocabs=vocabs, dtypes=dtypes, methods=methods, device=device,

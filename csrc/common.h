@@ -378,7 +378,6 @@ struct BlockSums {
   float max = -kInf, sum = 0.0f, wsum = 0.0f, zsum = 0.0f;
 };
 
-
 // One streaming pass over elements [b0, b0 + len): their max, and their exp-sums relative to
 // `shift` (valid while (max - shift) * scale stays well below 88, see online_lse_row).
 // With KEEP, also stores exp((v_j - shift) * scale) to e_out[j - b0].

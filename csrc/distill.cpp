@@ -219,15 +219,15 @@ ASTRAI_INLINE float stored_grad_element(float p, float q, float xs, const GradCo
 
 // Writes one row's gradient: grad_of(j, x_j) is element j's without the hard term's -d_jy,
 // which is folded in float32 at the target afterwards (x_y read before the row may be
-// overwritten: grad may be the student itself). `load_t`: the teacher's row grad_of reads,
-// prefetched ahead with the student's (unit-stride loads).
-template <class TS, bool HARD, class Load, class LoadT, class F>
-ASTRAI_INLINE void write_grad_row(int64_t V, const Load& load_s, const LoadT& load_t, float x_y,
-                                  int64_t y, float hard_coef, typename TS::storage* g,
-                                  const F& grad_of) {
+// overwritten: grad may be the student itself). `streamed`: the unit-stride rows the loop
+// reads (the student's, and the teacher's where grad_of reads it), prefetched ahead.
+template <class TS, bool HARD, class Load, class F, class... Rows>
+ASTRAI_INLINE void write_grad_row(int64_t V, const Load& load_s, float x_y, int64_t y,
+                                  float hard_coef, typename TS::storage* g, const F& grad_of,
+                                  const Rows*... streamed) {
   for_each_streamed(
       V, [&](int64_t j) __attribute__((always_inline)) { g[j] = TS::store(grad_of(j, load_s(j))); },
-      load_s.row, load_t.row);
+      streamed...);
   if (HARD) g[y] = TS::store(grad_of(y, x_y) - hard_coef);
 }
 
@@ -344,10 +344,10 @@ ASTRAI_INLINE void forward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
     with_bool(a.hard_lse != nullptr, [&](auto hard) {
       constexpr bool kHard = decltype(hard)::value;
       // the stored p and q replace the teacher's row: only the student's is read
-      write_grad_row<TS, kHard>(V, load_s, load_s, x_y, y, gc.hard_coef, g,
+      write_grad_row<TS, kHard>(V, load_s, x_y, y, gc.hard_coef, g,
                                 [=](int64_t j, float xs) __attribute__((always_inline)) {
                                   return stored_grad_element<K, kHard>(sp[j], sq[j], xs, gc);
-                                });
+                                }, load_s.row);
     });
   }
 }
@@ -379,10 +379,10 @@ ASTRAI_INLINE void backward_rows(const DistillArgs& a, int64_t n0, int64_t n1) {
     if (HARD) h = saved_stats<Stats>(V, load_s, x_y, 1.0f, a.saved_hard_lse[n]);
     const GradCoefs gc = grad_coefs<K>(a, n, a.saved_kl_s[n], h);
     const RowConsts rc = c;
-    write_grad_row<TS, HARD>(V, load_s, load_t, x_y, y, gc.hard_coef, g,
+    write_grad_row<TS, HARD>(V, load_s, x_y, y, gc.hard_coef, g,
                              [=](int64_t j, float xs) __attribute__((always_inline)) {
                                return grad_element<K, HARD>(xs, load_t(j), rc, gc);
-                             });
+                             }, load_s.row, load_t.row);
   }
 }
 
