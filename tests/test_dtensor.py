@@ -311,10 +311,16 @@ def _no_dtensor_route(dtype):
     torch's mixed Tensor/DTensor errors (every public op has one today: a door built here)."""
     from torch.distributed.tensor import distribute_tensor
 
+    from typing import NamedTuple
+
     from astrai_kernels.ops.door import Door
 
+    class SumOfCall(NamedTuple):
+        logits: torch.Tensor
+        target: torch.Tensor
+
     def sum_of(logits, target):
-        return door.enter(locals())
+        return door.enter(SumOfCall(logits=logits, target=target))
 
     def unreachable(*args):
         raise AssertionError("a DTensor reached a route")

@@ -190,8 +190,8 @@ def gathered_logits(logits: Tensor, layout: VocabShard) -> Tensor:
 def on_gathered_logits(op, call, layout: VocabShard):
     """``backend="reference"`` under ``process_group``: ``op`` in one process on the gathered
     full-vocabulary logits (each rank computes the whole result)."""
-    return op(**{**call, "logits": gathered_logits(call["logits"], layout),
-                 "process_group": None, "backend": "reference"})
+    return op(**call._replace(logits=gathered_logits(call.logits, layout), process_group=None,
+                              backend="reference")._asdict())
 
 
 def check_shard_head(hidden, weight, bias, chunk_size):
@@ -228,6 +228,6 @@ def on_head_logits(op, call):
     """``backend="reference"`` under ``process_group`` for a fused-head op: its logits ``op``
     on this shard's logits (the hidden states' gradient summed over the group), with the
     call's arguments that ``op`` takes."""
-    hidden = SumGradOverGroup.apply(call["hidden"], call["process_group"])
-    return reference_on_logits(op, call, torch.nn.functional.linear(hidden, call["weight"],
-                                                                    call["bias"]))
+    hidden = SumGradOverGroup.apply(call.hidden, call.process_group)
+    return reference_on_logits(op, call, torch.nn.functional.linear(hidden, call.weight,
+                                                                    call.bias))

@@ -139,7 +139,7 @@ params: TopkDistillArgs, grad)`` -> ``(loss, row_max, sums, coef)``
     ids of entries not live are never read), ``counted`` bool ``[N]``. Per counted row, with
     ``s_k`` the student's ``log_softmax(z / T)`` at ``id_k`` (``z_{id_k} / T`` where the
     objective reads no full softmax: ``trl_jsd`` without ``tail``, ``axolotl_kd`` with
-    ``normalize_topk``), ``loss`` is ``ops/topk_distill.py``'s ``support_loss`` of the live
+    ``normalize_topk``), ``loss`` is ``ops/topk_support.py``'s ``support_loss`` of the live
     entries and ``coef [N, K]`` its ``c_k = d loss / d s_k`` (0 where not live);
     ``row_max`` and ``sums = sum_j exp((z_j - row_max) / T)`` (0 without the full softmax).
     Rows not counted are not read: 0 everywhere, ``sums = V`` with the full softmax. When
@@ -259,7 +259,7 @@ class SamplingArgs:
 
 @dataclass(frozen=True)
 class TopkDistillArgs:
-    """A top-k distillation objective (``ops/topk_distill.py``'s ``TopkDistillParams``): the
+    """A top-k distillation objective (``ops/topk_support.py``'s ``TopkDistillParams``): the
     clamps are None when off, and read only by ``verl_forward_kl``."""
     beta: float
     temperature: float

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -142,6 +142,23 @@ def checked_params(logits: LogitsShape, target, ignore_index, reduction, label_s
     return params, normalizer_t
 
 
+class CrossEntropyCall(NamedTuple):
+    """``cross_entropy``'s arguments, as its door hands them to the routes."""
+    logits: Tensor
+    target: Tensor
+    ignore_index: int
+    reduction: str
+    label_smoothing: float
+    z_loss: float
+    softcap: Optional[float]
+    logit_scale: float
+    normalizer: Union[float, Tensor, None]
+    inplace_backward: bool
+    backend: str
+    process_group: Optional["ProcessGroup"]
+    check_consistency: bool
+
+
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -190,31 +207,35 @@ def cross_entropy(
     count (always compared: a mismatch would hang) and, when True (the default), the sum and
     count of its counted targets, so ranks that disagree raise ``ValueError`` on every rank.
     """
-    return CROSS_ENTROPY.enter(locals())
+    return CROSS_ENTROPY.enter(CrossEntropyCall(
+        logits=logits, target=target, ignore_index=ignore_index, reduction=reduction,
+        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, logit_scale=logit_scale,
+        normalizer=normalizer, inplace_backward=inplace_backward, backend=backend,
+        process_group=process_group, check_consistency=check_consistency))
 
 
-def _check(call) -> Checked:
-    logits = call["logits"]
+def _check(call: CrossEntropyCall) -> Checked:
+    logits = call.logits
     check_logits(logits)
-    check_inplace(logits, call["inplace_backward"])
+    check_inplace(logits, call.inplace_backward)
     return Checked(*checked_params(
-        LogitsShape.of(logits), call["target"], call["ignore_index"], call["reduction"],
-        call["label_smoothing"], call["z_loss"], call["softcap"], call["normalizer"],
-        call["inplace_backward"], call["backend"], call["logit_scale"]))
+        LogitsShape.of(logits), call.target, call.ignore_index, call.reduction,
+        call.label_smoothing, call.z_loss, call.softcap, call.normalizer,
+        call.inplace_backward, call.backend, call.logit_scale))
 
 
-def _reference(call, checked: Checked):
+def _reference(call: CrossEntropyCall, checked: Checked):
     params, normalizer_t = checked
-    logits, target = call["logits"].float(), call["target"]
+    logits, target = call.logits.float(), call.target
     reduction = params.reduction if normalizer_t is None else "sum"
     loss = reference.cross_entropy(logits, target, params.ignore_index, reduction,
-                                   params.label_smoothing, params.z_loss, call["softcap"],
+                                   params.label_smoothing, params.z_loss, call.softcap,
                                    logit_scale=params.logit_scale)
     return loss if normalizer_t is None else loss * inverse_or_zero(normalizer_t)
 
 
-def _local(call, checked: Checked):
-    logits, target = call["logits"], call["target"]
+def _local(call: CrossEntropyCall, checked: Checked):
+    logits, target = call.logits, call.target
     params, normalizer_t = checked
     reduction = params.reduction
     logits_rows, target_flat = rows_view(logits), flat_target(target)
@@ -247,29 +268,29 @@ def _local(call, checked: Checked):
     return AttachGrad.apply(owner, value, grad, "cross_entropy", TORCH_EQUIVALENT)
 
 
-def _vocab_parallel(call):
+def _vocab_parallel(call: CrossEntropyCall):
     """``cross_entropy`` of a vocabulary shard (``distributed/vocab_parallel.py``)."""
-    logits, target = call["logits"], call["target"]
-    if check_in_range(call["logit_scale"], "logit_scale", -math.inf, math.inf) != 1.0:
+    logits, target = call.logits, call.target
+    if check_in_range(call.logit_scale, "logit_scale", -math.inf, math.inf) != 1.0:
         raise ValueError("logit_scale is not supported with process_group")
 
     def checks(layout):
         check_logits(logits, allow_empty_vocab=True)
         checked = checked_params(
-            vocab_parallel.whole_logits(logits, layout), target, call["ignore_index"],
-            call["reduction"], call["label_smoothing"], call["z_loss"], call["softcap"],
-            call["normalizer"], call["inplace_backward"], call["backend"])
+            vocab_parallel.whole_logits(logits, layout), target, call.ignore_index,
+            call.reduction, call.label_smoothing, call.z_loss, call.softcap,
+            call.normalizer, call.inplace_backward, call.backend)
         check_inplace(logits, checked[0].inplace_backward)
         return checked
 
     layout, (params, normalizer_t) = vocab_parallel.agreed_layout(
-        "cross_entropy", call["process_group"], vocab_parallel.vocab_size(logits), (logits,),
-        target, call["ignore_index"], call["check_consistency"], checks)
+        "cross_entropy", call.process_group, vocab_parallel.vocab_size(logits), (logits,),
+        target, call.ignore_index, call.check_consistency, checks)
     if params.backend == "reference":
         return vocab_parallel.on_gathered_logits(cross_entropy, call, layout)
     target_flat = flat_target(target)
     (rows_loss,) = vocab_shard.shard_rows(vocab_shard.CrossEntropyShard, logits, target_flat,
-                                          params, layout, call["backend"])
+                                          params, layout, call.backend)
     if params.reduction == "none":
         return rows_loss.view(target.shape)
     return reduce_loss(rows_loss, loss_grad_scale(target_flat, params, normalizer_t), params)
@@ -316,6 +337,25 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
                 None, None, None)
 
 
+class LinearCrossEntropyCall(NamedTuple):
+    """``linear_cross_entropy``'s arguments, as its door hands them to the routes."""
+    hidden: Tensor
+    weight: Tensor
+    target: Tensor
+    bias: Optional[Tensor]
+    ignore_index: int
+    reduction: str
+    label_smoothing: float
+    z_loss: float
+    softcap: Optional[float]
+    logit_scale: float
+    normalizer: Union[None, float, Tensor]
+    chunk_size: Optional[int]
+    backend: str
+    process_group: Optional["ProcessGroup"]
+    check_consistency: bool
+
+
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                          bias: Optional[Tensor] = None, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0,
@@ -334,28 +374,32 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     (``distributed/vocab_parallel.py``; ``check_consistency`` as in ``cross_entropy``; no
     ``logit_scale`` there).
     """
-    return LINEAR_CROSS_ENTROPY.enter(locals())
+    return LINEAR_CROSS_ENTROPY.enter(LinearCrossEntropyCall(
+        hidden=hidden, weight=weight, target=target, bias=bias, ignore_index=ignore_index,
+        reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+        logit_scale=logit_scale, normalizer=normalizer, chunk_size=chunk_size, backend=backend,
+        process_group=process_group, check_consistency=check_consistency))
 
 
-def _check_linear(call) -> Checked:
-    hidden, weight = call["hidden"], call["weight"]
-    check_head(hidden, weight, call["bias"], call["chunk_size"])
+def _check_linear(call: LinearCrossEntropyCall) -> Checked:
+    hidden, weight = call.hidden, call.weight
+    check_head(hidden, weight, call.bias, call.chunk_size)
     return Checked(*checked_params(
-        LogitsShape.of_head(hidden, weight), call["target"], call["ignore_index"],
-        call["reduction"], call["label_smoothing"], call["z_loss"], call["softcap"],
-        call["normalizer"], False, call["backend"], call["logit_scale"]))
+        LogitsShape.of_head(hidden, weight), call.target, call.ignore_index,
+        call.reduction, call.label_smoothing, call.z_loss, call.softcap,
+        call.normalizer, False, call.backend, call.logit_scale))
 
 
-def _reference_linear(call, checked: Checked):
+def _reference_linear(call: LinearCrossEntropyCall, checked: Checked):
     # the logits op applies softcap and logit_scale itself
-    logits = torch.nn.functional.linear(call["hidden"], call["weight"], call["bias"])
+    logits = torch.nn.functional.linear(call.hidden, call.weight, call.bias)
     return reference_on_logits(cross_entropy, call, logits)
 
 
-def _local_linear(call, checked: Checked):
-    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
+def _local_linear(call: LinearCrossEntropyCall, checked: Checked):
+    hidden, weight, bias, target = call.hidden, call.weight, call.bias, call.target
     params, normalizer_t = checked
-    chunk_size = call["chunk_size"]
+    chunk_size = call.chunk_size
     hidden_rows, target_flat = hidden.reshape(-1, hidden.shape[-1]), flat_target(target)
     if params.reduction == "none":
         if head_any_grad(hidden, weight, bias):
@@ -377,22 +421,22 @@ def _local_linear(call, checked: Checked):
                                   grad_bias, "linear_cross_entropy", CE_EQUIVALENT)
 
 
-def _vocab_parallel_linear(call):
+def _vocab_parallel_linear(call: LinearCrossEntropyCall):
     """``linear_cross_entropy`` with this rank's vocabulary shard of the head."""
-    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
-    chunk_size, backend = call["chunk_size"], call["backend"]
-    if check_in_range(call["logit_scale"], "logit_scale", -math.inf, math.inf) != 1.0:
+    hidden, weight, bias, target = call.hidden, call.weight, call.bias, call.target
+    chunk_size, backend = call.chunk_size, call.backend
+    if check_in_range(call.logit_scale, "logit_scale", -math.inf, math.inf) != 1.0:
         raise ValueError("logit_scale is not supported with process_group")
 
     def checks(layout):
         return checked_params(
-            vocab_parallel.whole_logits(hidden, layout), target, call["ignore_index"],
-            call["reduction"], call["label_smoothing"], call["z_loss"], call["softcap"],
-            call["normalizer"], False, backend)
+            vocab_parallel.whole_logits(hidden, layout), target, call.ignore_index,
+            call.reduction, call.label_smoothing, call.z_loss, call.softcap,
+            call.normalizer, False, backend)
 
     hidden_rows, layout, needs_grad, (params, normalizer_t) = vocab_parallel.head_setup(
-        "linear_cross_entropy", call["process_group"], hidden, weight, bias, chunk_size, target,
-        call["ignore_index"], call["check_consistency"], checks)
+        "linear_cross_entropy", call.process_group, hidden, weight, bias, chunk_size, target,
+        call.ignore_index, call.check_consistency, checks)
     if params.backend == "reference":
         return vocab_parallel.on_head_logits(cross_entropy, call)
     reduction = params.reduction

@@ -24,7 +24,8 @@ from ..distributed import dtensor
 from ..kernels import library
 from ..kernels.primitives import DistillArgs
 from ..kernels.registry import resolve_backend
-from ..options.distill import DistillOptions, distill_options_or_keywords, keyword_call
+from ..options.distill import DistillOptions, distill_options_or_keywords
+from ..options.keywords import options_from
 from ._common import (
     AttachGrad,
     LogitsShape,
@@ -168,6 +169,17 @@ def reduce_rows(rows_loss, target_flat, params, normalizer, vocab, lead_shape):
                                   lead_shape).reshape(())
 
 
+class DistillLossCall(NamedTuple):
+    """``distill_loss``'s arguments, its option keywords folded into ``options``, as its door
+    hands them to the routes."""
+    student_logits: Tensor
+    teacher_logits: Tensor
+    target: Optional[Tensor]
+    normalizer: Union[None, float, Tensor]
+    options: DistillOptions
+    backend: str
+
+
 @distill_options_or_keywords
 def distill_loss(
     student_logits: Tensor,
@@ -209,32 +221,37 @@ def distill_loss(
     ``ignore_index``, ``reduction`` and ``hard_weight`` at once; passing any of those keywords
     beside it raises ``ValueError``, whatever its value.
     """
-    return DISTILL_LOSS.enter(keyword_call(locals()))
+    options = options_from(options, dict(
+        beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
+        hard_weight=hard_weight), DistillOptions)
+    return DISTILL_LOSS.enter(DistillLossCall(
+        student_logits=student_logits, teacher_logits=teacher_logits, target=target,
+        normalizer=normalizer, options=options, backend=backend))
 
 
-def _check(call) -> Checked:
-    student, teacher = call["student_logits"], call["teacher_logits"]
+def _check(call: DistillLossCall) -> Checked:
+    student, teacher = call.student_logits, call.teacher_logits
     check_logits(student, "student_logits")
     check_logits(teacher, "teacher_logits")
     return Checked(*checked_params(
-        LogitsShape.of(student), LogitsShape.of(teacher), call["target"],
-        DistillOptions.of(call), call["normalizer"], call["backend"]))
+        LogitsShape.of(student), LogitsShape.of(teacher), call.target,
+        call.options, call.normalizer, call.backend))
 
 
-def _reference(call, checked: Checked):
+def _reference(call: DistillLossCall, checked: Checked):
     params, normalizer_t = checked
     return reference.distill_loss(
-        call["student_logits"].float(), call["teacher_logits"].detach().float(), call["target"],
+        call.student_logits.float(), call.teacher_logits.detach().float(), call.target,
         params.beta, params.temperature, params.ignore_index, params.reduction, normalizer_t,
         params.hard_weight)
 
 
-def _local(call, checked: Checked):
+def _local(call: DistillLossCall, checked: Checked):
     params, normalizer_t = checked
-    student_logits, teacher_logits = call["student_logits"], call["teacher_logits"].detach()
+    student_logits, teacher_logits = call.student_logits, call.teacher_logits.detach()
     lead_shape = student_logits.shape[:-1]
     vocab = student_logits.shape[-1]
-    target_flat = row_targets(call["target"], lead_shape.numel(), student_logits.device)
+    target_flat = row_targets(call.target, lead_shape.numel(), student_logits.device)
     needs_grad = torch.is_grad_enabled() and student_logits.requires_grad
     if needs_grad and params.reduction == "none":
         rows_loss = _DistillRows.apply(student_logits, teacher_logits, target_flat, params)
@@ -296,6 +313,26 @@ class _LinearDistillRows(torch.autograd.Function):
                 grad_or_none(grad_bias), None, None, None, None, None, None, None)
 
 
+class LinearDistillLossCall(NamedTuple):
+    """``linear_distill_loss``'s arguments, its option keywords folded into ``options``, as
+    its door hands them to the routes."""
+    student_hidden: Tensor
+    student_weight: Tensor
+    teacher_hidden: Tensor
+    teacher_weight: Tensor
+    target: Optional[Tensor]
+    student_bias: Optional[Tensor]
+    teacher_bias: Optional[Tensor]
+    normalizer: Union[None, float, Tensor]
+    softcap: Optional[float]
+    logit_scale: float
+    teacher_softcap: Optional[float]
+    teacher_logit_scale: float
+    options: DistillOptions
+    chunk_size: Optional[int]
+    backend: str
+
+
 @distill_options_or_keywords
 def linear_distill_loss(
     student_hidden: Tensor,
@@ -332,7 +369,16 @@ def linear_distill_loss(
     :class:`DistillOptions`, as ``distill_loss`` takes it (the heads' transforms are not
     options).
     """
-    return LINEAR_DISTILL_LOSS.enter(keyword_call(locals()))
+    options = options_from(options, dict(
+        beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
+        hard_weight=hard_weight), DistillOptions)
+    return LINEAR_DISTILL_LOSS.enter(LinearDistillLossCall(
+        student_hidden=student_hidden, student_weight=student_weight,
+        teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, target=target,
+        student_bias=student_bias, teacher_bias=teacher_bias, normalizer=normalizer,
+        softcap=softcap, logit_scale=logit_scale, teacher_softcap=teacher_softcap,
+        teacher_logit_scale=teacher_logit_scale, options=options, chunk_size=chunk_size,
+        backend=backend))
 
 
 class _HeadDistill(NamedTuple):
@@ -346,14 +392,14 @@ class _HeadDistill(NamedTuple):
         return self.checked.backend
 
 
-def _check_linear(call) -> _HeadDistill:
-    student_hidden, student_weight = call["student_hidden"], call["student_weight"]
-    teacher_hidden, teacher_weight = call["teacher_hidden"], call["teacher_weight"]
-    transforms = (checked_transform(call["logit_scale"], call["softcap"]),
-                  checked_transform(call["teacher_logit_scale"], call["teacher_softcap"]))
-    check_head(student_hidden, student_weight, call["student_bias"], call["chunk_size"])
+def _check_linear(call: LinearDistillLossCall) -> _HeadDistill:
+    student_hidden, student_weight = call.student_hidden, call.student_weight
+    teacher_hidden, teacher_weight = call.teacher_hidden, call.teacher_weight
+    transforms = (checked_transform(call.logit_scale, call.softcap),
+                  checked_transform(call.teacher_logit_scale, call.teacher_softcap))
+    check_head(student_hidden, student_weight, call.student_bias, call.chunk_size)
     try:
-        check_head(teacher_hidden, teacher_weight, call["teacher_bias"], call["chunk_size"])
+        check_head(teacher_hidden, teacher_weight, call.teacher_bias, call.chunk_size)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"teacher head: {exc}") from None
     if teacher_weight.shape[0] != student_weight.shape[0]:
@@ -365,27 +411,27 @@ def _check_linear(call) -> _HeadDistill:
                          f"{tuple(teacher_hidden.shape[:-1])}")
     checked = Checked(*checked_params(
         LogitsShape.of_head(student_hidden, student_weight),
-        LogitsShape.of_head(teacher_hidden, teacher_weight), call["target"],
-        DistillOptions.of(call), call["normalizer"], call["backend"]))
+        LogitsShape.of_head(teacher_hidden, teacher_weight), call.target,
+        call.options, call.normalizer, call.backend))
     return _HeadDistill(checked, transforms)
 
 
-def _reference_linear(call, checked: _HeadDistill):
+def _reference_linear(call: LinearDistillLossCall, checked: _HeadDistill):
     return distill_loss(
-        reference_logits(call["student_hidden"], call["student_weight"], call["student_bias"],
-                         call["logit_scale"], call["softcap"]),
-        reference_logits(call["teacher_hidden"], call["teacher_weight"], call["teacher_bias"],
-                         call["teacher_logit_scale"], call["teacher_softcap"]),
-        call["target"], normalizer=call["normalizer"], options=DistillOptions.of(call),
+        reference_logits(call.student_hidden, call.student_weight, call.student_bias,
+                         call.logit_scale, call.softcap),
+        reference_logits(call.teacher_hidden, call.teacher_weight, call.teacher_bias,
+                         call.teacher_logit_scale, call.teacher_softcap),
+        call.target, normalizer=call.normalizer, options=call.options,
         backend="reference")
 
 
-def _local_linear(call, head: _HeadDistill):
-    student_hidden, student_weight = call["student_hidden"], call["student_weight"]
-    student_bias, teacher_bias = call["student_bias"], call["teacher_bias"]
-    teacher_hidden, teacher_weight = call["teacher_hidden"], call["teacher_weight"]
+def _local_linear(call: LinearDistillLossCall, head: _HeadDistill):
+    student_hidden, student_weight = call.student_hidden, call.student_weight
+    student_bias, teacher_bias = call.student_bias, call.teacher_bias
+    teacher_hidden, teacher_weight = call.teacher_hidden, call.teacher_weight
     (params, normalizer_t), transforms = head.checked, head.transforms
-    chunk_size, reduction, target = call["chunk_size"], params.reduction, call["target"]
+    chunk_size, reduction, target = call.chunk_size, params.reduction, call.target
     student_rows = student_hidden.reshape(-1, student_hidden.shape[-1])
     teacher_rows = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
     teacher_args = (teacher_rows.detach(), teacher_weight.detach(),
@@ -416,9 +462,17 @@ def _local_linear(call, head: _HeadDistill):
                                             "linear_distill_loss", None)
 
 
+def _dtensor(op, *, options, **arguments):
+    return dtensor.distill_loss(op, **arguments, **options.keywords())
+
+
+def _dtensor_linear(op, *, options, **arguments):
+    return dtensor.linear_distill_loss(op, **arguments, **options.keywords())
+
+
 DISTILL_LOSS = Door(distill_loss, ("student_logits", "teacher_logits", "target", "normalizer"),
-                    _check, _local, _reference, dtensor=dtensor.distill_loss)
+                    _check, _local, _reference, dtensor=_dtensor)
 LINEAR_DISTILL_LOSS = Door(linear_distill_loss, (
     "student_hidden", "student_weight", "teacher_hidden", "teacher_weight", "target",
     "student_bias", "teacher_bias", "normalizer"), _check_linear, _local_linear,
-    _reference_linear, dtensor=dtensor.linear_distill_loss)
+    _reference_linear, dtensor=_dtensor_linear)

@@ -1,7 +1,8 @@
-"""Each public op's one entrance, ``DOOR.enter(call)``: most ops' body is ``return
-DOOR.enter(locals())``; distill.py's ops enter through ``keyword_call(locals())`` and grpo.py's
-fold their option keywords into ``options`` first (docs/architecture.md renders each op's routes;
-the preference losses and ``group_advantages`` have no door).
+"""Each public op's one entrance, ``DOOR.enter(call)``: an op's body builds its call, a
+``NamedTuple`` of its arguments by name declared beside it (``CrossEntropyCall``; the GRPO and
+distillation ops fold their option keywords into ``options`` first), and hands it to its door
+(docs/architecture.md renders each op's routes; the preference losses and ``group_advantages``
+have no door).
 
 ``Door.enter`` routes every call the same way, in this order:
 
@@ -14,20 +15,22 @@ the preference losses and ``group_advantages`` have no door).
 4. ``backend="reference"``: the ``reference`` route (the float64 spec, ``reference.py``);
 5. otherwise the ``local`` route: the kernels of the resolved backend.
 
-``call`` is the op's arguments by name (from ``locals()`` at the top of its body), so the routes
-read them by the public names and ``torch.compile`` traces the dict like any other.
+Every route reads the call's attributes (``call.hidden``): a reader, a type checker or a
+call-graph tool follows an argument from the signature to the kernel, and ``torch.compile``
+traces a ``NamedTuple`` like any tuple.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import torch
 
 from ..distributed.placements import has_dtensor
 
-Call = Dict[str, Any]
+#: an op's call: a ``NamedTuple`` of its arguments (``CrossEntropyCall``)
+Call = Any
 
 
 @dataclass(frozen=True)
@@ -43,14 +46,14 @@ class Door:
     dtensor: Optional[Callable[..., Any]] = None
 
     def enter(self, call: Call):
-        if has_dtensor(*[call[name] for name in self.tensors]):
+        if has_dtensor(*[getattr(call, name) for name in self.tensors]):
             if self.dtensor is None:
                 raise TypeError(
                     f"{self.op.__name__} does not take DTensor arguments (got "
                     f"{_dtensor_names(call, self.tensors)}): pass local tensors, e.g. "
                     f"x.full_tensor() or x.to_local()")
-            return self.dtensor(self.op, **call)
-        if call.get("process_group") is not None:
+            return self.dtensor(self.op, **call._asdict())
+        if getattr(call, "process_group", None) is not None:
             return self.vocab_parallel(call)
         checked = self.check(call)
         if checked.backend == "reference":
@@ -70,4 +73,4 @@ class Checked(NamedTuple):
 
 
 def _dtensor_names(call: Call, names: Tuple[str, ...]) -> str:
-    return ", ".join(name for name in names if has_dtensor(call[name]))
+    return ", ".join(name for name in names if has_dtensor(getattr(call, name)))

@@ -22,7 +22,7 @@ forms check their call with ``ops/grpo_plan.py``'s ``plan``.
 import dataclasses
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -30,12 +30,7 @@ from torch import Tensor
 from ..distributed import agreement, dtensor, vocab_parallel
 from ..kernels import library
 from ..kernels.primitives import LOG_RATIO_CLAMP
-from ..options.grpo import (
-    OPTION_NAMES,
-    GRPOOptions,
-    options_of_call,
-    options_or_keywords,
-)
+from ..options.grpo import GRPOOptions, options_from, options_or_keywords
 from ._common import (
     AttachGrad,
     LogitsShape,
@@ -84,6 +79,26 @@ def with_token_values(result: Tuple[Tensor, Dict[str, Tensor]], checked: GRPOPla
     if not checked.token_values:
         return result
     return result + (token_values(logp, entropy, checked.inputs.scored),)
+
+
+class GRPOLossCall(NamedTuple):
+    """``grpo_loss``'s arguments, its option keywords folded into ``options``, as its door
+    hands them to the routes."""
+    logits: Tensor
+    target: Tensor
+    advantages: Tensor
+    mask: Optional[Tensor]
+    old_logprobs: Optional[Tensor]
+    ref_logprobs: Optional[Tensor]
+    normalizer: Union[None, float, Tensor]
+    importance_weights: Optional[Tensor]
+    sampling_logprobs: Optional[Tensor]
+    options: GRPOOptions
+    sampling: Optional[SamplingParams]
+    return_token_values: bool
+    backend: str
+    process_group: Optional["ProcessGroup"]
+    check_consistency: bool
 
 
 @options_or_keywords
@@ -153,37 +168,49 @@ def grpo_loss(logits: Tensor, target: Tensor, advantages: Tensor, *,
     the options that need the entropy (``top_entropy_quantile < 1``, ``entropy_coef``,
     ``return_token_values``), ``process_group`` or DTensors.
     """
-    options = options_of_call(locals())
-    return GRPO_LOSS.enter(locals())
+    options = options_from(options, dict(
+        beta=beta, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
+        loss_type=loss_type, importance_sampling=importance_sampling, temperature=temperature,
+        max_completion_length=max_completion_length, sapo_tau_pos=sapo_tau_pos,
+        sapo_tau_neg=sapo_tau_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+        kl_ratio_correction=kl_ratio_correction, off_policy_threshold=off_policy_threshold,
+        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef,
+        rollout_is=rollout_is, rollout_is_min=rollout_is_min, rollout_is_max=rollout_is_max,
+        rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
+        rollout_rs_threshold=rollout_rs_threshold,
+        rollout_rs_threshold_lower=rollout_rs_threshold_lower))
+    return GRPO_LOSS.enter(GRPOLossCall(
+        logits=logits, target=target, advantages=advantages, mask=mask, old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs, normalizer=normalizer, importance_weights=importance_weights,
+        sampling_logprobs=sampling_logprobs, options=options, sampling=sampling,
+        return_token_values=return_token_values, backend=backend, process_group=process_group,
+        check_consistency=check_consistency))
 
 
-def call_inputs(call) -> Dict[str, object]:
+def call_inputs(call: Union[GRPOLossCall, "LinearGRPOLossCall"]) -> Dict[str, object]:
     """The per-token inputs and flags of a GRPO call, as ``plan`` takes them."""
-    return {name: call[name] for name in (
-        "mask", "old_logprobs", "ref_logprobs", "normalizer", "importance_weights",
-        "sampling_logprobs", "return_token_values", "sampling")}
+    return dict(mask=call.mask, old_logprobs=call.old_logprobs, ref_logprobs=call.ref_logprobs,
+                normalizer=call.normalizer, importance_weights=call.importance_weights,
+                sampling_logprobs=call.sampling_logprobs,
+                return_token_values=call.return_token_values, sampling=call.sampling)
 
 
-def without_option_keywords(call) -> Dict[str, object]:
-    """A GRPO call's arguments with the options as ``options`` only (to call the op again)."""
-    return {name: value for name, value in call.items() if name not in OPTION_NAMES}
-
-
-def _check_call(call) -> GRPOPlan:
-    logits = call["logits"]
+def _check_call(call: GRPOLossCall) -> GRPOPlan:
+    logits = call.logits
     check_logits(logits)
-    return plan(LogitsShape.of(logits), call["target"], call["advantages"], call["options"],
-                backend=call["backend"], **call_inputs(call))
+    return plan(LogitsShape.of(logits), call.target, call.advantages, call.options,
+                backend=call.backend, **call_inputs(call))
 
 
-def _reference(call, checked: GRPOPlan):
+def _reference(call: GRPOLossCall, checked: GRPOPlan):
     if checked.sampling is not None:
         return _local(call, checked)
-    return reference_loss(call["logits"], call["target"], checked)
+    return reference_loss(call.logits, call.target, checked)
 
 
-def _local(call, checked: GRPOPlan):
-    logits, target, params = call["logits"], call["target"], checked.params
+def _local(call: GRPOLossCall, checked: GRPOPlan):
+    logits, target, params = call.logits, call.target, checked.params
     if checked.sampling is not None:
         return from_logprobs(sampled_logprobs_of(lambda masked_target: token_logprobs(
             logits, masked_target, ignore_index=-100, sampling=checked.sampling,
@@ -198,11 +225,11 @@ def _local(call, checked: GRPOPlan):
     return _token_level(logits, target, checked)
 
 
-def _dtensor(op, **call):
-    if call["sampling"] is not None:
-        check_sampling(call["sampling"], call["options"], call["return_token_values"],
-                       sharded=True)
-    return dtensor.grpo_loss(op, **call)
+def _dtensor(op, *, sampling, options, return_token_values, **arguments):
+    if sampling is not None:
+        check_sampling(sampling, options, return_token_values, sharded=True)
+    return dtensor.grpo_loss(op, sampling=sampling, options=options,
+                             return_token_values=return_token_values, **arguments)
 
 
 def sampled_logprobs_of(score: Callable[[Tensor], Tensor]):
@@ -254,34 +281,33 @@ def reference_loss(logits: Tensor, target: Tensor, checked: GRPOPlan):
     return with_token_values(result, checked, logp, entropy)
 
 
-def _vocab_parallel(call):
+def _vocab_parallel(call: GRPOLossCall):
     """``grpo_loss`` of a vocabulary shard: the differentiable token log-probs of the group,
     then the per-token objective in torch (``ops/vocab_parallel.py``)."""
-    logits, target = call["logits"], call["target"]
-    if call["sampling"] is not None:
-        check_sampling(call["sampling"], call["options"], call["return_token_values"],
-                       sharded=True)
-    check_consistency = vocab_parallel.check_consistency_flag(call["check_consistency"])
+    logits, target = call.logits, call.target
+    if call.sampling is not None:
+        check_sampling(call.sampling, call.options, call.return_token_values, sharded=True)
+    check_consistency = vocab_parallel.check_consistency_flag(call.check_consistency)
 
     def checks(layout):
         check_logits(logits, allow_empty_vocab=True)
         return plan(
-            vocab_parallel.whole_logits(logits, layout), target, call["advantages"],
-            call["options"], backend=call["backend"], **call_inputs(call))
+            vocab_parallel.whole_logits(logits, layout), target, call.advantages,
+            call.options, backend=call.backend, **call_inputs(call))
 
     # the row count here; the targets' fingerprint (masked ones ignored) in token_logprobs
     layout, checked = vocab_parallel.agreed_layout(
-        "grpo_loss", call["process_group"], vocab_parallel.vocab_size(logits), (logits,), target,
+        "grpo_loss", call.process_group, vocab_parallel.vocab_size(logits), (logits,), target,
         -100, False, checks)
     if checked.params.backend == "reference":
-        return vocab_parallel.on_gathered_logits(grpo_loss, without_option_keywords(call),
+        return vocab_parallel.on_gathered_logits(grpo_loss, call,
                                                  layout)
 
     def logprobs_of(masked_target, with_entropy):
         with agreement.settled():  # its inputs are the checked ones
-            out = token_logprobs(logits, masked_target, process_group=call["process_group"],
+            out = token_logprobs(logits, masked_target, process_group=call.process_group,
                                  temperature=checked.params.temperature, ignore_index=-100,
-                                 return_entropy=with_entropy, backend=call["backend"],
+                                 return_entropy=with_entropy, backend=call.backend,
                                  check_consistency=check_consistency)
         return out if with_entropy else (out, None)
 
@@ -505,6 +531,31 @@ GRPO_LOSS = Door(grpo_loss, ("logits", "target", "advantages", "mask", "old_logp
 _HEAD_WALK = head_walk("grpo_forward")
 
 
+class LinearGRPOLossCall(NamedTuple):
+    """``linear_grpo_loss``'s arguments, its option keywords folded into ``options``, as its
+    door hands them to the routes."""
+    hidden: Tensor
+    weight: Tensor
+    target: Tensor
+    advantages: Tensor
+    bias: Optional[Tensor]
+    mask: Optional[Tensor]
+    old_logprobs: Optional[Tensor]
+    ref_logprobs: Optional[Tensor]
+    normalizer: Union[None, float, Tensor]
+    importance_weights: Optional[Tensor]
+    sampling_logprobs: Optional[Tensor]
+    options: GRPOOptions
+    softcap: Optional[float]
+    logit_scale: float
+    sampling: Optional[SamplingParams]
+    return_token_values: bool
+    chunk_size: Optional[int]
+    backend: str
+    process_group: Optional["ProcessGroup"]
+    check_consistency: bool
+
+
 @options_or_keywords
 def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages: Tensor, *,
                      bias: Optional[Tensor] = None, mask: Optional[Tensor] = None,
@@ -548,8 +599,25 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, target: Tensor, advantages:
     ``sampling`` as in ``ak.grpo_loss``: the token log-probs under the sampler's processed
     distribution (``linear_token_logprobs(sampling=...)``), a token outside it masked.
     """
-    options = options_of_call(locals())
-    return LINEAR_GRPO_LOSS.enter(locals())
+    options = options_from(options, dict(
+        beta=beta, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta,
+        loss_type=loss_type, importance_sampling=importance_sampling, temperature=temperature,
+        max_completion_length=max_completion_length, sapo_tau_pos=sapo_tau_pos,
+        sapo_tau_neg=sapo_tau_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+        kl_ratio_correction=kl_ratio_correction, off_policy_threshold=off_policy_threshold,
+        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef,
+        rollout_is=rollout_is, rollout_is_min=rollout_is_min, rollout_is_max=rollout_is_max,
+        rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
+        rollout_rs_threshold=rollout_rs_threshold,
+        rollout_rs_threshold_lower=rollout_rs_threshold_lower))
+    return LINEAR_GRPO_LOSS.enter(LinearGRPOLossCall(
+        hidden=hidden, weight=weight, target=target, advantages=advantages, bias=bias, mask=mask,
+        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, normalizer=normalizer,
+        importance_weights=importance_weights, sampling_logprobs=sampling_logprobs,
+        options=options, softcap=softcap, logit_scale=logit_scale, sampling=sampling,
+        return_token_values=return_token_values, chunk_size=chunk_size, backend=backend,
+        process_group=process_group, check_consistency=check_consistency))
 
 
 @dataclass(frozen=True)
@@ -563,31 +631,31 @@ class _HeadGRPO:
         return self.plan.backend
 
 
-def _check_linear(call) -> _HeadGRPO:
-    hidden, weight = call["hidden"], call["weight"]
-    transform = checked_transform(call["logit_scale"], call["softcap"])
-    check_head(hidden, weight, call["bias"], call["chunk_size"])
+def _check_linear(call: LinearGRPOLossCall) -> _HeadGRPO:
+    hidden, weight = call.hidden, call.weight
+    transform = checked_transform(call.logit_scale, call.softcap)
+    check_head(hidden, weight, call.bias, call.chunk_size)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
-    checked = plan(LogitsShape.of_head(hidden, weight), call["target"], call["advantages"],
-                   call["options"], backend=call["backend"], **call_inputs(call))
+    checked = plan(LogitsShape.of_head(hidden, weight), call.target, call.advantages,
+                   call.options, backend=call.backend, **call_inputs(call))
     return _HeadGRPO(checked, transform)
 
 
-def _reference_linear(call, checked: _HeadGRPO):
-    logits = reference_logits(call["hidden"], call["weight"], call["bias"], call["logit_scale"],
-                              call["softcap"])
-    return reference_on_logits(grpo_loss, without_option_keywords(call), logits)
+def _reference_linear(call: LinearGRPOLossCall, checked: _HeadGRPO):
+    logits = reference_logits(call.hidden, call.weight, call.bias, call.logit_scale,
+                              call.softcap)
+    return reference_on_logits(grpo_loss, call, logits)
 
 
-def _local_linear(call, checked: _HeadGRPO):
-    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
-    grpo_plan, chunk_size = checked.plan, call["chunk_size"]
+def _local_linear(call: LinearGRPOLossCall, checked: _HeadGRPO):
+    hidden, weight, bias, target = call.hidden, call.weight, call.bias, call.target
+    grpo_plan, chunk_size = checked.plan, call.chunk_size
     params = grpo_plan.params
 
     def head_logprobs(masked_target, **keywords):
         return linear_token_logprobs(hidden, weight, masked_target, bias=bias,
-                                     softcap=call["softcap"], logit_scale=call["logit_scale"],
+                                     softcap=call.softcap, logit_scale=call.logit_scale,
                                      chunk_size=chunk_size, backend=params.backend, **keywords)
 
     if grpo_plan.sampling is not None:
@@ -616,47 +684,45 @@ def _local_linear(call, checked: _HeadGRPO):
     return (loss, metrics, *values)
 
 
-def _dtensor_linear(op, **call):
-    if call["sampling"] is not None:
-        check_sampling(call["sampling"], call["options"], call["return_token_values"],
-                               sharded=True)
-    return dtensor.linear_grpo_loss(op, **call)
+def _dtensor_linear(op, *, sampling, options, return_token_values, **arguments):
+    if sampling is not None:
+        check_sampling(sampling, options, return_token_values, sharded=True)
+    return dtensor.linear_grpo_loss(op, sampling=sampling, options=options,
+                             return_token_values=return_token_values, **arguments)
 
 
-def _vocab_parallel_linear(call):
+def _vocab_parallel_linear(call: LinearGRPOLossCall):
     """``linear_grpo_loss`` with this rank's vocabulary shard of the head: its token log-probs,
     then the per-token objective in torch."""
-    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
-    chunk_size, process_group = call["chunk_size"], call["process_group"]
-    if call["sampling"] is not None:
-        check_sampling(call["sampling"], call["options"], call["return_token_values"],
-                               sharded=True)
-    logit_scale, softcap = checked_transform(call["logit_scale"], call["softcap"])
+    hidden, weight, bias, target = call.hidden, call.weight, call.bias, call.target
+    chunk_size, process_group = call.chunk_size, call.process_group
+    if call.sampling is not None:
+        check_sampling(call.sampling, call.options, call.return_token_values, sharded=True)
+    logit_scale, softcap = checked_transform(call.logit_scale, call.softcap)
     refuse_transform_with_process_group(logit_scale, softcap, 0)
-    check_consistency = vocab_parallel.check_consistency_flag(call["check_consistency"])
+    check_consistency = vocab_parallel.check_consistency_flag(call.check_consistency)
 
     def checks(layout):
         vocab_parallel.check_shard_head(hidden, weight, bias, chunk_size)
         if hidden.dim() != 3:
             raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
         return plan(
-            vocab_parallel.whole_logits(hidden, layout), target, call["advantages"],
-            call["options"], backend=call["backend"], **call_inputs(call))
+            vocab_parallel.whole_logits(hidden, layout), target, call.advantages,
+            call.options, backend=call.backend, **call_inputs(call))
 
     # the row count here; the targets' fingerprint (masked ones ignored) in the log-probs call
     layout, checked = vocab_parallel.agreed_layout(
         "linear_grpo_loss", process_group, vocab_parallel.vocab_size(weight, 0), (hidden, weight),
         target, -100, False, checks)
     if checked.params.backend == "reference":
-        return vocab_parallel.on_head_logits(grpo_loss,
-                                             without_option_keywords(call))
+        return vocab_parallel.on_head_logits(grpo_loss, call)
 
     def logprobs_of(masked_target, with_entropy):
         with agreement.settled():  # its inputs are the checked ones
             out = linear_token_logprobs(
                 hidden, weight, masked_target, process_group=process_group, bias=bias,
                 temperature=checked.params.temperature, ignore_index=-100,
-                return_entropy=with_entropy, chunk_size=chunk_size, backend=call["backend"],
+                return_entropy=with_entropy, chunk_size=chunk_size, backend=call.backend,
                 check_consistency=check_consistency)
         return out if with_entropy else (out, None)
 

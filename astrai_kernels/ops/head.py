@@ -39,6 +39,7 @@ hidden states' gradient is one GEMM over the whole vocabulary per chunk of rows,
 the bias's is summed in float32.
 """
 
+import collections
 import contextlib
 import inspect
 import math
@@ -392,6 +393,7 @@ class _HeadWalk:
         if extra is not None:
             schema.append((extra.argument, int))
         self.names = [name for name, _ in schema]
+        self.given_type = collections.namedtuple(f"{primitive.name}_walk", self.names)
         kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
         self.signature = inspect.Signature(
             [inspect.Parameter(name, kind, annotation=annotation) for name, annotation in schema],
@@ -399,38 +401,42 @@ class _HeadWalk:
         self.floats = [name for head in self.heads for name in (head.logit_scale, head.softcap)]
 
     def layout(self, values):
-        """``(call, needs, writes_grad)`` of the schema's values."""
-        call = dict(zip(self.names, values))
-        needs = (call["needs_hidden"], call["needs_weight"], call["needs_bias"])
+        """``(given, needs, writes_grad)`` of the schema's values: ``given`` holds them by
+        attribute (``given.hidden``; a second head's by its prefixed names)."""
+        given = self.given_type(*values)
+        needs = (given.needs_hidden, given.needs_weight, given.needs_bias)
         gradient = self.primitive.gradient
         writes_grad = gradient == ALWAYS or (gradient == OPTIONAL and any(needs))
-        return call, needs if writes_grad else (False,) * 3, writes_grad
+        return given, needs if writes_grad else (False,) * 3, writes_grad
 
-    def outputs(self, call):
+    def outputs(self, given):
         """New per-row outputs (and the extra's ``[k, N]``)."""
-        hidden, primitive = call["hidden"], self.primitive
+        hidden, primitive = given.hidden, self.primitive
         n_rows, device = hidden.shape[0], hidden.device
         rows = tuple(torch.empty(length, dtype=primitive.output_dtype(i), device=device)
-                     for i, length in enumerate(primitive.outputs(call["args"], n_rows)))
+                     for i, length in enumerate(primitive.outputs(given.args, n_rows)))
         if self.extra is None:
             return rows
-        size = self.extra.size(call[self.extra.argument])
+        size = self.extra.size(getattr(given, self.extra.argument))
         return (*rows, torch.empty((size, n_rows), dtype=torch.float32, device=device))
 
     def walk(self, *values):
-        call, needs, writes_grad = self.layout(values)
+        given, needs, writes_grad = self.layout(values)
         primitive, extra = self.primitive, self.extra
-        first = ChunkedHead(call["hidden"], call["weight"], call["bias"], call["chunk_size"],
-                            needs, call["logit_scale"], call["softcap"])
-        walked = [first] + [ChunkedHead(call[head.hidden], call[head.weight], call[head.bias],
-                                        first.chunk, (False,) * 3, call[head.logit_scale],
-                                        call[head.softcap]) for head in self.heads[1:]]
-        kernel = getattr(self.kernels(call["backend"]), primitive.name)
-        args, n_rows = call["args"], call["hidden"].shape[0]
-        results = self.outputs(call)
+        first = ChunkedHead(given.hidden, given.weight, given.bias, given.chunk_size,
+                            needs, given.logit_scale, given.softcap)
+        walked = [first] + [
+            ChunkedHead(getattr(given, head.hidden), getattr(given, head.weight),
+                        getattr(given, head.bias), first.chunk, (False,) * 3,
+                        getattr(given, head.logit_scale), getattr(given, head.softcap))
+            for head in self.heads[1:]]
+        kernel = getattr(self.kernels(given.backend), primitive.name)
+        args, n_rows = given.args, given.hidden.shape[0]
+        results = self.outputs(given)
         for chunks in zip(*(head.chunks() for head in walked)):
             start, stop, logits = chunks[0]
-            rows = {name: _chunk_rows(call[name], start, stop, n_rows) for name in self.row_names}
+            rows = {name: _chunk_rows(getattr(given, name), start, stop, n_rows)
+                    for name in self.row_names}
             grad = () if primitive.gradient == NONE else (logits if writes_grad else None,)
             values = kernel(logits, *(chunk[2] for chunk in chunks[1:]), *rows.values(), args,
                             *grad)
@@ -439,15 +445,15 @@ class _HeadWalk:
                     out[start:stop] = value
             if extra is not None and results[-1].shape[0]:
                 results[-1][:, start:stop] = extra.compute(logits[0], rows, args,
-                                                           call[extra.argument])
+                                                           getattr(given, extra.argument))
             if writes_grad:
                 first.fold(start, stop, logits)
         return (*results, *first.gradients())
 
     def fake(self, *values):
-        call, needs, _ = self.layout(values)
-        return (*self.outputs(call),
-                *fake_head_gradients(call["hidden"], call["weight"], *needs))
+        given, needs, _ = self.layout(values)
+        return (*self.outputs(given),
+                *fake_head_gradients(given.hidden, given.weight, *needs))
 
 
 def head_walk(primitive_name: str, extra: Optional[ChunkExtra] = None,
@@ -588,7 +594,7 @@ def reference_on_logits(op, call, logits):
     """A fused-head call on the reference backend: its logits ``op`` on ``logits`` with the
     call's arguments that ``op`` takes (the head's own, such as ``chunk_size``, dropped)."""
     accepted = inspect.signature(op).parameters
-    keywords = {name: value for name, value in call.items() if name in accepted}
+    keywords = {name: value for name, value in call._asdict().items() if name in accepted}
     return op(**{**keywords, "logits": logits, "backend": "reference"})
 
 

@@ -19,6 +19,7 @@ from typing import (
     TYPE_CHECKING,
     Dict,
     Literal,
+    NamedTuple,
     Optional,
     Sequence,
     Tuple,
@@ -142,6 +143,21 @@ def _forward_only(logits_rows, target_flat, params):
     return logp, entropy
 
 
+class TokenLogprobsCall(NamedTuple):
+    """``token_logprobs``'s arguments, as its door hands them to the routes."""
+    logits: Tensor
+    target: Tensor
+    temperature: float
+    ignore_index: int
+    return_entropy: bool
+    inplace_backward: bool
+    backend: str
+    process_group: Optional[ProcessGroup]
+    check_consistency: bool
+    sampling: Optional[SamplingParams]
+    return_support: bool
+
+
 @overload
 def token_logprobs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = ...,
                    ignore_index: int = ..., return_entropy: Literal[False] = ...,
@@ -215,7 +231,11 @@ def token_logprobs(
     entries 0 with no gradient, and with ``return_entropy`` the rows' entropy ``[...]``; not
     with ``inplace_backward``, ``process_group``, ``sampling`` or DTensors.
     """
-    return TOKEN_LOGPROBS.enter(locals())
+    return TOKEN_LOGPROBS.enter(TokenLogprobsCall(
+        logits=logits, target=target, temperature=temperature, ignore_index=ignore_index,
+        return_entropy=return_entropy, inplace_backward=inplace_backward, backend=backend,
+        process_group=process_group, check_consistency=check_consistency, sampling=sampling,
+        return_support=return_support))
 
 
 @dataclass(frozen=True)
@@ -242,35 +262,35 @@ class _Columns:
         return self.params.backend
 
 
-def _check(call) -> Union[LogprobsParams, _Sampled, _Columns]:
-    logits = call["logits"]
+def _check(call: TokenLogprobsCall) -> Union[LogprobsParams, _Sampled, _Columns]:
+    logits = call.logits
     check_logits(logits)
-    if has_target_columns(logits, call["target"]):
+    if has_target_columns(logits, call.target):
         refuse_with_target_columns(
-            "token_logprobs", inplace_backward=call["inplace_backward"] is not False,
-            sampling=call["sampling"] is not None,
-            return_support=call["return_support"] is not False)
+            "token_logprobs", inplace_backward=call.inplace_backward is not False,
+            sampling=call.sampling is not None,
+            return_support=call.return_support is not False)
         return _Columns(checked_target_columns(
-            LogitsShape.of(logits), call["target"], call["temperature"], call["ignore_index"],
-            call["return_entropy"], call["backend"]))
-    if call["sampling"] is not None or check_bool(call["return_support"], "return_support"):
-        sampling = checked_sampling(call["sampling"], call["temperature"],
-                                    return_entropy=call["return_entropy"],
-                                    inplace_backward=call["inplace_backward"])
-        params = checked_params(LogitsShape.of(logits), call["target"], sampling.temperature,
-                                call["ignore_index"], False, False, call["backend"])
-        return _Sampled(sampling, params, check_bool(call["return_support"], "return_support"))
-    check_inplace(logits, call["inplace_backward"])
-    return checked_params(LogitsShape.of(logits), call["target"], call["temperature"],
-                          call["ignore_index"], call["return_entropy"], call["inplace_backward"],
-                          call["backend"])
+            LogitsShape.of(logits), call.target, call.temperature, call.ignore_index,
+            call.return_entropy, call.backend))
+    if call.sampling is not None or check_bool(call.return_support, "return_support"):
+        sampling = checked_sampling(call.sampling, call.temperature,
+                                    return_entropy=call.return_entropy,
+                                    inplace_backward=call.inplace_backward)
+        params = checked_params(LogitsShape.of(logits), call.target, sampling.temperature,
+                                call.ignore_index, False, False, call.backend)
+        return _Sampled(sampling, params, check_bool(call.return_support, "return_support"))
+    check_inplace(logits, call.inplace_backward)
+    return checked_params(LogitsShape.of(logits), call.target, call.temperature,
+                          call.ignore_index, call.return_entropy, call.inplace_backward,
+                          call.backend)
 
 
 def _sampled(call, checked: _Sampled, plain_route):
     """``sampling=``: the processed distribution's log-probs, on ``ops/sampling.py``'s route
     down to the sampled primitives; when no filter can drop a token, the plain op's
     ``plain_route`` (this door's local or reference route) with ``checked.params``."""
-    logits, target, params = call["logits"], call["target"], checked.params
+    logits, target, params = call.logits, call.target, checked.params
     if checked.sampling.filters(logits.shape[-1]):
         return sampled_token_logprobs(logits, target, checked.sampling, params.ignore_index,
                                       checked.return_support, params.backend)
@@ -280,21 +300,21 @@ def _sampled(call, checked: _Sampled, plain_route):
     return logp
 
 
-def _reference(call, checked):
+def _reference(call: TokenLogprobsCall, checked):
     if isinstance(checked, _Sampled):
         return _sampled(call, checked, _reference)
     params = checked.params if isinstance(checked, _Columns) else checked
-    logp, entropy = reference.token_logprobs(call["logits"].float(), call["target"],
+    logp, entropy = reference.token_logprobs(call.logits.float(), call.target,
                                              params.temperature, params.ignore_index)
     return (logp, entropy) if params.with_entropy else logp
 
 
-def _local(call, checked):
+def _local(call: TokenLogprobsCall, checked):
     if isinstance(checked, _Sampled):
         return _sampled(call, checked, _local)
     if isinstance(checked, _Columns):
-        return _local_columns(call["logits"], call["target"], checked.params)
-    logits, target, params = call["logits"], call["target"], checked
+        return _local_columns(call.logits, call.target, checked.params)
+    logits, target, params = call.logits, call.target, checked
     logits_rows, target_flat = rows_view(logits), flat_target(target)
     if torch.is_grad_enabled() and logits.requires_grad:
         inplace = inplace_grad_owner(logits, logits_rows) if params.inplace_backward else None
@@ -310,29 +330,29 @@ def _local(call, checked):
     return (logp, entropy.view(target.shape)) if params.with_entropy else logp
 
 
-def _vocab_parallel(call):
+def _vocab_parallel(call: TokenLogprobsCall):
     """``token_logprobs`` of a vocabulary shard (``distributed/vocab_parallel.py``)."""
-    logits, target = call["logits"], call["target"]
-    if call["sampling"] is not None or check_bool(call["return_support"], "return_support"):
-        checked_sampling(call["sampling"], call["temperature"], process_group=True)
+    logits, target = call.logits, call.target
+    if call.sampling is not None or check_bool(call.return_support, "return_support"):
+        checked_sampling(call.sampling, call.temperature, process_group=True)
 
     def checks(layout):
         if has_target_columns(logits, target):
             refuse_with_target_columns("token_logprobs", process_group=True)
         check_logits(logits, allow_empty_vocab=True)
         params = checked_params(vocab_parallel.whole_logits(logits, layout), target,
-                                call["temperature"], call["ignore_index"], call["return_entropy"],
-                                call["inplace_backward"], call["backend"])
+                                call.temperature, call.ignore_index, call.return_entropy,
+                                call.inplace_backward, call.backend)
         check_inplace(logits, params.inplace_backward)
         return params
 
     layout, params = vocab_parallel.agreed_layout(
-        "token_logprobs", call["process_group"], vocab_parallel.vocab_size(logits), (logits,),
-        target, call["ignore_index"], call["check_consistency"], checks)
+        "token_logprobs", call.process_group, vocab_parallel.vocab_size(logits), (logits,),
+        target, call.ignore_index, call.check_consistency, checks)
     if params.backend == "reference":
         return vocab_parallel.on_gathered_logits(token_logprobs, call, layout)
     logp, entropy = vocab_shard.shard_rows(vocab_shard.LogprobsShard, logits, flat_target(target),
-                                           params, layout, call["backend"])
+                                           params, layout, call.backend)
     logp = logp.view(target.shape)
     return (logp, entropy.view(target.shape)) if params.with_entropy else logp
 
@@ -568,6 +588,26 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         return (*(grad_or_none(g) for g in grads), None, None, None, None, None)
 
 
+class LinearTokenLogprobsCall(NamedTuple):
+    """``linear_token_logprobs``'s arguments, as its door hands them to the routes."""
+    hidden: Tensor
+    weight: Tensor
+    target: Tensor
+    bias: Optional[Tensor]
+    temperature: float
+    ignore_index: int
+    return_entropy: bool
+    softcap: Optional[float]
+    logit_scale: float
+    statistics: Sequence[str]
+    chunk_size: Optional[int]
+    backend: str
+    process_group: Optional["ProcessGroup"]
+    check_consistency: bool
+    sampling: Optional[SamplingParams]
+    return_support: bool
+
+
 @overload
 def linear_token_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, *,
                           bias: Optional[Tensor] = ..., temperature: float = ...,
@@ -615,7 +655,12 @@ def linear_token_logprobs(hidden, weight, target, *, bias=None, temperature=1.0,
     softcap and logit scale included; not with ``statistics``, ``process_group``,
     ``sampling`` or DTensors.
     """
-    return LINEAR_TOKEN_LOGPROBS.enter(locals())
+    return LINEAR_TOKEN_LOGPROBS.enter(LinearTokenLogprobsCall(
+        hidden=hidden, weight=weight, target=target, bias=bias, temperature=temperature,
+        ignore_index=ignore_index, return_entropy=return_entropy, softcap=softcap,
+        logit_scale=logit_scale, statistics=statistics, chunk_size=chunk_size, backend=backend,
+        process_group=process_group, check_consistency=check_consistency, sampling=sampling,
+        return_support=return_support))
 
 
 @dataclass(frozen=True)
@@ -632,34 +677,34 @@ class _HeadLogprobs:
     return_support: bool = False
 
 
-def _check_linear(call) -> _HeadLogprobs:
-    hidden, weight = call["hidden"], call["weight"]
-    transform = checked_transform(call["logit_scale"], call["softcap"])
-    stats_mask = _statistics_mask(call["statistics"])
-    check_head(hidden, weight, call["bias"], call["chunk_size"])
-    backend = resolve_backend(call["backend"], hidden.device)
-    if has_target_columns(hidden, call["target"]):
+def _check_linear(call: LinearTokenLogprobsCall) -> _HeadLogprobs:
+    hidden, weight = call.hidden, call.weight
+    transform = checked_transform(call.logit_scale, call.softcap)
+    stats_mask = _statistics_mask(call.statistics)
+    check_head(hidden, weight, call.bias, call.chunk_size)
+    backend = resolve_backend(call.backend, hidden.device)
+    if has_target_columns(hidden, call.target):
         refuse_with_target_columns(
             "linear_token_logprobs", statistics=bool(stats_mask),
-            sampling=call["sampling"] is not None,
-            return_support=call["return_support"] is not False)
+            sampling=call.sampling is not None,
+            return_support=call.return_support is not False)
         params = checked_target_columns(
-            LogitsShape.of_head(hidden, weight), call["target"], call["temperature"],
-            call["ignore_index"], call["return_entropy"], backend)
+            LogitsShape.of_head(hidden, weight), call.target, call.temperature,
+            call.ignore_index, call.return_entropy, backend)
         return _HeadLogprobs(params, None, transform, 0, backend, columns=True)
-    if call["sampling"] is not None or check_bool(call["return_support"], "return_support"):
-        sampling = checked_sampling(call["sampling"], call["temperature"],
-                                    return_entropy=call["return_entropy"],
+    if call.sampling is not None or check_bool(call.return_support, "return_support"):
+        sampling = checked_sampling(call.sampling, call.temperature,
+                                    return_entropy=call.return_entropy,
                                     statistics=bool(stats_mask))
-        params = checked_params(LogitsShape.of_head(hidden, weight), call["target"],
-                                sampling.temperature, call["ignore_index"], False, False,
+        params = checked_params(LogitsShape.of_head(hidden, weight), call.target,
+                                sampling.temperature, call.ignore_index, False, False,
                                 backend)
         return _HeadLogprobs(params, sampling, transform, stats_mask, backend,
-                             return_support=check_bool(call["return_support"],
+                             return_support=check_bool(call.return_support,
                                                        "return_support"))
-    params = checked_params(LogitsShape.of_head(hidden, weight), call["target"],
-                                  call["temperature"], call["ignore_index"],
-                                  call["return_entropy"], False, backend)
+    params = checked_params(LogitsShape.of_head(hidden, weight), call.target,
+                                  call.temperature, call.ignore_index,
+                                  call.return_entropy, False, backend)
     return _HeadLogprobs(params, None, transform, stats_mask, backend)
 
 
@@ -667,12 +712,12 @@ def _sampled_linear(call, checked: _HeadLogprobs, plain_route):
     """``sampling=``: the processed distribution's log-probs, on ``ops/sampling.py``'s route
     down to the sampled primitives' head walks; when no filter can drop a token, the plain
     op's ``plain_route`` (this door's local or reference route) with ``checked.params``."""
-    weight, target, params = call["weight"], call["target"], checked.params
+    weight, target, params = call.weight, call.target, checked.params
     if checked.sampling.filters(weight.shape[0]):
-        return linear_sampled_token_logprobs(call["hidden"], weight, call["bias"], target,
+        return linear_sampled_token_logprobs(call.hidden, weight, call.bias, target,
                                              checked.sampling, params.ignore_index,
-                                             checked.return_support, call["logit_scale"],
-                                             call["softcap"], call["chunk_size"],
+                                             checked.return_support, call.logit_scale,
+                                             call.softcap, call.chunk_size,
                                              checked.backend)
     logp = plain_route(call, replace(checked, sampling=None, return_support=False))
     if checked.return_support:
@@ -680,18 +725,18 @@ def _sampled_linear(call, checked: _HeadLogprobs, plain_route):
     return logp
 
 
-def _reference_linear(call, checked: _HeadLogprobs):
+def _reference_linear(call: LinearTokenLogprobsCall, checked: _HeadLogprobs):
     if checked.sampling is not None:
         return _sampled_linear(call, checked, _reference_linear)
     if checked.columns:
         return token_logprobs(
-            reference_logits(call["hidden"], call["weight"], call["bias"], call["logit_scale"],
-                             call["softcap"]), call["target"],
-            temperature=call["temperature"], ignore_index=call["ignore_index"],
-            return_entropy=call["return_entropy"], backend="reference")
-    params, target = checked.params, call["target"]
-    logits = reference_logits(call["hidden"], call["weight"], call["bias"], call["logit_scale"],
-                              call["softcap"])
+            reference_logits(call.hidden, call.weight, call.bias, call.logit_scale,
+                             call.softcap), call.target,
+            temperature=call.temperature, ignore_index=call.ignore_index,
+            return_entropy=call.return_entropy, backend="reference")
+    params, target = checked.params, call.target
+    logits = reference_logits(call.hidden, call.weight, call.bias, call.logit_scale,
+                              call.softcap)
     out = token_logprobs(logits, target, temperature=params.temperature,
                                ignore_index=params.ignore_index,
                                return_entropy=params.with_entropy, backend="reference")
@@ -704,13 +749,13 @@ def _reference_linear(call, checked: _HeadLogprobs):
     return (*out, stats) if params.with_entropy else (out, stats)
 
 
-def _local_linear(call, checked: _HeadLogprobs):
+def _local_linear(call: LinearTokenLogprobsCall, checked: _HeadLogprobs):
     if checked.sampling is not None:
         return _sampled_linear(call, checked, _local_linear)
     if checked.columns:
         return _local_linear_columns(call, checked)
-    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
-    params, stats_mask, chunk_size = checked.params, checked.stats_mask, call["chunk_size"]
+    hidden, weight, bias, target = call.hidden, call.weight, call.bias, call.target
+    params, stats_mask, chunk_size = checked.params, checked.stats_mask, call.chunk_size
     hidden_rows, target_flat = hidden.reshape(-1, hidden.shape[-1]), flat_target(target)
     if head_any_grad(hidden, weight, bias):
         logp, entropy, stats = _LinearTokenLogprobs.apply(
@@ -738,26 +783,26 @@ def refuse_transform_with_process_group(logit_scale, softcap, stats_mask):
                          "process_group (the vocabulary-parallel head)")
 
 
-def _vocab_parallel_linear(call):
+def _vocab_parallel_linear(call: LinearTokenLogprobsCall):
     """``linear_token_logprobs`` with this rank's vocabulary shard of the head."""
-    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
-    chunk_size, backend = call["chunk_size"], call["backend"]
-    if call["sampling"] is not None or check_bool(call["return_support"], "return_support"):
-        checked_sampling(call["sampling"], call["temperature"], process_group=True)
-    logit_scale, softcap = checked_transform(call["logit_scale"], call["softcap"])
+    hidden, weight, bias, target = call.hidden, call.weight, call.bias, call.target
+    chunk_size, backend = call.chunk_size, call.backend
+    if call.sampling is not None or check_bool(call.return_support, "return_support"):
+        checked_sampling(call.sampling, call.temperature, process_group=True)
+    logit_scale, softcap = checked_transform(call.logit_scale, call.softcap)
     refuse_transform_with_process_group(logit_scale, softcap,
-                                         _statistics_mask(call["statistics"]))
+                                         _statistics_mask(call.statistics))
 
     def checks(layout):
         if has_target_columns(hidden, target):
             refuse_with_target_columns("linear_token_logprobs", process_group=True)
         return checked_params(vocab_parallel.whole_logits(hidden, layout), target,
-                              call["temperature"], call["ignore_index"], call["return_entropy"],
+                              call.temperature, call.ignore_index, call.return_entropy,
                               False, backend)
 
     hidden_rows, layout, needs_grad, params = vocab_parallel.head_setup(
-        "linear_token_logprobs", call["process_group"], hidden, weight, bias, chunk_size, target,
-        call["ignore_index"], call["check_consistency"], checks)
+        "linear_token_logprobs", call.process_group, hidden, weight, bias, chunk_size, target,
+        call.ignore_index, call.check_consistency, checks)
     if params.backend == "reference":
         return vocab_parallel.on_head_logits(token_logprobs, call)
     logp, entropy = vocab_shard.head_shard_rows(
@@ -841,8 +886,8 @@ class _LinearTokenLogprobsColumns(torch.autograd.Function):
 def _local_linear_columns(call, checked: _HeadLogprobs):
     """``linear_token_logprobs`` of ``target [..., K]`` -> float32 ``[..., K]`` (and the rows'
     entropy ``[...]``), as ``token_logprobs`` of ``target [..., K]`` on the head's logits."""
-    hidden, weight, bias, target = call["hidden"], call["weight"], call["bias"], call["target"]
-    params, chunk_size, transform = checked.params, call["chunk_size"], checked.transform
+    hidden, weight, bias, target = call.hidden, call.weight, call.bias, call.target
+    params, chunk_size, transform = checked.params, call.chunk_size, checked.transform
     hidden_rows = hidden.reshape(-1, hidden.shape[-1])
     target_rows = target.reshape(-1, target.shape[-1]).contiguous()
     if head_any_grad(hidden, weight, bias):

@@ -23,6 +23,17 @@ from .logprobs import linear_token_logprobs, token_logprobs
 from .sampling import SamplingParams
 
 
+class SequenceLogprobsCall(NamedTuple):
+    """``sequence_logprobs``'s arguments, as its door hands them to the routes."""
+    logits: Tensor
+    target: Tensor
+    mask: Tensor
+    average: bool
+    temperature: float
+    backend: str
+    sampling: Optional[SamplingParams]
+
+
 def sequence_logprobs(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -41,37 +52,39 @@ def sequence_logprobs(
     ``-inf`` (its probability under the sampler is 0), never a finite stand-in; its other
     tokens keep their gradients. ``token_logprobs(..., return_support=True)`` says which.
     """
-    return SEQUENCE_LOGPROBS.enter(locals())
+    return SEQUENCE_LOGPROBS.enter(SequenceLogprobsCall(
+        logits=logits, target=target, mask=mask, average=average, temperature=temperature,
+        backend=backend, sampling=sampling))
 
 
 class SequenceCall(NamedTuple):
     """A checked ``sequence_logprobs`` call: the mask as bool, the resolved backend."""
-    keep: torch.Tensor
+    keep: Tensor
     backend: str
 
 
-def _check_sequence(call) -> SequenceCall:
-    logits = call["logits"]
+def _check_sequence(call: SequenceLogprobsCall) -> SequenceCall:
+    logits = call.logits
     check_logits(logits)
-    keep = checked_sequence_mask(LogitsShape.of(logits), call["target"], call["mask"],
-                                 call["average"])
-    return SequenceCall(keep, resolve_backend(call["backend"], logits.device))
+    keep = checked_sequence_mask(LogitsShape.of(logits), call.target, call.mask,
+                                 call.average)
+    return SequenceCall(keep, resolve_backend(call.backend, logits.device))
 
 
-def _sequence_reference(call, checked: SequenceCall):
-    if call["sampling"] is not None:
+def _sequence_reference(call: SequenceLogprobsCall, checked: SequenceCall):
+    if call.sampling is not None:
         return _sequence_local(call, checked)
     return reference.sequence_logprobs(
-        call["logits"].float(), torch.where(checked.keep, call["target"], -100), call["mask"],
-        call["average"], check_positive(call["temperature"], "temperature"))
+        call.logits.float(), torch.where(checked.keep, call.target, -100), call.mask,
+        call.average, check_positive(call.temperature, "temperature"))
 
 
-def _sequence_local(call, checked: SequenceCall):
-    target = call["target"]
+def _sequence_local(call: SequenceLogprobsCall, checked: SequenceCall):
+    target = call.target
     masked_target = torch.where(checked.keep, target, torch.full_like(target, -100))
-    logp = token_logprobs(call["logits"], masked_target, temperature=call["temperature"],
-                          ignore_index=-100, backend=checked.backend, sampling=call["sampling"])
-    return reduce_sequence(logp, call["mask"], call["average"])
+    logp = token_logprobs(call.logits, masked_target, temperature=call.temperature,
+                          ignore_index=-100, backend=checked.backend, sampling=call.sampling)
+    return reduce_sequence(logp, call.mask, call.average)
 
 
 def _sequence_dtensor(op, **call):
@@ -108,6 +121,22 @@ SEQUENCE_LOGPROBS = Door(sequence_logprobs, ("logits", "target", "mask"), _check
                          _sequence_local, _sequence_reference, dtensor=_sequence_dtensor)
 
 
+class LinearSequenceLogprobsCall(NamedTuple):
+    """``linear_sequence_logprobs``'s arguments, as its door hands them to the routes."""
+    hidden: Tensor
+    weight: Tensor
+    target: Tensor
+    mask: Tensor
+    bias: Optional[Tensor]
+    average: bool
+    temperature: float
+    softcap: Optional[float]
+    logit_scale: float
+    chunk_size: Optional[int]
+    backend: str
+    sampling: Optional[SamplingParams]
+
+
 def linear_sequence_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, mask: Tensor, *,
                              bias: Optional[Tensor] = None, average: bool = False,
                              temperature: float = 1.0, softcap: Optional[float] = None,
@@ -117,29 +146,32 @@ def linear_sequence_logprobs(hidden: Tensor, weight: Tensor, target: Tensor, mas
     """Per-sequence sum (or mean over ``mask``) of token log-probs; hidden ``[B, T, H]``;
     ``softcap`` and ``logit_scale`` as in ``linear_token_logprobs``; ``sampling`` as in
     ``sequence_logprobs`` (a sequence with a token outside the support gets ``-inf``)."""
-    return LINEAR_SEQUENCE_LOGPROBS.enter(locals())
+    return LINEAR_SEQUENCE_LOGPROBS.enter(LinearSequenceLogprobsCall(
+        hidden=hidden, weight=weight, target=target, mask=mask, bias=bias, average=average,
+        temperature=temperature, softcap=softcap, logit_scale=logit_scale, chunk_size=chunk_size,
+        backend=backend, sampling=sampling))
 
 
-def _check_linear_sequence(call) -> SequenceCall:
-    hidden, weight = call["hidden"], call["weight"]
-    check_head(hidden, weight, call["bias"], call["chunk_size"])
+def _check_linear_sequence(call: LinearSequenceLogprobsCall) -> SequenceCall:
+    hidden, weight = call.hidden, call.weight
+    check_head(hidden, weight, call.bias, call.chunk_size)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, H], got {tuple(hidden.shape)}")
-    keep = checked_sequence_mask(LogitsShape.of_head(hidden, weight), call["target"],
-                                       call["mask"], call["average"])
-    return SequenceCall(keep, resolve_backend(call["backend"], hidden.device))
+    keep = checked_sequence_mask(LogitsShape.of_head(hidden, weight), call.target,
+                                       call.mask, call.average)
+    return SequenceCall(keep, resolve_backend(call.backend, hidden.device))
 
 
-def _linear_sequence_logprobs(call, checked: SequenceCall):
+def _linear_sequence_logprobs(call: LinearSequenceLogprobsCall, checked: SequenceCall):
     """Both routes: the token log-probs (the reference's on the reference backend) reduced."""
-    target = call["target"]
+    target = call.target
     masked_target = torch.where(checked.keep, target, torch.full_like(target, -100))
-    logp = linear_token_logprobs(call["hidden"], call["weight"], masked_target, bias=call["bias"],
-                                 temperature=call["temperature"], ignore_index=-100,
-                                 softcap=call["softcap"], logit_scale=call["logit_scale"],
-                                 chunk_size=call["chunk_size"], backend=checked.backend,
-                                 sampling=call["sampling"])
-    return reduce_sequence(logp, call["mask"], call["average"])
+    logp = linear_token_logprobs(call.hidden, call.weight, masked_target, bias=call.bias,
+                                 temperature=call.temperature, ignore_index=-100,
+                                 softcap=call.softcap, logit_scale=call.logit_scale,
+                                 chunk_size=call.chunk_size, backend=checked.backend,
+                                 sampling=call.sampling)
+    return reduce_sequence(logp, call.mask, call.average)
 
 
 def _linear_sequence_dtensor(op, **call):

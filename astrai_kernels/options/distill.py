@@ -11,7 +11,7 @@ them is an option. The defaults are ``ak.distill_loss``'s (TRL's ``GKDConfig``'s
 import dataclasses
 from dataclasses import dataclass, fields
 
-from .keywords import options_from, options_or_keywords
+from .keywords import options_or_keywords
 from .scalars import check_choice, check_in_range, check_index, check_positive
 
 REDUCTIONS = ("batchmean", "sum", "mean", "none")
@@ -40,23 +40,9 @@ class DistillOptions:
         """The options as ``ak.distill_loss`` keywords."""
         return {field.name: getattr(self, field.name) for field in fields(self)}
 
-    @classmethod
-    def of(cls, call: dict) -> "DistillOptions":
-        """The options among a call's arguments by name."""
-        return cls(**{name: call[name] for name in OPTION_NAMES})
-
 
 DEFAULT_OPTIONS = DistillOptions()
 OPTION_NAMES = tuple(field.name for field in fields(DistillOptions))
 
 #: ``distill_loss`` and ``linear_distill_loss`` refuse ``options=`` beside an option keyword
 distill_options_or_keywords = options_or_keywords(DistillOptions, "distillation")
-
-
-def keyword_call(call: dict) -> dict:
-    """A distillation op's arguments by name with ``options`` (when given) spread into the
-    option keywords and set to None: the routes read the keywords only, and the DTensor route
-    calls the op again with them."""
-    options = options_from(call["options"], {name: call[name] for name in OPTION_NAMES},
-                           DistillOptions)
-    return {**call, **options.keywords(), "options": None}

@@ -307,11 +307,5 @@ def options_from(given: Optional[GRPOOptions], option_keywords: dict) -> GRPOOpt
     return keywords.options_from(given, option_keywords, GRPOOptions)
 
 
-def options_of_call(call: dict) -> GRPOOptions:
-    """A GRPO op's options from its arguments by name (``locals()``): its ``options=``, or the
-    object of its option keywords."""
-    return options_from(call["options"], {name: call[name] for name in OPTION_NAMES})
-
-
 #: ``function`` (taking ``options`` and ``GRPOOptions``' fields) refusing a call that passes both
 options_or_keywords = keywords.options_or_keywords(GRPOOptions, "GRPO")
