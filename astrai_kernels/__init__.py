@@ -5,7 +5,8 @@ from .kernels.registry import available_backends
 from .ops.cross_entropy import cross_entropy, linear_cross_entropy
 from .ops.distill import distill_loss, linear_distill_loss
 from .ops.grpo import grpo_loss, linear_grpo_loss
-from .ops.logprobs import linear_token_logprobs, token_logprobs
+from .ops.linear_logprobs import linear_token_logprobs
+from .ops.logprobs import token_logprobs
 from .ops.preference import (
     DPOOptions,
     cpo_loss,

@@ -11,11 +11,19 @@ from pathlib import Path
 import pytest
 
 import astrai_kernels.ops as ops_package
-from astrai_kernels.ops import cross_entropy, distill, grpo, logprobs, sequences, topk_distill
+from astrai_kernels.ops import (
+    cross_entropy,
+    distill,
+    grpo,
+    linear_logprobs,
+    logprobs,
+    sequences,
+    topk_distill,
+)
 from astrai_kernels.ops.door import Door
 
 OPS_DIR = Path(ops_package.__file__).parent
-OP_MODULES = (cross_entropy, distill, grpo, logprobs, sequences, topk_distill)
+OP_MODULES = (cross_entropy, distill, grpo, linear_logprobs, logprobs, sequences, topk_distill)
 
 
 def _doors():

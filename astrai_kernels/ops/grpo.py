@@ -54,7 +54,8 @@ from .head import (
     reference_logits,
     reference_on_logits,
 )
-from .logprobs import linear_token_logprobs, refuse_transform_with_process_group, token_logprobs
+from .linear_logprobs import linear_token_logprobs, refuse_transform_with_process_group
+from .logprobs import token_logprobs
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:

@@ -19,7 +19,8 @@ from ..options.scalars import check_bool, check_positive
 from ._common import LogitsShape, check_logits, check_target
 from .door import Door
 from .head import check_head
-from .logprobs import linear_token_logprobs, token_logprobs
+from .linear_logprobs import linear_token_logprobs
+from .logprobs import token_logprobs
 from .sampling import SamplingParams
 
 
