@@ -26,6 +26,7 @@ from ..kernels.primitives import DistillArgs
 from ..kernels.registry import resolve_backend
 from ..options.distill import DistillOptions, distill_options_or_keywords
 from ..options.keywords import options_from
+from ..options.scalars import checked_transform
 from ._common import (
     AttachGrad,
     LogitsShape,
@@ -39,7 +40,6 @@ from .door import Checked, Door
 from .head import (
     AttachHeadGrads,
     check_head,
-    checked_transform,
     grad_or_none,
     head_needs,
     head_walk,

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ..distributed import agreement, dtensor, vocab_parallel
 from ..options.grpo import GRPOOptions, options_from, options_or_keywords
+from ..options.scalars import checked_transform
 from ._common import (
     LogitsShape,
     check_logits,
@@ -48,7 +49,6 @@ from .grpo_plan import (
 from .head import (
     AttachHeadGrads,
     check_head,
-    checked_transform,
     head_needs,
     head_walk,
     reference_logits,

@@ -16,33 +16,29 @@ gradients in one walk and backward only scales them (out of place: a retained gr
 walked again); ``linear_token_logprobs`` and ``reduction="none"`` keep per-row ``lse`` (and
 entropy) and walk the chunks again in backward with the upstream per-row gradients.
 
-Chunk rule (:func:`chunk_rows`): a chunk's logits buffer holds at most ``CHUNK_BYTES`` bytes of
-float32 (64 MiB on CPU, 256 MiB on CUDA; a quarter of that when the head holds a float32 copy of
-the weight), so the workspace is bounded whatever N and V are; an explicit ``chunk_size`` is
-honoured as given. Larger chunks keep the three matmuls near the GEMM floor: at N=2048,
-H=1024, V=32768 fp32 on 2 CPU cores, 128-row chunks ran at 1.4-1.7x the floor, 512 at 1.0-1.3x.
+Chunk rule (:func:`chunk_rows`): a chunk's float32 logits take at most ``CHUNK_BYTES`` (64 MiB
+on CPU, 256 MiB on CUDA; a quarter with a float32 copy of the weight) and at least
+``MIN_GEMM_ROWS`` rows, so the workspace is bounded whatever N and V are and the three matmuls
+stay near the GEMM floor (at N=2048, H=1024, V=32768 fp32 on 2 CPU cores, 128-row chunks ran
+1.4-1.7x the floor, 512 1.0-1.3x); an explicit ``chunk_size`` is honoured as given.
 
-Compute dtype (:func:`compute_dtype`): matmuls run in the inputs' dtype, except bfloat16/float16
-on a CPU without native low-precision GEMMs (no AVX512-BF16/AMX), where they run in float32 on
-a float32 copy of the weight: there a bf16 GEMM is 10-100x slower than the fp32 one.
-``ASTRAI_KERNELS_HEAD_MATMUL`` (``native`` or ``float32``) forces either path on any CPU.
+Compute dtype (:func:`compute_dtype`): the inputs' dtype, except bf16/fp16 on a CPU without
+native low-precision GEMMs (no AVX512-BF16/AMX; 10-100x slower there), which runs float32 on a
+float32 copy of the weight. ``ASTRAI_KERNELS_HEAD_MATMUL`` (``native``/``float32``) forces one.
 
 Weight gradient precision: every chunk's product ``grad_logits.T @ rows`` lands in the float32
-accumulator unrounded, so the weight's gradient is rounded to a 16-bit dtype once, as the naive
-path's single GEMM rounds it. With native low-precision matmuls the product is a GEMM of the
-16-bit operands with a float32 output where torch has one on the device (``torch.mm(...,
-out_dtype=torch.float32)``, CUDA), else the chunk's (already rounded) logit gradient and rows
-are upcast to float32 first (CPU: torch has no such GEMM there): the same products, summed in
-float32. For bf16 on CPU that float32 GEMM runs on oneDNN's bf16 units (:func:`bf16_products`;
-exact on the upcast bf16 values, 3.3x the float32 GEMM's speed on an AVX512-BF16 EPYC). The
-hidden states' gradient is one GEMM over the whole vocabulary per chunk of rows, rounded once;
-the bias's is summed in float32.
+accumulator unrounded, and the weight's gradient is rounded to a 16-bit dtype once, as the
+naive path's single GEMM rounds it: a GEMM of the 16-bit operands with a float32 output where
+torch has one (``torch.mm(..., out_dtype=torch.float32)``, CUDA), else (CPU) a float32 GEMM of
+the upcast operands, on oneDNN's bf16 units for bf16 (:func:`bf16_products`: exact on the
+upcast values, 3.3x the float32 GEMM on an AVX512-BF16 EPYC). The hidden states' gradient is
+one GEMM over the whole vocabulary per chunk of rows, rounded once; the bias's is summed in
+float32.
 """
 
 import collections
 import contextlib
 import inspect
-import math
 import os
 import threading
 from dataclasses import dataclass
@@ -56,7 +52,6 @@ from ..kernels.library import traceable_op
 from ..kernels.memory import cached_empty
 from ..kernels.primitives import ALWAYS, NONE, OPTIONAL, declared
 from ..kernels.registry import backend_module
-from ..options.scalars import check_in_range, check_positive
 from ._common import FLOAT_DTYPES, refuse_double_backward, scale_saved_grad
 
 CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}
@@ -596,10 +591,3 @@ def reference_on_logits(op, call, logits):
     accepted = inspect.signature(op).parameters
     keywords = {name: value for name, value in call._asdict().items() if name in accepted}
     return op(**{**keywords, "logits": logits, "backend": "reference"})
-
-
-def checked_transform(logit_scale, softcap):
-    """``(logit_scale, softcap)`` as floats (softcap 0.0 when None), checked."""
-    logit_scale = check_in_range(logit_scale, "logit_scale", -math.inf, math.inf)
-    softcap_value = 0.0 if softcap is None else check_positive(softcap, "softcap")
-    return logit_scale, softcap_value

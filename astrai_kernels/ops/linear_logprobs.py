@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 from ..distributed import dtensor, vocab_parallel, vocab_shard
 from ..kernels import library
 from ..kernels.registry import backend_module, resolve_backend
-from ..options.scalars import check_bool
+from ..options.scalars import check_bool, checked_transform
 from ._common import (
     LogitsShape,
     dense_grad,
@@ -41,7 +41,6 @@ from .head import (
     ChunkedHead,
     ChunkExtra,
     check_head,
-    checked_transform,
     grad_or_none,
     head_any_grad,
     head_walk,

@@ -96,3 +96,10 @@ def check_bool(value, name):
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
+
+
+def checked_transform(logit_scale, softcap):
+    """``(logit_scale, softcap)`` as floats (softcap 0.0 when None), checked."""
+    logit_scale = check_in_range(logit_scale, "logit_scale", -math.inf, math.inf)
+    softcap_value = 0.0 if softcap is None else check_positive(softcap, "softcap")
+    return logit_scale, softcap_value
