@@ -19,6 +19,12 @@
 namespace py = pybind11;
 using at::Tensor;
 
+namespace astrai {
+// csrc/row_topk.cpp (a kernel without an arguments struct, so not among common.h's)
+void row_kth_largest_kernel(const RowsView& x, DType dtype, int64_t k, float* value,
+                            int64_t* index, int nthreads);
+}  // namespace astrai
+
 namespace {
 
 using namespace astrai;
@@ -601,6 +607,26 @@ py::tuple topk_distill_forward(const Tensor& logits, const Tensor& support_ids,
   return py::make_tuple(loss, row_max, sums, coef);
 }
 
+// row_kth_largest of kernels/cpp/backend.py (csrc/row_topk.cpp): per row of [A, B, V] logits,
+// the k-th largest element's value (float32) and index (int64).
+py::tuple row_kth_largest(const Tensor& logits, int64_t k) {
+  const RowsView x = rows_of(logits);
+  const DType dtype = dtype_of(logits, "logits");
+  TORCH_CHECK_VALUE(k >= 1 && k <= x.V, "k must be between 1 and the logits' last dimension ",
+                    x.V, ", got k = ", k);
+  TORCH_CHECK_VALUE(x.V <= (int64_t(1) << 32), "row_kth_largest indexes rows of at most 2^32 "
+                    "elements, the logits' last dimension is ", x.V);
+  const int64_t n = x.rows();
+  Tensor value = at::zeros({n}, at::TensorOptions().dtype(at::kFloat));
+  Tensor index = at::zeros({n}, at::TensorOptions().dtype(at::kLong));
+  {
+    py::gil_scoped_release no_gil;
+    row_kth_largest_kernel(x, dtype, k, value.data_ptr<float>(), index.data_ptr<int64_t>(),
+                           kernel_threads());
+  }
+  return py::make_tuple(value, index);
+}
+
 // Elementwise fast_exp / fast_tanh of a float32 tensor, for accuracy tests.
 template <float (*F)(float)>
 Tensor elementwise(const Tensor& x) {
@@ -651,6 +677,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sampled_logprobs_forward", &sampled_logprobs_forward);
   m.def("sampled_logprobs_backward", &sampled_logprobs_backward);
   m.def("topk_distill_forward", &topk_distill_forward);
+  m.def("row_kth_largest", &row_kth_largest, py::arg("logits"), py::arg("k"),
+        "Per row of [A, B, V] logits, the k-th largest element's (value, index).");
   m.def("make_storage_resizable", &make_storage_resizable, py::arg("t"),
         "Make t's storage (a fresh gradient-cache lease) resizable with torch's CPU allocator.");
   m.attr("LOG_RATIO_CLAMP") = kLogRatioClamp;  // held equal to kernels/primitives.py's by a test

@@ -62,7 +62,7 @@ LDFLAGS = ("-fopenmp",)
 # CPU-seconds of g++ per source, one compile at a time, on the 2-core Intel Xeon: see
 # docs/install.md.
 SOURCES = ("common.h", "distill.cpp", "cross_entropy.cpp", "bindings.cpp", "grpo.cpp",
-           "sampling.cpp", "logprobs.cpp", "topk_distill.cpp", "vocab_shard.cpp")
+           "sampling.cpp", "logprobs.cpp", "topk_distill.cpp", "vocab_shard.cpp", "row_topk.cpp")
 
 _LOCK = threading.Lock()
 _EXTENSION = None
@@ -676,3 +676,26 @@ def topk_distill_forward(logits, support_ids, teacher, live, counted, grad_scale
         logits, support_ids.long().contiguous(), teacher.float().contiguous(),
         live.contiguous(), counted.contiguous(),
         _rows_f32(grad_scale) if grad is not None else None, params, grad)
+
+
+def row_kth_largest(logits, k):
+    """Per row of ``logits [..., V]`` (float32, bfloat16 or float16 on the CPU, any strides) the
+    ``k``-th largest element: ``(value, index)``, float32 and int64 of shape ``[...]``.
+
+    Not a primitive of ``kernels/primitives.py``: verl's top-K overlap
+    (``integrations/verl/distillation.py``) reads the student's top-``k`` membership from it.
+    The order is the one ``torch.topk`` ranks by (larger first, NaN above every number), its
+    ties (which ``torch.topk`` leaves unspecified) broken by the lower index first: element
+    ``j`` is among the row's ``k`` largest iff ``(x_j, -j) >= (value, -index)``. A row with
+    ``k`` or more NaNs gives a NaN value. One streaming read of each row
+    (``csrc/row_topk.cpp``). ``k`` outside ``[1, V]`` raises ``ValueError``.
+    """
+    if logits.dim() == 0:
+        raise ValueError("logits must have a last dimension (the vocabulary), got a 0-d tensor")
+    vocab = logits.shape[-1]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
+        raise ValueError(f"k must be an int between 1 and the logits' last dimension {vocab}, "
+                         f"got k={k!r}")
+    rows = logits if logits.dim() in (2, 3) else logits.reshape(-1, vocab)
+    value, index = load_extension().row_kth_largest(rows if rows.dim() == 3 else rows[None], k)
+    return value.reshape(logits.shape[:-1]), index.reshape(logits.shape[:-1])
