@@ -320,6 +320,98 @@ def test_topk_distillation_runs_on_installs_backend(monkeypatch):
     assert seen == ["torch", "auto"]
 
 
+def _overlap_batch(dtype, tied, seed):
+    """Student logits ``[1, 12, V]`` and a teacher's top-K ids, the teacher's ids drawn around
+    the student's K-th largest (ranks K - 8 to K + 8, so membership is decided at the boundary)
+    and elsewhere. ``tied``: logits on a coarse grid (eighths in [-4, 4]) so the K-th value is
+    tied in every row, every other row's teacher ids avoiding the tied value; else rows whose
+    K-th value is unique, also after verl's ``log_softmax``."""
+    vocab, k, rows = 3001, 64, 12
+    generator = torch.Generator().manual_seed(seed)
+    if tied:
+        logits = (torch.randint(-32, 33, (1, rows, vocab), generator=generator) / 8).to(dtype)
+    else:
+        logits = torch.empty(1, 0, vocab, dtype=dtype)
+        while logits.shape[1] < rows:
+            row = (torch.randn(1, vocab, generator=generator) * 3).to(dtype)
+            kth = row.float().topk(k).values[0, -1]
+            log_p = torch.log_softmax(row, -1).float()
+            kth_log_p = log_p.topk(k).values[0, -1]
+            if int((row.float() == kth).sum()) == 1 and int((log_p == kth_log_p).sum()) == 1:
+                logits = torch.cat([logits, row[None]], 1)
+    order = torch.sort(logits[0].float(), dim=-1, descending=True, stable=True).indices
+    others = torch.cat([order[:, :k - 8], order[:, k + 8:]], -1)
+    ids = torch.cat([order[:, k - 8:k + 8],
+                     others[:, torch.randperm(vocab - 16, generator=generator)[:k - 16]]], -1)
+    if tied:  # every other row's teacher ids avoid the tied value
+        kth = logits[0].float().gather(-1, order[:, k - 1:k])
+        for row in range(1, rows, 2):
+            clear = (logits[0, row].float() != kth[row]).nonzero()[:, 0]
+            ids[row] = clear[torch.randperm(clear.numel(), generator=generator)[:k]]
+    teacher = torch.log_softmax(torch.randn(rows, vocab, generator=generator), -1).gather(-1, ids)
+    return logits, teacher, ids, order[:, :k]
+
+
+def _verl_outputs(function, logits, teacher, ids, chunked):
+    offsets = torch.tensor([0, 5, logits.shape[1]])
+    nested = [torch.nested.nested_tensor_from_jagged(t, offsets) for t in (teacher, ids)]
+    config = types.SimpleNamespace(distillation_loss=types.SimpleNamespace(
+        log_prob_min_clamp=-10.0, use_chunked_topk=chunked))
+    return function(logits, *nested, config, "thd")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_topk_overlap_is_verls_on_rows_without_ties(dtype, installed, monkeypatch):
+    """On CPU logits the overlap reads each row's K-th largest from the cpp kernel
+    (``row_kth_largest``, not ``torch.topk``): on rows whose K-th value is unique, verl's
+    ``overlap_count`` exactly, against both of verl's paths (its default ``log_softmax``
+    ranking and ``use_chunked_topk``'s ranking of the logits), and ``overlap_token_advantage``
+    against verl's in float64 within verl's own error in the logits' dtype."""
+    from astrai_kernels.kernels.cpp import backend as cpp_backend
+
+    calls = []
+    row_kth_largest = cpp_backend.row_kth_largest
+    monkeypatch.setattr(cpp_backend, "row_kth_largest",
+                        lambda *args: calls.append(args) or row_kth_largest(*args))
+    logits, teacher, ids, _ = _overlap_batch(dtype, tied=False, seed=7)
+    k = ids.shape[-1]
+    ours = _verl_outputs(verl_distillation.compute_forward_kl_topk, logits, teacher, ids, False)
+    assert len(calls) == 1
+    original = ORIGINALS[(verl_distillation, "compute_forward_kl_topk")]
+    counts = ours["overlap_count"]
+    assert bool((counts >= 8).all() and (counts < k).all())  # the boundary splits the near ids
+    for chunked in (False, True):
+        assert torch.equal(counts, _verl_outputs(original, logits, teacher, ids,
+                                                 chunked)["overlap_count"])
+    expected = _verl_outputs(original, logits.double(), teacher, ids, False)
+    naive = _verl_outputs(original, logits, teacher, ids, False)
+    assert torch.equal(counts, expected["overlap_count"])
+    check(ours["overlap_token_advantage"], expected["overlap_token_advantage"],
+          naive["overlap_token_advantage"], dtype, "overlap_token_advantage")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_topk_overlap_ties_go_to_the_lower_id(dtype, installed):
+    """Rows whose K-th logit is tied (torch.topk leaves unspecified which of the tied ids it
+    returns): the overlap counts the teacher's ids among a stable descending sort's top K, the
+    documented rule; ``backend="torch"`` ranks with ``torch.topk``, which agrees with the rule
+    wherever no teacher id is among the ids tied at the K-th value."""
+    logits, teacher, ids, stable_top = _overlap_batch(dtype, tied=True, seed=8)
+    k = ids.shape[-1]
+    kth = logits[0].float().gather(-1, stable_top[:, -1:])
+    assert bool(((logits[0].float() >= kth).sum(-1) > k).all())  # every row ties at the K-th
+    ours = _verl_outputs(verl_distillation.compute_forward_kl_topk, logits, teacher, ids, False)
+    in_stable_top = (ids[..., None] == stable_top[:, None, :]).any(-1)
+    assert torch.equal(ours["overlap_count"][0], in_stable_top.sum(-1))
+    akv.install(chunk_size=CHUNK, backend="torch")
+    with_topk = _verl_outputs(verl_distillation.compute_forward_kl_topk, logits, teacher, ids,
+                              False)
+    teacher_tied = (logits[0].float().gather(-1, ids) == kth).any(-1)
+    assert bool(teacher_tied.any() and (~teacher_tied).any())
+    assert torch.equal(with_topk["overlap_count"][0][~teacher_tied],
+                       ours["overlap_count"][0][~teacher_tied])
+
+
 def test_sum_pi_squared_has_no_gradient(installed):
     """``sum_pi_squared`` is a statistic of the walk (no gradient); the other fields have one."""
     model = make_model("qwen2")
