@@ -405,9 +405,9 @@ def test_forward_only_under_no_grad_holds_no_gradient(monkeypatch):
     original = head_op.ChunkedHead.__init__
 
     def record(self, hidden, weight, bias, chunk_size, needs_grad=(False, False, False),
-               *transform):
+               *transform, **keywords):
         seen.append(tuple(needs_grad))
-        original(self, hidden, weight, bias, chunk_size, needs_grad, *transform)
+        original(self, hidden, weight, bias, chunk_size, needs_grad, *transform, **keywords)
 
     monkeypatch.setattr(head_op.ChunkedHead, "__init__", record)
     hidden, weight, bias, target = _inputs(9, 6, 20, torch.float32, seed=13)

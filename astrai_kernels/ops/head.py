@@ -41,6 +41,7 @@ import contextlib
 import inspect
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Tuple
 
@@ -164,7 +165,7 @@ class ChunkedHead:
     """
 
     def __init__(self, hidden, weight, bias, chunk_size, needs_grad=(False, False, False),
-                 logit_scale=1.0, softcap=0.0, hidden_grad_float32=False):
+                 logit_scale=1.0, softcap=0.0, hidden_grad_float32=False, kept=None):
         self.dtype = hidden.dtype
         self.work_dtype = compute_dtype(hidden.dtype, hidden.device)
         self.hidden = hidden
@@ -177,7 +178,16 @@ class ChunkedHead:
         # The large buffers come from the CPU gradient cache (kernels/memory.py): in a training loop
         # each call reuses the last call's pages instead of faulting fresh ones.
         device = hidden.device
-        self.buffer = cached_empty((min(self.chunk, n_rows), vocab), self.work_dtype, device)
+        self.last_start = (n_rows - 1) // self.chunk * self.chunk if n_rows else None
+        self.key = (hidden.data_ptr(), tuple(hidden.shape), tuple(hidden.stride()),
+                    weight.data_ptr(), tuple(weight.shape), weight.dtype, self.work_dtype,
+                    None if bias is None else bias.data_ptr(), self.chunk)
+        # ``kept``: a forward's last chunk to start from (its product not computed again)
+        self.kept_start = None if kept is None else kept.take(self.key, self.last_start)
+        self.buffer = (kept.logits if self.kept_start is not None else
+                       cached_empty((min(self.chunk, n_rows), vocab), self.work_dtype, device))
+        if kept is not None:
+            kept.drop()
         needs_hidden, needs_weight, needs_bias = needs_grad
         # float32 where the caller sums it further (a vocabulary shard's part, all-reduced)
         self.grad_hidden = (cached_empty(hidden.shape, torch.float32 if hidden_grad_float32
@@ -224,9 +234,14 @@ class ChunkedHead:
             logits.mul_(self.softcap)
 
     def chunks(self):
-        """Yield ``(start, stop, logits [1, n, V])`` with the chunk's logits in the buffer."""
+        """Yield ``(start, stop, logits [1, n, V])`` with the chunk's logits in the buffer; a
+        kept chunk first, as the forward left it."""
         n_rows = self.hidden.shape[0]
-        for start in range(0, n_rows, self.chunk):
+        starts = range(0, n_rows, self.chunk)
+        if self.kept_start is not None:
+            yield self.kept_start, n_rows, self.buffer[:n_rows - self.kept_start].unsqueeze(0)
+            starts = [start for start in starts if start != self.kept_start]
+        for start in starts:
             stop = min(start + self.chunk, n_rows)
             rows = self.hidden[start:stop].to(self.work_dtype)
             logits = self.buffer[:stop - start]
@@ -356,6 +371,54 @@ class ChunkExtra:
     compute: Callable
 
 
+class KeptChunk:
+    """A fused-head forward walk's last chunk of logits, kept for its backward walk, which
+    starts from it instead of computing its product again (one GEMM of the chunk fewer; all of
+    the recompute where the rows fit in one chunk). ``logits`` is the forward's chunk buffer
+    itself, a block of ``kernels/memory.py``'s cache: this object owns it, and the autograd
+    context of the forward owns this object. The backward takes it over (it is the backward's
+    chunk buffer then); a newer forward on the same thread drops it, so at most one chunk
+    buffer per thread outlives its walk. ``key``: the head's tensors and chunk rule, which the
+    backward's must equal (autograd refuses saved tensors modified in place)."""
+
+    def __init__(self):
+        self.logits = self.key = self.start = None
+
+    def hold(self, logits, key, start):
+        latest = getattr(_KEEPING, "latest", None)
+        previous = None if latest is None else latest()
+        if previous is not None and previous is not self:
+            previous.drop()
+        self.logits, self.key, self.start = logits, key, start
+        _KEEPING.latest = weakref.ref(self)
+
+    def take(self, key, last_start):
+        """The kept chunk's first row when it is the last chunk of this head, else None."""
+        if self.logits is None or self.key != key or self.start != last_start:
+            return None
+        return self.start
+
+    def drop(self):
+        self.logits = self.key = self.start = None
+
+
+_KEEPING = threading.local()  # .kept: the KeptChunk of the walk running; .latest: a weakref
+
+
+def keeping_last_chunk(kept: Optional[KeptChunk], walk: Callable, *values):
+    """``walk(*values)`` (a generated head walk) with ``kept`` handed to it: a single-head walk
+    without a logits transform fills ``kept`` when it writes no gradient (a forward) and starts
+    from it when it does (the backward). ``kept`` None: the walk alone (under torch.compile
+    the walk is an opaque op; pass None there)."""
+    if kept is None:
+        return walk(*values)
+    _KEEPING.kept = kept
+    try:
+        return walk(*values)
+    finally:
+        _KEEPING.kept = None
+
+
 class _HeadNames(NamedTuple):
     hidden: str
     weight: str
@@ -418,8 +481,12 @@ class _HeadWalk:
     def walk(self, *values):
         given, needs, writes_grad = self.layout(values)
         primitive, extra = self.primitive, self.extra
+        kept = getattr(_KEEPING, "kept", None)
+        if len(self.heads) > 1 or given.logit_scale != 1.0 or given.softcap:
+            kept = None  # a transformed chunk is not the product (and the tanh is not kept)
         first = ChunkedHead(given.hidden, given.weight, given.bias, given.chunk_size,
-                            needs, given.logit_scale, given.softcap)
+                            needs, given.logit_scale, given.softcap,
+                            kept=kept if writes_grad else None)
         walked = [first] + [
             ChunkedHead(getattr(given, head.hidden), getattr(given, head.weight),
                         getattr(given, head.bias), first.chunk, (False,) * 3,
@@ -443,6 +510,8 @@ class _HeadWalk:
                                                            getattr(given, extra.argument))
             if writes_grad:
                 first.fold(start, stop, logits)
+        if kept is not None and not writes_grad and first.last_start is not None:
+            kept.hold(first.buffer, first.key, first.last_start)
         return (*results, *first.gradients())
 
     def fake(self, *values):

@@ -40,10 +40,12 @@ from .door import Door
 from .head import (
     ChunkedHead,
     ChunkExtra,
+    KeptChunk,
     check_head,
     grad_or_none,
     head_any_grad,
     head_walk,
+    keeping_last_chunk,
     reference_logits,
     row_floats,
 )
@@ -118,11 +120,13 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, args, chunk_size, transform=(1.0, 0.0),
                 statistics=0):
-        logp, entropy, lse, stats, *_ = _FORWARD_WALK(
-            hidden, weight, bias, target, args, False, False, False, chunk_size, args.backend,
-            *transform, statistics)
+        # the last chunk's logits, kept for the backward (not under torch.compile)
+        kept = None if torch.compiler.is_compiling() else KeptChunk()
+        logp, entropy, lse, stats, *_ = keeping_last_chunk(
+            kept, _FORWARD_WALK, hidden, weight, bias, target, args, False, False, False,
+            chunk_size, args.backend, *transform, statistics)
         ctx.save_for_backward(hidden, weight, bias, target, lse, entropy)
-        ctx.args = (args, chunk_size, transform)
+        ctx.args, ctx.kept = (args, chunk_size, transform), kept
         ctx.mark_non_differentiable(stats)
         if args.with_entropy:
             return logp, entropy, stats
@@ -135,9 +139,9 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         args, chunk_size, transform = ctx.args
         grad_logp = dense_grad(grad_logp, lse)
         grad_entropy = dense_grad(grad_entropy, lse) if args.with_entropy else lse.new_empty(0)
-        grads = _BACKWARD_WALK(
-            hidden, weight, bias, target, lse, entropy, grad_logp, grad_entropy, args,
-            *ctx.needs_input_grad[:3], chunk_size, args.backend, *transform)
+        grads = keeping_last_chunk(
+            ctx.kept, _BACKWARD_WALK, hidden, weight, bias, target, lse, entropy, grad_logp,
+            grad_entropy, args, *ctx.needs_input_grad[:3], chunk_size, args.backend, *transform)
         return (*(grad_or_none(g) for g in grads), None, None, None, None, None)
 
 
