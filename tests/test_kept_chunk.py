@@ -1,8 +1,9 @@
-"""``linear_token_logprobs``' backward starts from the forward's last chunk of logits
-(``ops/head.py``'s ``KeptChunk``): one chunk product fewer, the whole recompute where the rows
-fit in one chunk. These tests hold what it may and may not do: the gradients stay within the
-tolerance table against float64, the product is skipped exactly once, the kept buffer has one
-owner and at most one outlives its walk per thread, and a transformed head keeps nothing."""
+"""The fused head's backward starts from the forward's last chunk of logits (``ops/head.py``'s
+``KeptChunk``) in ``linear_token_logprobs`` and ``linear_cross_entropy(reduction="none")``: one
+chunk product fewer, the whole recompute where the rows fit in one chunk. These tests hold what
+it may and may not do: the gradients are the recomputing path's (bit for bit where the order of
+the float32 sum is the same), the product is skipped exactly once, the kept buffer dies with its
+graph and at most one outlives its walk per thread, and a transformed head keeps nothing."""
 
 import gc
 
@@ -24,27 +25,54 @@ def _inputs(n_rows, dtype=torch.float32, seed=0):
     return hidden, weight, target
 
 
-def _naive_grads(hidden, weight, target, dtype, entropy_weight=0.3):
-    """The gradients of the logits path in ``dtype`` (float64: the reference)."""
-    hidden_copy = hidden.detach().to(dtype).requires_grad_()
-    weight_copy = weight.detach().to(dtype).requires_grad_()
-    log_probs = torch.nn.functional.linear(hidden_copy, weight_copy).log_softmax(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    (log_probs.gather(1, target[:, None]).sum() + entropy_weight * entropy.sum()).backward()
-    return hidden_copy.grad, weight_copy.grad
+def _row_weights(n_rows, dtype=torch.float32):
+    return torch.linspace(0.5, 1.5, n_rows, dtype=dtype)
+
+
+def _logprobs_loss(hidden, weight, target, chunk_size):
+    logp, entropy = ak.linear_token_logprobs(hidden, weight, target, return_entropy=True,
+                                             chunk_size=chunk_size, backend="cpp")
+    return logp, logp.sum() + 0.3 * entropy.sum()
+
+
+def _cross_entropy_rows_loss(hidden, weight, target, chunk_size):
+    rows = ak.linear_cross_entropy(hidden, weight, target, reduction="none", softcap=4.0,
+                                   chunk_size=chunk_size, backend="cpp")
+    return rows, (rows * _row_weights(rows.numel())).sum()
+
+
+OPS = {"linear_token_logprobs": _logprobs_loss,
+       "linear_cross_entropy_rows": _cross_entropy_rows_loss}
+
+
+def _float64_weight_grad(op, hidden, weight, target):
+    """The weight's gradient of ``OPS[op]``'s loss on the logits path, in float64."""
+    hidden64 = hidden.detach().double()
+    weight64 = weight.detach().double().requires_grad_()
+    logits = torch.nn.functional.linear(hidden64, weight64)
+    if op == "linear_token_logprobs":
+        log_probs = logits.log_softmax(-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        loss = log_probs.gather(1, target[:, None]).sum() + 0.3 * entropy.sum()
+    else:
+        rows = torch.nn.functional.cross_entropy(4.0 * torch.tanh(logits / 4.0), target,
+                                                 reduction="none")
+        loss = (rows * _row_weights(rows.numel(), torch.float64)).sum()
+    loss.backward()
+    return weight64.grad
 
 
 def _kept(out):
-    """The ``KeptChunk`` of the ``linear_token_logprobs`` node behind ``out`` (its context)."""
+    """The ``KeptChunk`` of the fused-head node behind ``out`` (its autograd context)."""
     pending = [out.grad_fn]
     while pending:
         node = pending.pop()
         if node is None:
             continue
-        if type(node).__name__ == "_LinearTokenLogprobsBackward":
+        if hasattr(node, "kept"):
             return node.kept
         pending.extend(function for function, _ in node.next_functions)
-    raise AssertionError("no linear_token_logprobs node behind the output")
+    raise AssertionError("no fused-head node behind the output")
 
 
 class _ProductCounter:
@@ -68,50 +96,50 @@ class _ProductCounter:
         monkeypatch.setattr(torch, "addmm", counted(addmm))
 
 
-def _grads(hidden, weight, target, chunk_size, keep, monkeypatch):
-    """The op's gradients of ``logp.sum() + 0.3 * entropy.sum()``, the backward starting from
-    the kept chunk or (``keep=False``) computing every chunk again, as before it was kept."""
+def _grads(op, hidden, weight, target, chunk_size, keep, monkeypatch):
+    """The op's gradients, the backward starting from the kept chunk or (``keep=False``)
+    computing every chunk again, as before it was kept."""
     with monkeypatch.context() as patch:
         if not keep:
             patch.setattr(head_op.KeptChunk, "hold", lambda *args: None)
-        logp, entropy = ak.linear_token_logprobs(hidden, weight, target, return_entropy=True,
-                                                 chunk_size=chunk_size, backend="cpp")
-        (logp.sum() + 0.3 * entropy.sum()).backward()
+        OPS[op](hidden, weight, target, chunk_size)[1].backward()
     grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
     return grads
 
 
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("n_rows, chunk_size", [(40, None), (40, 16), (33, 16), (1, None)])
-def test_backward_skips_the_kept_chunk(monkeypatch, n_rows, chunk_size):
+def test_backward_skips_the_kept_chunk(monkeypatch, op, n_rows, chunk_size):
     hidden, weight, target = _inputs(n_rows)
     counter = _ProductCounter(monkeypatch)
-    logp, entropy = ak.linear_token_logprobs(hidden, weight, target, return_entropy=True,
-                                             chunk_size=chunk_size, backend="cpp")
+    out, loss = OPS[op](hidden, weight, target, chunk_size)
     rows = chunk_size or n_rows
     chunks = -(-n_rows // rows)
     assert counter.count == chunks
-    kept = _kept(logp)
+    kept = _kept(out)
     assert kept.logits is not None and kept.start == (n_rows - 1) // rows * rows
-    (logp.sum() + 0.3 * entropy.sum()).backward()
+    loss.backward()
     assert counter.count == 2 * chunks - 1, "the backward computed the kept chunk again"
     assert kept.logits is None, "the backward did not take the kept buffer over"
 
 
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_rows, chunk_size", [(40, None), (40, 16), (33, 16), (1, None)])
-def test_kept_chunk_gradients_are_the_recomputed_ones(monkeypatch, n_rows, chunk_size, dtype):
+def test_kept_chunk_gradients_are_the_recomputed_ones(monkeypatch, op, n_rows, chunk_size,
+                                                      dtype):
     """The kept logits are the recomputed ones, so each row's hidden gradient is the same, bit
     for bit, and so is the weight's with one chunk; with several the kept chunk is folded into
     the float32 sum first: within the recomputing path's own error of float64, twice."""
     hidden, weight, target = _inputs(n_rows, dtype)
-    kept = _grads(hidden, weight, target, chunk_size, True, monkeypatch)
-    recomputed = _grads(hidden, weight, target, chunk_size, False, monkeypatch)
+    kept = _grads(op, hidden, weight, target, chunk_size, True, monkeypatch)
+    recomputed = _grads(op, hidden, weight, target, chunk_size, False, monkeypatch)
     torch.testing.assert_close(kept[0], recomputed[0], rtol=0, atol=0)
     if chunk_size is None or n_rows <= chunk_size:
         torch.testing.assert_close(kept[1], recomputed[1], rtol=0, atol=0)
         return
-    expected = _naive_grads(hidden, weight, target, torch.float64)[1]
+    expected = _float64_weight_grad(op, hidden, weight, target)
     assert_close(kept[1], expected, "grad", dtype, "grad_weight", naive=recomputed[1])
 
 
@@ -140,16 +168,16 @@ def test_the_kept_buffer_goes_with_its_graph():
 
 
 def test_retained_graph_recomputes_the_second_time():
+    """The first backward takes the kept chunk, the second computes it again: the same
+    gradients, bit for bit (one chunk: the same order of the float32 sum)."""
     hidden, weight, target = _inputs(40)
-    logp, entropy = ak.linear_token_logprobs(hidden, weight, target, return_entropy=True,
-                                             chunk_size=16, backend="cpp")
-    loss = logp.sum() + 0.3 * entropy.sum()
+    _, loss = _logprobs_loss(hidden, weight, target, None)
     loss.backward(retain_graph=True)
     first = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
     loss.backward()
-    torch.testing.assert_close(hidden.grad, first[0], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(weight.grad, first[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, first[0], rtol=0, atol=0)
+    torch.testing.assert_close(weight.grad, first[1], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("transform", [dict(softcap=3.0), dict(logit_scale=0.5)])

@@ -48,11 +48,13 @@ from ._common import (
 from .door import Checked, Door
 from .head import (
     AttachHeadGrads,
+    KeptChunk,
     check_head,
     grad_or_none,
     head_any_grad,
     head_needs,
     head_walk,
+    keeping_last_chunk,
     reference_on_logits,
 )
 from .reduction import (
@@ -308,11 +310,13 @@ _HEAD_WALK = head_walk("cross_entropy_forward")
 
 
 def _walk(hidden_rows, weight, bias, target_flat, params, chunk_size, grad_scale=None,
-               needs=(False, False, False)):
+          needs=(False, False, False), kept=None):
     """``(loss, grad_hidden, grad_weight, grad_bias)`` from one walk: the rows' losses and,
-    with ``grad_scale``, the gradients of their scaled sum (the kernels apply the transform)."""
-    loss, _, *grads = _HEAD_WALK(hidden_rows, weight, bias, target_flat, grad_scale, params,
-                                 *needs, chunk_size, params.backend, 1.0, 0.0)
+    with ``grad_scale``, the gradients of their scaled sum (the kernels apply the transform).
+    ``kept``: the forward's last chunk, kept for the backward (``head.keeping_last_chunk``)."""
+    loss, _, *grads = keeping_last_chunk(
+        kept, _HEAD_WALK, hidden_rows, weight, bias, target_flat, grad_scale, params, *needs,
+        chunk_size, params.backend, 1.0, 0.0)
     return (loss, *grads)
 
 
@@ -321,9 +325,10 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, params, chunk_size):
-        loss = _walk(hidden, weight, bias, target, params, chunk_size)[0]
+        kept = None if torch.compiler.is_compiling() else KeptChunk()
+        loss = _walk(hidden, weight, bias, target, params, chunk_size, kept=kept)[0]
         ctx.save_for_backward(hidden, weight, bias, target)
-        ctx.params, ctx.chunk_size = params, chunk_size
+        ctx.params, ctx.chunk_size, ctx.kept = params, chunk_size, kept
         return loss
 
     @staticmethod
@@ -332,7 +337,7 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
         hidden, weight, bias, target = ctx.saved_tensors
         _, grad_hidden, grad_weight, grad_bias = _walk(
             hidden, weight, bias, target, ctx.params, ctx.chunk_size,
-            grad_rows.float().contiguous(), tuple(ctx.needs_input_grad[:3]))
+            grad_rows.float().contiguous(), tuple(ctx.needs_input_grad[:3]), ctx.kept)
         return (grad_or_none(grad_hidden), grad_or_none(grad_weight), grad_or_none(grad_bias),
                 None, None, None)
 
