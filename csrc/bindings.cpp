@@ -21,8 +21,9 @@ using at::Tensor;
 
 namespace astrai {
 // csrc/row_topk.cpp (a kernel without an arguments struct, so not among common.h's)
-void row_kth_largest_kernel(const RowsView& x, DType dtype, int64_t k, float* value,
-                            int64_t* index, int nthreads);
+void row_kth_largest_kernel(const RowsView& x, DType dtype, int64_t k, const int64_t* ids,
+                            int64_t n_ids, float* value, int64_t* index, bool* in_top,
+                            BadRow* bad, int nthreads);
 }  // namespace astrai
 
 namespace {
@@ -608,8 +609,9 @@ py::tuple topk_distill_forward(const Tensor& logits, const Tensor& support_ids,
 }
 
 // row_kth_largest of kernels/cpp/backend.py (csrc/row_topk.cpp): per row of [A, B, V] logits,
-// the k-th largest element's value (float32) and index (int64).
-py::tuple row_kth_largest(const Tensor& logits, int64_t k) {
+// the k-th largest element's value (float32) and index (int64), and with ids [A * B, m] (int64,
+// contiguous) whether each is among its row's k largest (bool [A * B, m]; else empty).
+py::tuple row_kth_largest(const Tensor& logits, int64_t k, const std::optional<Tensor>& ids) {
   const RowsView x = rows_of(logits);
   const DType dtype = dtype_of(logits, "logits");
   TORCH_CHECK_VALUE(k >= 1 && k <= x.V, "k must be between 1 and the logits' last dimension ",
@@ -617,14 +619,28 @@ py::tuple row_kth_largest(const Tensor& logits, int64_t k) {
   TORCH_CHECK_VALUE(x.V <= (int64_t(1) << 32), "row_kth_largest indexes rows of at most 2^32 "
                     "elements, the logits' last dimension is ", x.V);
   const int64_t n = x.rows();
+  if (ids.has_value()) {
+    TORCH_CHECK_VALUE(ids->dim() == 2, "ids must have shape [N, m], got ", ids->sizes());
+    check_support_tensor(*ids, at::kLong, n, ids->size(1), "ids");
+  }
+  const int64_t m = ids.has_value() ? ids->size(1) : 0;
   Tensor value = at::zeros({n}, at::TensorOptions().dtype(at::kFloat));
   Tensor index = at::zeros({n}, at::TensorOptions().dtype(at::kLong));
+  Tensor in_top = at::zeros({n, m}, at::TensorOptions().dtype(at::kBool));
+  BadRow bad;
   {
     py::gil_scoped_release no_gil;
-    row_kth_largest_kernel(x, dtype, k, value.data_ptr<float>(), index.data_ptr<int64_t>(),
-                           kernel_threads());
+    row_kth_largest_kernel(x, dtype, k, m ? ids->data_ptr<int64_t>() : nullptr, m,
+                           value.data_ptr<float>(), index.data_ptr<int64_t>(),
+                           in_top.data_ptr<bool>(), &bad, kernel_threads());
   }
-  return py::make_tuple(value, index);
+  const int64_t bad_row = bad.row.load();
+  if (bad_row >= 0) {
+    throw py::value_error("ids out of range in row_kth_largest: row " + std::to_string(bad_row) +
+                          " has id " + std::to_string(bad.target) + ", expected a value in [0, " +
+                          std::to_string(x.V) + ")");
+  }
+  return py::make_tuple(value, index, in_top);
 }
 
 // Elementwise fast_exp / fast_tanh of a float32 tensor, for accuracy tests.
@@ -678,7 +694,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sampled_logprobs_backward", &sampled_logprobs_backward);
   m.def("topk_distill_forward", &topk_distill_forward);
   m.def("row_kth_largest", &row_kth_largest, py::arg("logits"), py::arg("k"),
-        "Per row of [A, B, V] logits, the k-th largest element's (value, index).");
+        py::arg("ids") = py::none(),
+        "Per row of [A, B, V] logits, the k-th largest element's (value, index), and whether "
+        "each of ids [N, m] is among the k largest.");
   m.def("make_storage_resizable", &make_storage_resizable, py::arg("t"),
         "Make t's storage (a fresh gradient-cache lease) resizable with torch's CPU allocator.");
   m.attr("LOG_RATIO_CLAMP") = kLogRatioClamp;  // held equal to kernels/primitives.py's by a test

@@ -2,7 +2,8 @@
 // under the order "larger value first, NaN above every number (as torch.topk ranks it), the lower
 // index first among equal values", as its value (float32; 0.0 for a -0.0) and its index. Element
 // j is then among the row's k largest iff (x_j, -j) ranks at or above (value, -index): what
-// verl's top-K overlap needs for each teacher id, without the k indices.
+// verl's top-K overlap needs for each teacher id, without the k indices. Given ids [N, m], it
+// also says which of them are among their row's k largest.
 //
 // One streaming read of each row, at memory speed:
 //   1. a window of the first min(V, k * kLanes) elements, in k interleaved groups (element j in
@@ -53,8 +54,12 @@ struct RowKthArgs {
   int64_t capacity;
   float* maxima;       // k per thread
   int threads;
+  const int64_t* ids;  // [N, n_ids]: ids whose membership in the row's k largest is asked
+  int64_t n_ids;
   float* value;
   int64_t* index;
+  bool* in_top;        // [N, n_ids]
+  BadRow* bad;
 };
 
 // The k-th best (largest) of the n >= k candidates in c, which it reorders: quickselect whose
@@ -145,6 +150,12 @@ ASTRAI_INLINE void kth_rows(const RowKthArgs& a, int64_t n0, int64_t n1) {
     const Candidate best = kth_best(c, n, k);
     a.value[row] = candidate_value(best);
     a.index[row] = 0xFFFFFFFFu - static_cast<uint32_t>(best);
+    for (int64_t t = row * a.n_ids; t < (row + 1) * a.n_ids; ++t) {
+      const int64_t id = a.ids[t];
+      const bool valid = id >= 0 && id < V;
+      if (!valid) a.bad->set(row, id);
+      a.in_top[t] = valid && candidate(load(id), id) >= best;
+    }
   }
 }
 
@@ -168,15 +179,17 @@ RowsFn<RowKthArgs> pick_kth(Isa isa) {
 
 }  // namespace
 
-void row_kth_largest_kernel(const RowsView& x, DType dtype, int64_t k, float* value,
-                            int64_t* index, int nthreads) {
+void row_kth_largest_kernel(const RowsView& x, DType dtype, int64_t k, const int64_t* ids,
+                            int64_t n_ids, float* value, int64_t* index, bool* in_top,
+                            BadRow* bad, int nthreads) {
   const int64_t n_rows = x.rows();
   if (n_rows <= 0) return;
   const int threads = row_chunks(n_rows, x.V, nthreads).threads;
   const int64_t capacity = std::max(std::min(x.V, k * kLanes), 2 * k) + kLanes;
   std::unique_ptr<Candidate[]> buffers(new Candidate[threads * capacity]);
   std::unique_ptr<float[]> maxima(new float[threads * k]);
-  RowKthArgs a{x, dtype, k, buffers.get(), capacity, maxima.get(), threads, value, index};
+  const RowKthArgs a{x,     dtype, k,     buffers.get(), capacity, maxima.get(), threads,
+                     ids,   n_ids, value, index,         in_top,   bad};
   const RowsFn<RowKthArgs> fn =
       with_dtype(dtype, [&](auto t) { return pick_kth<decltype(t)>(active_isa()); });
   run_unit_stride_rows(fn, a, nthreads);

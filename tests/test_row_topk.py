@@ -1,8 +1,9 @@
 """``row_kth_largest`` of the cpp backend (``csrc/row_topk.cpp``): each row's k-th largest
-element, its value and its index, exactly as a float64 stable descending sort ranks them (NaN
-above every number, the lower index first among equal values), on every instruction set the CPU
-runs, every logits dtype and awkward shapes and layouts; its value is ``torch.topk``'s k-th, and
-so is its index where that value is unique in its row.
+element, its value and its index, and which of some ids are among the k largest, exactly as a
+float64 stable descending sort ranks them (NaN above every number, the lower index first among
+equal values), on every instruction set the CPU runs, every logits dtype and awkward shapes and
+layouts; its value is ``torch.topk``'s k-th, and so is its index where that value is unique in
+its row.
 """
 
 import pytest
@@ -17,25 +18,32 @@ DTYPE_IDS = ["fp32", "bf16", "fp16"]
 ISAS = ("generic", "avx2", "avx512")
 
 
-def stable_kth(logits, k):
-    """The reference: ``(value, index)`` of the k-th element of each row sorted in float64 by
-    NaN first, then descending value, then ascending index (stable sorts, last key first)."""
+def stable_order(logits):
+    """The reference ranking ``[N, V]`` (ids, best first): each row sorted in float64 by NaN
+    first, then descending value, then ascending index (stable sorts, last key first)."""
     x = logits.double().reshape(-1, logits.shape[-1])
     nan = x.isnan()
     order = torch.sort(-x.masked_fill(nan, 0.0), dim=-1, stable=True).indices
-    order = order.gather(-1, torch.sort(~nan.gather(-1, order), dim=-1, stable=True).indices)
-    index = order[:, k - 1]
-    value = x.gather(-1, index[:, None])[:, 0].float()
-    return value.reshape(logits.shape[:-1]), index.reshape(logits.shape[:-1])
+    return order.gather(-1, torch.sort(~nan.gather(-1, order), dim=-1, stable=True).indices)
 
 
-def check(logits, k):
-    value, index = cpp_backend.row_kth_largest(logits, k)
-    expected_value, expected_index = stable_kth(logits, k)
+def check(logits, k, seed=0):
+    """``row_kth_largest`` against the reference: the k-th element's value and index, and the
+    membership of ids drawn around the k-th rank and elsewhere."""
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    order = stable_order(logits)
+    g = torch.Generator().manual_seed(seed)
+    near = order[:, max(k - 4, 0):k + 4]
+    ids = torch.cat([near, torch.randint(0, vocab, (order.shape[0], 6), generator=g)], -1)
+    value, index, in_top_k = cpp_backend.row_kth_largest(logits, k, ids.reshape(*lead, -1))
+    rank = order.argsort(-1)
     assert value.dtype == torch.float32 and index.dtype == torch.int64
-    assert value.shape == index.shape == logits.shape[:-1]
-    assert torch.equal(index, expected_index)
-    assert torch.allclose(value, expected_value, rtol=0, atol=0, equal_nan=True)
+    assert value.shape == index.shape == lead and in_top_k.shape == (*lead, ids.shape[-1])
+    assert torch.equal(index.reshape(-1), order[:, k - 1])
+    expected_value = logits.reshape(-1, vocab).float().gather(-1, order[:, k - 1:k])[:, 0]
+    assert torch.allclose(value.reshape(-1), expected_value, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(in_top_k.reshape(ids.shape), rank.gather(-1, ids) < k)
+    assert torch.equal(cpp_backend.row_kth_largest(logits, k)[1], index)
     # torch.topk's k-th value is defined however it breaks ties; its index where it is unique
     top = torch.topk(logits.float(), k, dim=-1)
     assert torch.allclose(value, top.values[..., -1], rtol=0, atol=0, equal_nan=True)
@@ -149,3 +157,8 @@ def test_bad_arguments_name_what_is_wrong():
         cpp_backend.row_kth_largest(logits.double(), 5)
     with pytest.raises(ValueError, match="k must be between 1 and the logits' last dimension 50"):
         cpp_backend.load_extension().row_kth_largest(logits[None], 51)
+    with pytest.raises(ValueError, match=r"ids out of range in row_kth_largest: row 1 has id 50"):
+        cpp_backend.row_kth_largest(logits, 5, torch.tensor([[0], [50], [3]]))
+    with pytest.raises(ValueError, match=r"ids must have shape \[\.\.\., m\] with the logits' "
+                                         r"leading shape \(3,\)"):
+        cpp_backend.row_kth_largest(logits, 5, torch.zeros(2, 4, dtype=torch.long))

@@ -104,19 +104,14 @@ def topk_outputs(student_logits, teacher_topk_log_probs, teacher_topk_ids, log_p
 def student_topk_membership(student_logits, ids, k, backend="auto"):
     """Whether each of ``ids [..., K]`` is among the ``k`` largest of ``student_logits [...,
     V]`` (bool ``[..., K]``): ``torch.topk``'s ``k`` ids, or on CPU logits that the ``cpp``
-    backend serves, the row's ``k``-th largest ``(value, index)`` with ties at it going to the
-    lower id (the module doc). NaN ranks above every number, as ``torch.topk`` ranks it."""
+    backend serves, each id against its row's ``k``-th largest ``(value, index)``, ties at it
+    going to the lower id (the module doc), in the same kernel call. NaN ranks above every
+    number, as ``torch.topk`` ranks it."""
     vocab = student_logits.shape[-1]
     if (student_logits.device.type == "cpu" and student_logits.dtype in _ROW_KTH_DTYPES
             and 1 <= k <= vocab and resolve_backend(backend, student_logits.device) == "cpp"):
         from ...kernels.cpp import backend as cpp_backend
 
-        kth_value, kth_index = cpp_backend.row_kth_largest(student_logits, k)
-        kth_value, kth_index = kth_value.unsqueeze(-1), kth_index.unsqueeze(-1)
-        at_ids = student_logits.gather(-1, ids).float()
-        at_nan, kth_nan = at_ids.isnan(), kth_value.isnan()
-        above = (at_ids > kth_value) | (at_nan & ~kth_nan)
-        tied = (at_ids == kth_value) | (at_nan & kth_nan)
-        return above | (tied & (ids <= kth_index))
+        return cpp_backend.row_kth_largest(student_logits, k, ids)[2]
     student_topk_ids = torch.topk(student_logits, k=k, dim=-1).indices
     return (ids.unsqueeze(-1) == student_topk_ids.unsqueeze(-2)).any(dim=-1)

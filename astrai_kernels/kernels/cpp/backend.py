@@ -678,9 +678,11 @@ def topk_distill_forward(logits, support_ids, teacher, live, counted, grad_scale
         _rows_f32(grad_scale) if grad is not None else None, params, grad)
 
 
-def row_kth_largest(logits, k):
+def row_kth_largest(logits, k, ids=None):
     """Per row of ``logits [..., V]`` (float32, bfloat16 or float16 on the CPU, any strides) the
-    ``k``-th largest element: ``(value, index)``, float32 and int64 of shape ``[...]``.
+    ``k``-th largest element: ``(value, index)``, float32 and int64 of shape ``[...]``; with
+    ``ids [..., m]`` (integers in ``[0, V)``) also ``in_top_k``, bool ``[..., m]``: whether each
+    id is among its row's ``k`` largest.
 
     Not a primitive of ``kernels/primitives.py``: verl's top-K overlap
     (``integrations/verl/distillation.py``) reads the student's top-``k`` membership from it.
@@ -688,14 +690,21 @@ def row_kth_largest(logits, k):
     ties (which ``torch.topk`` leaves unspecified) broken by the lower index first: element
     ``j`` is among the row's ``k`` largest iff ``(x_j, -j) >= (value, -index)``. A row with
     ``k`` or more NaNs gives a NaN value. One streaming read of each row
-    (``csrc/row_topk.cpp``). ``k`` outside ``[1, V]`` raises ``ValueError``.
+    (``csrc/row_topk.cpp``). ``k`` outside ``[1, V]`` and ids out of range raise
+    ``ValueError``.
     """
     if logits.dim() == 0:
         raise ValueError("logits must have a last dimension (the vocabulary), got a 0-d tensor")
-    vocab = logits.shape[-1]
+    vocab, lead = logits.shape[-1], logits.shape[:-1]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
         raise ValueError(f"k must be an int between 1 and the logits' last dimension {vocab}, "
                          f"got k={k!r}")
+    if ids is not None and (ids.dim() == 0 or ids.shape[:-1] != lead):
+        raise ValueError(f"ids must have shape [..., m] with the logits' leading shape "
+                         f"{tuple(lead)}, got {tuple(ids.shape)}")
     rows = logits if logits.dim() in (2, 3) else logits.reshape(-1, vocab)
-    value, index = load_extension().row_kth_largest(rows if rows.dim() == 3 else rows[None], k)
-    return value.reshape(logits.shape[:-1]), index.reshape(logits.shape[:-1])
+    value, index, in_top_k = load_extension().row_kth_largest(
+        rows if rows.dim() == 3 else rows[None], k,
+        None if ids is None else ids.reshape(-1, ids.shape[-1]).long().contiguous())
+    value, index = value.reshape(lead), index.reshape(lead)
+    return (value, index) if ids is None else (value, index, in_top_k.reshape(ids.shape))
