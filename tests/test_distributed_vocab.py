@@ -226,7 +226,7 @@ def _check_head(group, start, stop, dtype, fused_fn, logits_fn, upstream, grad_l
         results[precision] = (value.detach(), grads, inputs)
     exact, grads64, inputs64 = results[torch.float64]
     # the naive output: float32 math on logits from a GEMM in dtype (rounded to it, as the head
-    # computes them where the CPU has native bfloat16 GEMMs, ops/head.py's compute_dtype)
+    # computes them where the CPU has native bfloat16 GEMMs, kernels/matmul.py's compute_dtype)
     assert_close_elementwise(out, exact, results[dtype][0], dtype=torch.float32,
                              name="output")
     dz = grads64[3] if grad_logits_terms is None else grad_logits_terms(grads64[3], inputs64)
@@ -250,7 +250,7 @@ def case_linear_head_precision(group, start, stop, dtype):
         return
     import os
 
-    from astrai_kernels.ops import head as head_op
+    from astrai_kernels.kernels import matmul as head_matmul
     from astrai_kernels.testing import assert_head_gradient_close
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -261,8 +261,8 @@ def case_linear_head_precision(group, start, stop, dtype):
     weight = (torch.randn(vocab, hidden_size, generator=g) * hidden_size ** -0.5 * 3).to(dtype)
     bias = (torch.randn(vocab, generator=g) * 0.5).to(dtype)
     target = torch.randint(0, vocab, (rows,), generator=g)
-    previous = os.environ.get(head_op.HEAD_MATMUL_ENV)
-    os.environ[head_op.HEAD_MATMUL_ENV] = "native"
+    previous = os.environ.get(head_matmul.HEAD_MATMUL_ENV)
+    os.environ[head_matmul.HEAD_MATMUL_ENV] = "native"
     try:
         ours = [t.detach().clone().requires_grad_(True) for t in (hidden, weight[start:stop],
                                                                   bias[start:stop])]
@@ -270,9 +270,9 @@ def case_linear_head_precision(group, start, stop, dtype):
                                 chunk_size=4, process_group=group).backward()
     finally:
         if previous is None:
-            del os.environ[head_op.HEAD_MATMUL_ENV]
+            del os.environ[head_matmul.HEAD_MATMUL_ENV]
         else:
-            os.environ[head_op.HEAD_MATMUL_ENV] = previous
+            os.environ[head_matmul.HEAD_MATMUL_ENV] = previous
     exact = [t.detach().double().requires_grad_(True) for t in (hidden, weight, bias)]
     reference.cross_entropy(F.linear(*exact), target, reduction="sum").backward()
     naive = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
@@ -636,10 +636,11 @@ def _walk_default_chunks(group, start, stop, dtype):
     """``linear_cross_entropy``'s one walk with ``chunk_size=None`` under a budget that gives
     each shard size its own chunk count: every rank walks the same chunks (each chunk makes
     collectives), and the result equals the single-process one."""
+    from astrai_kernels.kernels import matmul as head_matmul
     from astrai_kernels.ops import head
 
     budget = head.CHUNK_BYTES["cpu"]
-    weight_copy = head.compute_dtype(dtype, torch.device("cpu")) != dtype
+    weight_copy = head_matmul.compute_dtype(dtype, torch.device("cpu")) != dtype
     # float32 rows of V logits: a 7-logit shard gets 4 rows per chunk, a 4-logit one 7, ...
     head.CHUNK_BYTES["cpu"] = 112 * (head.WEIGHT_COPY_SHARE if weight_copy else 1)
     target = _target()

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import astrai_kernels as ak
 from astrai_kernels import reference
+from astrai_kernels.kernels import matmul as head_matmul
 from astrai_kernels.ops import head as head_op
 from astrai_kernels.testing import assert_close_elementwise, assert_head_gradient_close
 from astrai_kernels.testing.tolerances import half_ulp
@@ -113,7 +114,7 @@ def _expected_and_naive(op, x):
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("op", list(OPS))
 def test_head_gradients_within_the_naive_paths_error(op, dtype, backend, path, monkeypatch):
-    monkeypatch.setenv(head_op.HEAD_MATMUL_ENV, path)
+    monkeypatch.setenv(head_matmul.HEAD_MATMUL_ENV, path)
     x = _inputs(DTYPES[dtype])
     ours = _leaves(x["hidden"], x["weight"], x["bias"])
     OPS[op][0](x, *ours, chunk_size=CHUNK, backend=backend).backward()
@@ -125,20 +126,20 @@ def test_head_gradients_within_the_naive_paths_error(op, dtype, backend, path, m
 
 
 def test_the_matmul_path_is_forced_and_checked(monkeypatch):
-    monkeypatch.setenv(head_op.HEAD_MATMUL_ENV, "native")
-    assert head_op.compute_dtype(torch.bfloat16, torch.device("cpu")) == torch.bfloat16
-    monkeypatch.setenv(head_op.HEAD_MATMUL_ENV, "float32")
-    assert head_op.compute_dtype(torch.bfloat16, torch.device("cpu")) == torch.float32
-    assert head_op.compute_dtype(torch.float32, torch.device("cpu")) == torch.float32
-    monkeypatch.setenv(head_op.HEAD_MATMUL_ENV, "fast")
-    with pytest.raises(ValueError, match=head_op.HEAD_MATMUL_ENV):
-        head_op.compute_dtype(torch.bfloat16, torch.device("cpu"))
+    monkeypatch.setenv(head_matmul.HEAD_MATMUL_ENV, "native")
+    assert head_matmul.compute_dtype(torch.bfloat16, torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setenv(head_matmul.HEAD_MATMUL_ENV, "float32")
+    assert head_matmul.compute_dtype(torch.bfloat16, torch.device("cpu")) == torch.float32
+    assert head_matmul.compute_dtype(torch.float32, torch.device("cpu")) == torch.float32
+    monkeypatch.setenv(head_matmul.HEAD_MATMUL_ENV, "fast")
+    with pytest.raises(ValueError, match=head_matmul.HEAD_MATMUL_ENV):
+        head_matmul.compute_dtype(torch.bfloat16, torch.device("cpu"))
 
 
 def test_a_bf16_running_sum_of_chunk_products_fails_the_yardstick(monkeypatch):
     """The defect this file guards against: each chunk's product rounded to bf16 before the
     float32 sum (the head before issue 34) breaks the yardstick at these shapes."""
-    monkeypatch.setenv(head_op.HEAD_MATMUL_ENV, "native")
+    monkeypatch.setenv(head_matmul.HEAD_MATMUL_ENV, "native")
     x = _inputs(torch.bfloat16)
     expected, naive, unrounded = _expected_and_naive("cross_entropy", x)
     running = torch.zeros(VOCAB, HIDDEN, dtype=torch.float32)
@@ -161,7 +162,7 @@ def test_head_gradients_are_their_chunks_sum_rounded_once(op, dtype, path, monke
     """Each gradient against the float64 sum of the head's own chunk logit gradients (recorded
     as the head folds them): within half an ulp (the one rounding) plus float32 summation
     (2^-20 of the terms' sizes). A per-chunk rounding of the products breaks this at once."""
-    monkeypatch.setenv(head_op.HEAD_MATMUL_ENV, path)
+    monkeypatch.setenv(head_matmul.HEAD_MATMUL_ENV, path)
     seen = {"hidden": [], "weight": []}
     write_hidden, accumulate_weight = (head_op.ChunkedHead._write_hidden_grad,
                                        head_op.ChunkedHead._accumulate_weight_grad)
@@ -203,13 +204,13 @@ def test_head_gradients_are_their_chunks_sum_rounded_once(op, dtype, path, monke
 
 _ONE_THREAD_PRODUCTS = """
 import torch
-from astrai_kernels.ops import head as head_op
+from astrai_kernels.kernels import matmul as head_matmul
 matmul = torch.backends.mkldnn.matmul
 before = matmul.fp32_precision
 g = torch.Generator().manual_seed(5)
 a = torch.randn(64, 300, generator=g).bfloat16().float()
 b = torch.randn(300, 48, generator=g).bfloat16().float()
-with head_op.bf16_products():
+with head_matmul.bf16_products():
     assert matmul.fp32_precision == "bf16", matmul.fp32_precision
     product = a @ b
 assert matmul.fp32_precision == before
@@ -219,7 +220,7 @@ assert bool(((product.double() - exact).abs() <= 2.0 ** -20 * terms).all())
 """
 
 
-@pytest.mark.skipif(not head_op.has_bf16_float32_gemm(torch.device("cpu")),
+@pytest.mark.skipif(not head_matmul.has_bf16_float32_gemm(torch.device("cpu")),
                     reason="torch without oneDNN's fp32_precision setting: the head upcasts "
                            "and runs float32 GEMMs instead (covered above)")
 def test_bf16_products_are_exact_and_taken_only_on_one_thread():
@@ -241,7 +242,7 @@ def test_bf16_products_are_exact_and_taken_only_on_one_thread():
     other = threading.Thread(target=release.wait)
     other.start()
     try:
-        with head_op.bf16_products():
+        with head_matmul.bf16_products():
             assert matmul.fp32_precision == before
     finally:
         release.set()

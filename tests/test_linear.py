@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import astrai_kernels as ak
 from astrai_kernels import reference
+from astrai_kernels.kernels import matmul as head_matmul
 from astrai_kernels.ops import head as head_op
 from astrai_kernels.testing import assert_close_elementwise, spec
 
@@ -338,7 +339,7 @@ def test_bf16_weight_gradient_rounded_once_over_many_chunks(backend, monkeypatch
 
     With the head's matmuls in float32 (a CPU without native bf16; forced here so the test means
     the same on every CPU); tests/test_head_precision.py covers both matmul paths."""
-    monkeypatch.setenv(head_op.HEAD_MATMUL_ENV, "float32")
+    monkeypatch.setenv(head_matmul.HEAD_MATMUL_ENV, "float32")
     hidden, weight, _, target = _inputs(512, 16, 24, torch.bfloat16, seed=10)
     h, w = _leaves(hidden, weight)
     ak.linear_cross_entropy(h, w, target, reduction="sum", chunk_size=4,

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import astrai_kernels as ak
 from astrai_kernels import reference
+from astrai_kernels.kernels import matmul as head_matmul
 from astrai_kernels.ops import head as head_op
 from astrai_kernels.testing import assert_close, assert_head_gradient_close
 
@@ -377,7 +378,7 @@ def test_linear_matches_logits_form(tail, reduction):
 @pytest.mark.parametrize("tail", [True, False])
 def test_linear_bf16_head_gradients(tail, path, monkeypatch):
     """bf16 head, both matmul paths, against the head yardstick (tests/test_head_precision)."""
-    monkeypatch.setenv(head_op.HEAD_MATMUL_ENV, path)
+    monkeypatch.setenv(head_matmul.HEAD_MATMUL_ENV, path)
     h, w, b = _head(torch.bfloat16, n_rows=24, hidden=32, seed=14)
     _, ids, teacher, labels, _ = server_batch(torch.float32, k=4, shape=(2, 12, VOCAB),
                                               seed=15)

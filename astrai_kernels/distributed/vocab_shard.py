@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..kernels.matmul import compute_dtype
 from ..kernels.memory import cached_empty
 from ..kernels.primitives import CrossEntropyArgs, LogprobsArgs, ShardGradArgs
 from ..kernels.registry import backend_module
@@ -49,7 +50,7 @@ from ..ops._common import (
     refuse_double_backward,
     rows_view,
 )
-from ..ops.head import ChunkedHead, absent_grad, chunk_rows, compute_dtype, row_floats
+from ..ops.head import ChunkedHead, absent_grad, chunk_rows, row_floats
 from .agreement import all_reduced
 from .vocab_parallel import VocabShard
 

@@ -22,7 +22,7 @@ on CPU, 256 MiB on CUDA; a quarter with a float32 copy of the weight) and at lea
 stay near the GEMM floor (at N=2048, H=1024, V=32768 fp32 on 2 CPU cores, 128-row chunks ran
 1.4-1.7x the floor, 512 1.0-1.3x); an explicit ``chunk_size`` is honoured as given.
 
-Compute dtype (:func:`compute_dtype`): the inputs' dtype, except bf16/fp16 on a CPU without
+Compute dtype (``kernels/matmul.py``): the inputs' dtype, except bf16/fp16 on a CPU without
 native low-precision GEMMs (no AVX512-BF16/AMX; 10-100x slower there), which runs float32 on a
 float32 copy of the weight. ``ASTRAI_KERNELS_HEAD_MATMUL`` (``native``/``float32``) forces one.
 
@@ -30,7 +30,7 @@ Weight gradient precision: every chunk's product ``grad_logits.T @ rows`` lands 
 accumulator unrounded, and the weight's gradient is rounded to a 16-bit dtype once, as the
 naive path's single GEMM rounds it: a GEMM of the 16-bit operands with a float32 output where
 torch has one (``torch.mm(..., out_dtype=torch.float32)``, CUDA), else (CPU) a float32 GEMM of
-the upcast operands, on oneDNN's bf16 units for bf16 (:func:`bf16_products`: exact on the
+the upcast operands, on oneDNN's bf16 units for bf16 (``bf16_products``: exact on the
 upcast values, 3.3x the float32 GEMM on an AVX512-BF16 EPYC). The hidden states' gradient is
 one GEMM over the whole vocabulary per chunk of rows, rounded once; the bias's is summed in
 float32.
@@ -39,7 +39,6 @@ float32.
 import collections
 import contextlib
 import inspect
-import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -50,6 +49,12 @@ from torch import Tensor
 
 from .. import reference
 from ..kernels.library import traceable_op
+from ..kernels.matmul import (
+    bf16_products,
+    compute_dtype,
+    has_bf16_float32_gemm,
+    has_float32_product,
+)
 from ..kernels.memory import cached_empty
 from ..kernels.primitives import ALWAYS, NONE, OPTIONAL, declared
 from ..kernels.registry import backend_module
@@ -79,78 +84,6 @@ def chunk_rows(n_rows: int, vocab: int, device: torch.device,
     if rows >= 16:
         rows -= rows % 16  # whole GEMM tiles
     return max(1, min(rows, n_rows))
-
-
-HEAD_MATMUL_ENV = "ASTRAI_KERNELS_HEAD_MATMUL"
-HEAD_MATMUL_MODES = ("auto", "native", "float32")
-
-
-def head_matmul_mode() -> str:
-    """``ASTRAI_KERNELS_HEAD_MATMUL``: ``auto`` (unset), ``native`` or ``float32``."""
-    mode = os.environ.get(HEAD_MATMUL_ENV, "").strip() or "auto"
-    if mode not in HEAD_MATMUL_MODES:
-        raise ValueError(f"{HEAD_MATMUL_ENV} must be one of {HEAD_MATMUL_MODES}, got {mode!r}")
-    return mode
-
-
-def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype the head's matmuls run in (see the module docstring)."""
-    mode = head_matmul_mode()
-    if dtype == torch.float32 or torch.device(device).type != "cpu" or mode == "native":
-        return dtype
-    if mode == "float32":
-        return torch.float32
-    mkldnn = getattr(torch.ops, "mkldnn", None)
-    probe = {torch.bfloat16: "_is_mkldnn_bf16_supported",
-             torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
-    try:
-        native = bool(getattr(mkldnn, probe)())
-    except (AttributeError, RuntimeError):
-        native = False
-    return dtype if native else torch.float32
-
-
-_FLOAT32_PRODUCT = {}  # (device type, dtype) -> whether torch.mm takes out_dtype=float32
-
-
-def has_float32_product(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for ``dtype`` operands on
-    ``device`` (CUDA on torch >= 2.8; not the CPU). Probed once per device type and dtype."""
-    key = (device.type, dtype)
-    if key not in _FLOAT32_PRODUCT:
-        probe = torch.ones(1, 1, dtype=dtype, device=device)
-        try:
-            supported = torch.mm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
-        except (TypeError, RuntimeError):
-            supported = False
-        _FLOAT32_PRODUCT[key] = supported
-    return _FLOAT32_PRODUCT[key]
-
-
-def has_bf16_float32_gemm(device: torch.device) -> bool:
-    """Whether oneDNN can run this CPU's float32 matmuls on its bf16 units with float32
-    accumulation and output (``torch.backends.mkldnn.matmul.fp32_precision``)."""
-    mkldnn = torch.backends.mkldnn
-    return (device.type == "cpu" and mkldnn.is_available()
-            and hasattr(getattr(mkldnn, "matmul", None), "fp32_precision"))
-
-
-@contextlib.contextmanager
-def bf16_products():
-    """float32 matmuls inside run on oneDNN's bf16 units, float32 accumulation and output: the
-    exact products of operands that hold bf16 values, at the bf16 GEMM's speed (3.3x the float32
-    GEMM on an AVX512-BF16 EPYC). The setting is process-wide, so it is taken only while this is
-    the only Python thread (no other can issue a matmul meanwhile); else nothing changes."""
-    matmul = torch.backends.mkldnn.matmul
-    if threading.active_count() != 1:
-        yield
-        return
-    previous = matmul.fp32_precision
-    matmul.fp32_precision = "bf16"
-    try:
-        yield
-    finally:
-        matmul.fp32_precision = previous
 
 
 class ChunkedHead:
