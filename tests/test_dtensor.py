@@ -309,9 +309,9 @@ CASES["refused_placements"] = _refused
 def _no_dtensor_route(dtype):
     """A door without a DTensor route refuses a DTensor argument by name, before any of
     torch's mixed Tensor/DTensor errors (every public op has one today: a door built here)."""
-    from torch.distributed.tensor import distribute_tensor
-
     from typing import NamedTuple
+
+    from torch.distributed.tensor import distribute_tensor
 
     from astrai_kernels.ops.door import Door
 
