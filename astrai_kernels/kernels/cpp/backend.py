@@ -62,7 +62,7 @@ LDFLAGS = ("-fopenmp",)
 # CPU-seconds of g++ per source, one compile at a time, on the 2-core Intel Xeon: see
 # docs/install.md.
 SOURCES = ("common.h", "distill.cpp", "cross_entropy.cpp", "bindings.cpp", "grpo.cpp",
-           "sampling.cpp", "logprobs.cpp", "topk_distill.cpp", "vocab_shard.cpp", "row_topk.cpp")
+           "sampling.cpp", "logprobs.cpp", "topk_distill.cpp", "row_topk.cpp", "vocab_shard.cpp")
 
 _LOCK = threading.Lock()
 _EXTENSION = None
