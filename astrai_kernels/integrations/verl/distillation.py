@@ -108,8 +108,10 @@ def student_topk_membership(student_logits, ids, k, backend="auto"):
     going to the lower id (the module doc), in the same kernel call. NaN ranks above every
     number, as ``torch.topk`` ranks it."""
     vocab = student_logits.shape[-1]
-    if (student_logits.device.type == "cpu" and student_logits.dtype in _ROW_KTH_DTYPES
-            and 1 <= k <= vocab and resolve_backend(backend, student_logits.device) == "cpp"):
+    # a plain tensor: a DTensor's (or a tracer's) elements are not the kernel's to read
+    if (type(student_logits) is torch.Tensor and student_logits.device.type == "cpu"
+            and student_logits.dtype in _ROW_KTH_DTYPES and 1 <= k <= vocab
+            and resolve_backend(backend, student_logits.device) == "cpp"):
         from ...kernels.cpp import backend as cpp_backend
 
         return cpp_backend.row_kth_largest(student_logits, k, ids)[2]
