@@ -10,9 +10,11 @@ first call loads the library without a compiler, elsewhere the package builds as
 
 Everything else is declared in pyproject.toml; MANIFEST.in puts ``csrc/`` in the sdist."""
 
+import importlib
 import importlib.util
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import Distribution, setup
@@ -31,13 +33,17 @@ def prebuild_requested():
 
 
 def load_backend(build_lib):
-    """The built copy of the cpp backend's loader (astrai_kernels/kernels/cpp/backend.py, which
-    imports torch and nothing of the package), so the package itself need not import here."""
-    path = Path(build_lib) / "astrai_kernels" / "kernels" / "cpp" / "backend.py"
-    spec = importlib.util.spec_from_file_location("astrai_kernels_prebuild_backend", path)
-    module = importlib.util.module_from_spec(spec)
+    """The built copy of the cpp backend's loader (astrai_kernels/kernels/cpp/backend.py and its
+    build.py, which import torch and nothing else of the package) as a package of their own, so
+    the package itself need not import here."""
+    folder = Path(build_lib) / "astrai_kernels" / "kernels" / "cpp"
+    package = "astrai_kernels_prebuild"
     try:
-        spec.loader.exec_module(module)
+        spec = importlib.util.spec_from_file_location(
+            package, folder / "__init__.py", submodule_search_locations=[str(folder)])
+        sys.modules[package] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[package])
+        module = importlib.import_module(f"{package}.backend")
     except ModuleNotFoundError as exc:
         raise RuntimeError(
             f"{PREBUILD_ENV}=1 puts the library compiled for the build environment's torch into "

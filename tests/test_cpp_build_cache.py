@@ -93,7 +93,7 @@ def fresh_loader(monkeypatch):
 def built_library():
     """The library of a complete build (built here if needed), which leaves its marker."""
     library = Path(cb.load_extension().__file__)
-    assert cb._complete_library(library.parent, library.stem) == library
+    assert cb.complete_library(library.parent, library.stem) == library
     return library
 
 
@@ -199,7 +199,7 @@ def test_lock_refused_by_the_file_system_gives_the_real_reason(tmp_path, monkeyp
     def refused_lock(path):
         raise error
 
-    monkeypatch.setattr(cb, "_process_lock", refused_lock)
+    monkeypatch.setattr(cb, "process_lock", refused_lock)
     monkeypatch.setenv(cb.BUILD_DIR_ENV, str(build_dir))
     with pytest.raises(RuntimeError) as caught:
         cb.load_extension()

@@ -85,7 +85,7 @@ __attribute__((target("avx2,avx,fma,f16c"))) void run(const S* x, S* g, float* f
 
 
 def gcc():
-    compiler = cb._compiler()
+    compiler = cb.compiler()
     if compiler is None:
         return None
     out = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout

@@ -148,8 +148,8 @@ def test_failed_build_exits_1_with_the_compilers_error_and_auto_falls_back(tmp_p
 def test_progress_names_each_output_and_speaks_up_when_quiet(tmp_path, monkeypatch, capsys):
     """The reporter alone, around a stand-in for ``cpp_extension.load`` that writes the outputs
     ninja would, slowly: a line per output, in order, and a "still compiling" line between."""
-    monkeypatch.setattr(cb._BuildProgress, "POLL_S", 0.01)
-    monkeypatch.setattr(cb._BuildProgress, "QUIET_S", 0.2)
+    monkeypatch.setattr(cb.BuildProgress, "POLL_S", 0.01)
+    monkeypatch.setattr(cb.BuildProgress, "QUIET_S", 0.2)
     name = "astrai_kernels_cpp_test"
     (tmp_path / "grpo.o").write_bytes(b"left by a killed build")  # rewritten: counted
 
@@ -182,7 +182,7 @@ def test_a_build_in_progress_elsewhere_is_waited_for_out_loud(tmp_path, capsys):
         release = threading.Timer(0.5, fcntl.flock, (other_process.fileno(), fcntl.LOCK_UN))
         release.start()
         started = time.perf_counter()
-        with cb._process_lock(tmp_path):
+        with cb.process_lock(tmp_path):
             waited = time.perf_counter() - started
         release.join()
     assert waited >= 0.4

@@ -59,7 +59,7 @@ print(json.dumps({
     "backend": backend,
     "library": cb.load_extension().__file__ if backend == "cpp" else None,
     "package": ak.__file__,
-    "compiler": cb._compiler(),
+    "compiler": cb.compiler(),
     "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning],
 }))
 """

@@ -35,13 +35,11 @@ fallback (the ``torch`` backend); a failed build raises a ``RuntimeError`` carry
 full output from ``load_extension()`` (and the primitives).
 """
 
-import contextlib
 import errno
 import hashlib
 import json
 import os
 import platform
-import shlex
 import shutil
 import sys
 import threading
@@ -50,6 +48,21 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from .build import (
+    COMPLETE_SUFFIX,
+    LIB_SUFFIX,
+    BuildFailed,
+    BuildProgress,
+    compiler,
+    complete_library,
+    failure_output,
+    first_error_line,
+    import_library,
+    mark_complete,
+    process_lock,
+    say,
+)
 
 BUILD_DIR_ENV = "ASTRAI_KERNELS_BUILD_DIR"
 ISA_ENV = "ASTRAI_KERNELS_CPU_ISA"
@@ -72,10 +85,6 @@ _PREBUILT_REFUSAL_SAID = False
 _WARNED = False
 
 
-# ------------------------------------------------------------------------------------------
-# Locating the sources and the toolchain
-# ------------------------------------------------------------------------------------------
-
 def source_dir():
     """The folder with the C++ sources, or None when it cannot be found: the installed package's
     own copy (``astrai_kernels/csrc``) first, else a checkout's ``csrc/`` beside the package."""
@@ -86,21 +95,12 @@ def source_dir():
     return None
 
 
-def _compiler():
-    """Path of the C++ compiler ``cpp_extension`` will use (``$CXX``, else c++ / g++), or None."""
-    cxx = os.environ.get("CXX")
-    if cxx:
-        words = shlex.split(cxx)
-        return shutil.which(words[0]) if words else None
-    return shutil.which("c++") or shutil.which("g++")
-
-
 def _toolchain_reason():
     """None when sources, compiler and ninja are present, else why the extension cannot build."""
     if source_dir() is None:
         return ("the cpp backend's C++ sources (csrc/) were not found next to the "
                 "astrai_kernels package")
-    if _compiler() is None:
+    if compiler() is None:
         wanted = f"$CXX={os.environ['CXX']!r}" if os.environ.get("CXX") else "c++ or g++"
         return f"no C++ compiler was found ({wanted} is not on PATH)"
     from torch.utils.cpp_extension import is_ninja_available
@@ -126,7 +126,7 @@ def _source_hash(src):
 def _build_hash(src):
     """The build's key: the sources' hash, the compiler, torch and the Python ABI."""
     digest = hashlib.sha256(_source_hash(src).encode())
-    for part in (str(_compiler()), os.environ.get("CXX", ""), torch.__version__,
+    for part in (str(compiler()), os.environ.get("CXX", ""), torch.__version__,
                  sys.implementation.cache_tag, sys.platform):
         digest.update(part.encode())
         digest.update(b"\0")
@@ -152,10 +152,6 @@ def cache_root():
     return Path.home() / ".cache" / "astrai_kernels"
 
 
-# ------------------------------------------------------------------------------------------
-# Building and loading
-# ------------------------------------------------------------------------------------------
-
 def load_extension(verbose=False):
     """The compiled extension module, building it on first use (once per process, locked).
 
@@ -180,7 +176,7 @@ def load_extension(verbose=False):
         prebuilt, refusal = _prebuilt_library(src)
         if prebuilt is not None:
             try:
-                _EXTENSION = _import_library(*prebuilt)
+                _EXTENSION = import_library(*prebuilt)
                 return _EXTENSION
             except ImportError as exc:
                 refusal = f"loading it failed ({exc})"
@@ -188,12 +184,12 @@ def load_extension(verbose=False):
             _say_prebuilt_refused(refusal)
         build_dir = build_directory()
         name = _extension_name(src)
-        failure = (f"it holds no complete build of these sources ({name}{_LIB_SUFFIX} with "
-                   f"its {name}{_COMPLETE_SUFFIX} marker)")
-        library = _complete_library(build_dir, name)
+        failure = (f"it holds no complete build of these sources ({name}{LIB_SUFFIX} with "
+                   f"its {name}{COMPLETE_SUFFIX} marker)")
+        library = complete_library(build_dir, name)
         if library is not None:
             try:
-                _EXTENSION = _import_library(name, library)
+                _EXTENSION = import_library(name, library)
                 return _EXTENSION
             except ImportError as exc:
                 failure = f"loading its complete build {library} failed ({exc})"
@@ -202,7 +198,7 @@ def load_extension(verbose=False):
         if read_only is None and reason is None:
             try:
                 build_dir.mkdir(parents=True, exist_ok=True)
-                lock = _process_lock(build_dir)
+                lock = process_lock(build_dir)
                 lock.__enter__()
             except PermissionError as exc:  # a mount or ACL the permission bits do not show
                 read_only = f"cannot be written ({exc})"
@@ -240,11 +236,11 @@ def extension_if_built():
             src = source_dir()
             found = None if src is None else _prebuilt_library(src)[0]
             if found is None and src is not None:
-                library = _complete_library(build_directory(), _extension_name(src))
+                library = complete_library(build_directory(), _extension_name(src))
                 found = None if library is None else (_extension_name(src), library)
             if found is not None:
                 try:
-                    _EXTENSION = _import_library(*found)
+                    _EXTENSION = import_library(*found)
                 except ImportError:
                     pass
     return _EXTENSION
@@ -260,12 +256,8 @@ def cached_library():
     prebuilt = _prebuilt_library(src)[0]
     if prebuilt is not None:
         return prebuilt[1]
-    return _complete_library(build_directory(), _extension_name(src))
+    return complete_library(build_directory(), _extension_name(src))
 
-
-# ------------------------------------------------------------------------------------------
-# A wheel's prebuilt library
-# ------------------------------------------------------------------------------------------
 
 def prebuilt_dir():
     """Where a wheel built with ``ASTRAI_KERNELS_PREBUILD=1`` carries the library and its
@@ -325,7 +317,7 @@ def _say_prebuilt_refused(reason):
     global _PREBUILT_REFUSAL_SAID
     if not _PREBUILT_REFUSAL_SAID:
         _PREBUILT_REFUSAL_SAID = True
-        _say(f"not loading the prebuilt C++ kernels in {prebuilt_dir()}: {reason}; "
+        say(f"not loading the prebuilt C++ kernels in {prebuilt_dir()}: {reason}; "
              f"using the per-user build")
 
 
@@ -353,27 +345,23 @@ def _extension_name(src):
     return f"astrai_kernels_cpp_{_build_hash(src)[:12]}"
 
 
-class BuildFailed(RuntimeError):
-    """The compiler or linker failed; the message carries their full output."""
-
-
 def _build(src, build_dir, name, verbose):
     """Build (or find up to date) and import the extension; the caller holds the lock."""
     global _BUILD_ERROR
     from torch.utils.cpp_extension import load
 
-    library = _complete_library(build_dir, name)  # another process may have just built it
+    library = complete_library(build_dir, name)  # another process may have just built it
     if library is not None:
-        return _import_library(name, library)
+        return import_library(name, library)
     sources = [s for s in SOURCES if s.endswith(".cpp")]
-    _say(f"compiling the cpp backend's C++ kernels once (a few minutes on a small machine; "
+    say(f"compiling the cpp backend's C++ kernels once (a few minutes on a small machine; "
          f"later runs load the cached library) in {build_dir}; "
          f"set ASTRAI_KERNELS_BACKEND=torch to skip it and use the torch backend")
     started = time.perf_counter()
     outputs = [(f"{Path(s).stem}.o", f"compiled {s}") for s in sources]
-    outputs.append((f"{name}{_LIB_SUFFIX}", f"linked {name}{_LIB_SUFFIX}"))
+    outputs.append((f"{name}{LIB_SUFFIX}", f"linked {name}{LIB_SUFFIX}"))
     try:
-        with _BuildProgress(build_dir, outputs, started):
+        with BuildProgress(build_dir, outputs, started):
             module = load(
                 name=name,
                 sources=[str(src / s) for s in sources],
@@ -384,104 +372,16 @@ def _build(src, build_dir, name, verbose):
                 verbose=verbose,
             )
     except Exception as exc:  # the compiler's output is in the message
-        output = _failure_output(exc)
-        cause = _first_error_line(output)
-        _say(f"compiling the C++ kernels failed after {time.perf_counter() - started:.1f} s"
+        output = failure_output(exc)
+        cause = first_error_line(output)
+        say(f"compiling the C++ kernels failed after {time.perf_counter() - started:.1f} s"
              + (f": {cause}" if cause else ""))
         _BUILD_ERROR = BuildFailed(f"building the cpp backend extension in {build_dir} failed "
                                    f"({type(exc).__name__}):\n{output}")
         raise type(_BUILD_ERROR)(str(_BUILD_ERROR)) from exc
-    _mark_complete(Path(module.__file__))
-    _say(f"built the C++ kernels in {time.perf_counter() - started:.1f} s: {module.__file__}")
+    mark_complete(Path(module.__file__))
+    say(f"built the C++ kernels in {time.perf_counter() - started:.1f} s: {module.__file__}")
     return module
-
-
-def _say(message):
-    """One line on stderr about the build; stdout stays the caller's."""
-    if sys.stderr is not None:  # None under pythonw
-        print(f"astrai_kernels: {message}", file=sys.stderr, flush=True)
-
-
-def _failure_output(exc):
-    """A failed build's message with the compiler's output: ninja's is in the message, but a
-    compiler failing cpp_extension's ``-v`` probe leaves its own in the exception's ``output``."""
-    message = str(exc)
-    output = getattr(exc, "output", None)
-    if isinstance(output, bytes):
-        output = output.decode(errors="replace")
-    if isinstance(output, str) and output.strip() and output.strip() not in message:
-        message += "\n" + output.strip()
-    return message
-
-
-def _first_error_line(text):
-    """The compiler's first ``error:`` line in a failed build's output, or None."""
-    return next((line.strip() for line in text.splitlines() if "error:" in line.lower()), None)
-
-
-def _mtime(path):
-    try:
-        return path.stat().st_mtime_ns
-    except OSError:
-        return None
-
-
-class _BuildProgress:
-    """While ninja builds, a line on stderr per output it writes (``[k/n] compiled grpo.cpp``),
-    and a "still compiling" line after a quiet spell.
-
-    It watches the build directory rather than ninja's output, which cpp_extension swallows (or
-    writes to stdout with ``verbose``): the same lines then reach a terminal, a pipe or a CI log.
-    An output ninja finds up to date is not rewritten and not counted.
-    """
-
-    POLL_S = 0.5
-    QUIET_S = 30.0  # CI logs that stay silent for long look like a hang
-
-    def __init__(self, build_dir, outputs, started):
-        self._build_dir = build_dir
-        self._outputs = outputs  # (file name, what writing it means), in build order
-        self._before = {file: _mtime(build_dir / file) for file, _ in outputs}
-        self._reported = set()
-        self._started = started
-        self._last_line = started
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="astrai-kernels-build-progress",
-                                        daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, exc_type, exc, traceback):
-        self._stop.set()
-        self._thread.join()
-        if exc_type is None:
-            self._report_written()  # the link, when it finished between two polls
-
-    def _watch(self):
-        while not self._stop.wait(self.POLL_S):
-            self._report_written()
-            now = time.perf_counter()
-            if now - self._last_line >= self.QUIET_S:
-                self._last_line = now
-                _say(f"still compiling: {len(self._reported)} of {len(self._outputs)} steps "
-                     f"done after {now - self._started:.0f} s")
-
-    def _report_written(self):
-        for file, what in self._outputs:
-            if file in self._reported:
-                continue
-            mtime = _mtime(self._build_dir / file)
-            if mtime is not None and mtime != self._before[file]:
-                self._reported.add(file)
-                self._last_line = time.perf_counter()
-                _say(f"[{len(self._reported)}/{len(self._outputs)}] {what} "
-                     f"({self._last_line - self._started:.0f} s)")
-
-
-_LIB_SUFFIX = ".pyd" if sys.platform == "win32" else ".so"  # the names cpp_extension gives
-_COMPLETE_SUFFIX = ".complete"
 
 
 def _writable(build_dir):
@@ -491,70 +391,6 @@ def _writable(build_dir):
     while not path.exists() and path.parent != path:
         path = path.parent
     return os.access(path, os.W_OK)
-
-
-def _mark_complete(library):
-    """Record that ``library`` is a finished build: a marker beside it holding its SHA-256."""
-    marker = library.with_suffix(_COMPLETE_SUFFIX)
-    if _complete_library(library.parent, library.stem) == library:
-        return
-    partial = marker.with_name(f"{marker.name}.{os.getpid()}")
-    try:
-        partial.write_text(hashlib.sha256(library.read_bytes()).hexdigest() + "\n")
-        os.replace(partial, marker)
-    except OSError:  # the build is usable all the same; only a read-only copy needs the marker
-        partial.unlink(missing_ok=True)
-
-
-def _complete_library(build_dir, name):
-    """The library of a finished build of ``name`` in ``build_dir``, or None.
-
-    Finished means a marker written after a successful build holds the library's SHA-256, so
-    a library half-written by a killed build is never loaded.
-    """
-    library = build_dir / f"{name}{_LIB_SUFFIX}"
-    try:
-        recorded = (build_dir / f"{name}{_COMPLETE_SUFFIX}").read_text().strip()
-        actual = hashlib.sha256(library.read_bytes()).hexdigest()
-    except OSError:
-        return None
-    return library if actual == recorded else None
-
-
-def _import_library(name, library):
-    """Import the compiled extension ``library`` as module ``name`` (no build, no lock)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, library)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@contextlib.contextmanager
-def _process_lock(build_dir):
-    """Serialize builds across processes with an OS lock (released even if a process dies).
-
-    ``cpp_extension`` guards its build with a ``lock`` file that a killed build leaves behind,
-    after which every later load waits forever; holding this lock, no other process of ours is
-    building there, so such a file is stale and is removed.
-    """
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: rely on cpp_extension's own lock file
-        yield
-        return
-    with open(build_dir / "astrai_build.lock", "a+") as handle:
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # a wait of minutes deserves a word
-            _say(f"another process is compiling the C++ kernels in {build_dir}; waiting for it")
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            (build_dir / "lock").unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def _warn_once(reason):
@@ -595,10 +431,6 @@ def set_isa(name):
     """Run the kernels with instruction set ``name`` (capped at the CPU's); returns the old one."""
     return load_extension().set_isa(name)
 
-
-# ------------------------------------------------------------------------------------------
-# The primitives (see kernels/primitives.py for the contract)
-# ------------------------------------------------------------------------------------------
 
 def _rows_f32(tensor):
     """A contiguous float32 tensor of the same elements (a no-op for the usual inputs)."""
