@@ -74,8 +74,8 @@ LDFLAGS = ("-fopenmp",)
 # Longest compile first (ninja starts them in this order, so the short ones fill in at the end);
 # CPU-seconds of g++ per source, one compile at a time, on the 2-core Intel Xeon: see
 # docs/install.md.
-SOURCES = ("common.h", "distill.cpp", "cross_entropy.cpp", "bindings.cpp", "grpo.cpp",
-           "sampling.cpp", "logprobs.cpp", "topk_distill.cpp", "row_topk.cpp", "vocab_shard.cpp")
+SOURCES = ("common.h", "sampling.cpp", "distill.cpp", "cross_entropy.cpp", "bindings.cpp", "grpo.cpp",
+           "logprobs.cpp", "topk_distill.cpp", "row_topk.cpp", "vocab_shard.cpp")
 
 _LOCK = threading.Lock()
 _EXTENSION = None
