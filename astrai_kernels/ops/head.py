@@ -112,11 +112,9 @@ class ChunkedHead:
         # each call reuses the last call's pages instead of faulting fresh ones.
         device = hidden.device
         self.last_start = (n_rows - 1) // self.chunk * self.chunk if n_rows else None
-        self.key = (hidden.data_ptr(), tuple(hidden.shape), tuple(hidden.stride()),
-                    weight.data_ptr(), tuple(weight.shape), weight.dtype, self.work_dtype,
-                    None if bias is None else bias.data_ptr(), self.chunk)
+        self._inputs = (weight, bias)
         # ``kept``: a forward's last chunk to start from (its product not computed again)
-        self.kept_start = None if kept is None else kept.take(self.key, self.last_start)
+        self.kept_start = None if kept is None else kept.take(self.key(), self.last_start)
         self.buffer = (kept.logits if self.kept_start is not None else
                        cached_empty((min(self.chunk, n_rows), vocab), self.work_dtype, device))
         if kept is not None:
@@ -151,6 +149,13 @@ class ChunkedHead:
                        if float32_results and low_precision and not self.float32_product
                        and (self.transformed is None or self.bf16_upcast_products) else None)
         self.weight_float32 = None  # for a float32 hidden gradient from upcast chunks
+
+    def key(self):
+        """What a kept chunk's head must equal: its tensors and its chunk rule."""
+        weight, bias = self._inputs
+        return (self.hidden.data_ptr(), tuple(self.hidden.shape), tuple(self.hidden.stride()),
+                weight.data_ptr(), tuple(weight.shape), weight.dtype, self.work_dtype,
+                None if bias is None else bias.data_ptr(), self.chunk)
 
     def _transform(self, logits):
         """``logits`` (one chunk, in place) become ``softcap * tanh(logit_scale * x / softcap)``."""
@@ -444,7 +449,7 @@ class _HeadWalk:
             if writes_grad:
                 first.fold(start, stop, logits)
         if kept is not None and not writes_grad and first.last_start is not None:
-            kept.hold(first.buffer, first.key, first.last_start)
+            kept.hold(first.buffer, first.key(), first.last_start)
         return (*results, *first.gradients())
 
     def fake(self, *values):
