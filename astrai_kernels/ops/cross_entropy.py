@@ -325,7 +325,7 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, params, chunk_size):
-        kept = None if torch.compiler.is_compiling() else KeptChunk()
+        kept = KeptChunk.for_forward()
         loss = _walk(hidden, weight, bias, target, params, chunk_size, kept=kept)[0]
         ctx.save_for_backward(hidden, weight, bias, target)
         ctx.params, ctx.chunk_size, ctx.kept = params, chunk_size, kept

@@ -114,7 +114,7 @@ class ChunkedHead:
         self.last_start = (n_rows - 1) // self.chunk * self.chunk if n_rows else None
         self._inputs = (weight, bias)
         # ``kept``: a forward's last chunk to start from (its product not computed again)
-        self.kept_start = None if kept is None else kept.take(self.key(), self.last_start)
+        self.kept_start = self.last_start if kept is not None and kept.holds(self.key()) else None
         self.buffer = (kept.logits if self.kept_start is not None else
                        cached_empty((min(self.chunk, n_rows), vocab), self.work_dtype, device))
         if kept is not None:
@@ -310,34 +310,35 @@ class ChunkExtra:
 
 
 class KeptChunk:
-    """A fused-head forward walk's last chunk of logits, kept for its backward walk, which
-    starts from it instead of computing its product again (one GEMM of the chunk fewer; all of
-    the recompute where the rows fit in one chunk). ``logits`` is the forward's chunk buffer
-    itself, a block of ``kernels/memory.py``'s cache: this object owns it, and the autograd
-    context of the forward owns this object. The backward takes it over (it is the backward's
-    chunk buffer then); a newer forward on the same thread drops it, so at most one chunk
-    buffer per thread outlives its walk. ``key``: the head's tensors and chunk rule, which the
-    backward's must equal (autograd refuses saved tensors modified in place)."""
+    """A fused-head forward walk's last chunk of logits, kept for its backward walk, which starts
+    from it instead of computing its product again. ``logits`` is the forward's chunk buffer (a
+    cache block of ``kernels/memory.py``): this object owns it, the forward's autograd context
+    owns this object, the backward takes the buffer over as its own, and a newer forward on the
+    thread drops it: at most one chunk buffer per thread outlives its walk. ``key``: the head's
+    tensors and chunk rule (they fix the chunks: the kept one is the backward's last)."""
 
     def __init__(self):
-        self.logits = self.key = self.start = None
+        self.logits = self.key = None
 
-    def hold(self, logits, key, start):
+    @staticmethod
+    def for_forward() -> Optional["KeptChunk"]:
+        """One for a forward to fill; None under torch.compile (an opaque op there)."""
+        return None if torch.compiler.is_compiling() else KeptChunk()
+
+    def hold(self, logits, key):
         latest = getattr(_KEEPING, "latest", None)
         previous = None if latest is None else latest()
         if previous is not None and previous is not self:
             previous.drop()
-        self.logits, self.key, self.start = logits, key, start
+        self.logits, self.key = logits, key
         _KEEPING.latest = weakref.ref(self)
 
-    def take(self, key, last_start):
-        """The kept chunk's first row when it is the last chunk of this head, else None."""
-        if self.logits is None or self.key != key or self.start != last_start:
-            return None
-        return self.start
+    def holds(self, key) -> bool:
+        """Whether it holds the last chunk of the head of ``key``."""
+        return self.logits is not None and self.key == key
 
     def drop(self):
-        self.logits = self.key = self.start = None
+        self.logits = self.key = None
 
 
 _KEEPING = threading.local()  # .kept: the KeptChunk of the walk running; .latest: a weakref
@@ -346,8 +347,7 @@ _KEEPING = threading.local()  # .kept: the KeptChunk of the walk running; .lates
 def keeping_last_chunk(kept: Optional[KeptChunk], walk: Callable, *values):
     """``walk(*values)`` (a generated head walk) with ``kept`` handed to it: a single-head walk
     without a logits transform fills ``kept`` when it writes no gradient (a forward) and starts
-    from it when it does (the backward). ``kept`` None: the walk alone (under torch.compile
-    the walk is an opaque op; pass None there)."""
+    from it when it does (the backward). ``kept`` None: the walk alone."""
     if kept is None:
         return walk(*values)
     _KEEPING.kept = kept
@@ -449,7 +449,7 @@ class _HeadWalk:
             if writes_grad:
                 first.fold(start, stop, logits)
         if kept is not None and not writes_grad and first.last_start is not None:
-            kept.hold(first.buffer, first.key(), first.last_start)
+            kept.hold(first.buffer, first.key())
         return (*results, *first.gradients())
 
     def fake(self, *values):

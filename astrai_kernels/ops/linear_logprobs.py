@@ -120,8 +120,8 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, args, chunk_size, transform=(1.0, 0.0),
                 statistics=0):
-        # the last chunk's logits, kept for the backward (not under torch.compile)
-        kept = None if torch.compiler.is_compiling() else KeptChunk()
+        # the last chunk's logits, kept for the backward
+        kept = KeptChunk.for_forward()
         logp, entropy, lse, stats, *_ = keeping_last_chunk(
             kept, _FORWARD_WALK, hidden, weight, bias, target, args, False, False, False,
             chunk_size, args.backend, *transform, statistics)
